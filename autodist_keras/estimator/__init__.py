@@ -1,0 +1,1 @@
+"""autodist_keras.estimator."""

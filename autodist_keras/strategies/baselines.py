@@ -1,0 +1,329 @@
+"""Baseline plan builders: single device, even and proportional data parallelism.
+
+These are the plans every smarter planner must beat, and the plans the runtime
+runs before the planners exist. Each builder takes a `ModelGraph`, a `Cluster`
+and a global batch size and returns a `Plan` with one data-parallel group, a
+sync method for every trainable variable, and gradient buckets.
+
+Example:
+
+```python
+graph = ModelGraph.from_keras(model)
+cluster = Cluster.cpu_testbed()
+plan = proportional(graph, cluster, batch_size=256, sync="allreduce")
+print(plan.summary())
+```
+"""
+
+import time
+
+from autodist_keras.errors import PlanError
+from autodist_keras.strategies.plan import LayerGroup
+from autodist_keras.strategies.plan import Plan
+from autodist_keras.strategies.plan import Provenance
+from autodist_keras.strategies.plan import Replica
+from autodist_keras.strategies.plan import SyncSpec
+from autodist_keras.strategies.plan import split_batch
+
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
+HOROVOD_FUSION_BYTES = 64 * 1024 * 1024
+BYTES_PER_PARAM_STATE = 4  # Adam keeps two float32 slots per parameter: counted as 2 x 4 bytes.
+
+
+def gradient_buckets(graph, bucket_bytes=DDP_BUCKET_BYTES, variables=None):
+    """Packs gradients into buckets in the order backward produces them.
+
+    Backward runs from the last layer to the first, so the last layer's
+    gradients are ready first. Variables are packed in reverse graph order
+    until a bucket would exceed `bucket_bytes` (DDP-style). A variable larger
+    than the threshold gets a bucket of its own.
+
+    Args:
+        graph: The `ModelGraph`.
+        bucket_bytes: Size threshold in bytes. `None` or `0` puts each
+            variable in its own bucket (no tensor fusion); `float("inf")`
+            puts everything in one bucket.
+        variables: Restrict to these variable names (default: all).
+
+    Returns:
+        A list of lists of variable names, in launch order.
+    """
+    order = []
+    for node in reversed(list(graph.nodes.values())):
+        for tensor in reversed(node.variables):
+            if variables is None or tensor.name in variables:
+                order.append(tensor)
+    if not bucket_bytes:
+        return [[t.name] for t in order]
+    if bucket_bytes < 0:
+        raise PlanError(f"bucket_bytes must be positive. Received: {bucket_bytes}")
+    buckets, current, size = [], [], 0
+    for tensor in order:
+        if current and size + tensor.bytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(tensor.name)
+        size += tensor.bytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def device_speeds(cluster, devices=None):
+    """Relative compute speed of each device, from catalog peak FLOP/s.
+
+    For CPU testbed devices the peak already reflects the cores they own or
+    share, so a device owning a core is twice as fast as two sharing one.
+    """
+    devices = devices or cluster.names
+    return {name: float(cluster.device(name).peak_flops_fp32) for name in devices}
+
+
+def memory_capacity_samples(graph, cluster, device_name, optimizer_slots=2):
+    """How many samples of this model fit on a device in one step (predicted).
+
+    Static memory: parameters, gradients and `optimizer_slots` optimizer
+    slots per parameter, plus non-trainable state. Per-sample memory: every
+    layer's output activation is kept for backward, plus the same again for
+    the gradient flowing back through the largest layer.
+    """
+    device = cluster.device(device_name)
+    static = graph.param_bytes * (2 + optimizer_slots) + sum(
+        n.non_trainable_bytes for n in graph.nodes.values()
+    )
+    per_sample = sum(n.output_bytes for n in graph.nodes.values())
+    per_sample += max((n.output_bytes for n in graph.nodes.values()), default=0)
+    free = device.memory_bytes - static
+    if free <= 0:
+        return 0
+    if per_sample <= 0:
+        return 1 << 62
+    return int(free // per_sample)
+
+
+def _shares_with_memory(graph, cluster, devices, weights, batch_size):
+    """Proportional shares, capped by memory, the excess moved to devices with room."""
+    caps = {d: memory_capacity_samples(graph, cluster, d) for d in devices}
+    if sum(caps.values()) < batch_size:
+        short = ", ".join(f"{d}: {caps[d]}" for d in devices)
+        raise PlanError(
+            f"A global batch of {batch_size} samples does not fit in the devices' memory "
+            f"(predicted capacity in samples per device: {short}). Use a smaller "
+            "batch size or more devices."
+        )
+    shares = dict(zip(devices, split_batch([weights[d] for d in devices], batch_size)))
+    for _ in range(len(devices)):
+        over = {d: shares[d] - caps[d] for d in devices if shares[d] > caps[d]}
+        if not over:
+            break
+        excess = 0
+        for d, extra in over.items():
+            shares[d] = caps[d]
+            excess += extra
+        room = [d for d in devices if shares[d] < caps[d]]
+        extra_parts = split_batch([weights[d] for d in room], excess)
+        for d, part in zip(room, extra_parts):
+            shares[d] += part
+    return [shares[d] for d in devices]
+
+
+def _data_parallel_plan(
+    graph,
+    cluster,
+    batch_size,
+    devices,
+    shares,
+    planner,
+    sync,
+    ps_server,
+    algorithm,
+    bucket_bytes,
+    buckets,
+    options,
+    started,
+):
+    if sync not in ("allreduce", "ps"):
+        raise PlanError(f"sync must be 'allreduce' or 'ps'. Received: {sync!r}")
+    if sync == "ps":
+        ps_server = ps_server or devices[0]
+        if ps_server not in cluster.names:
+            raise PlanError(
+                f"ps_server must be a device of the cluster ({cluster.names}). "
+                f"Received: {ps_server!r}"
+            )
+        spec = lambda: SyncSpec(method="ps", algorithm=None, server=ps_server)  # noqa: E731
+    else:
+        spec = lambda: SyncSpec(method="allreduce", algorithm=algorithm, server=None)  # noqa: E731
+    variables = [v.name for v in graph.variables]
+    if buckets is None:
+        buckets = gradient_buckets(graph, bucket_bytes)
+    plan = Plan(
+        global_batch_size=batch_size,
+        groups=[
+            LayerGroup(
+                name="all",
+                layers=list(graph.nodes),
+                replicas=[Replica(d, int(s)) for d, s in zip(devices, shares)],
+            )
+        ],
+        sync={name: spec() for name in variables},
+        buckets=[list(b) for b in buckets],
+        provenance=Provenance(
+            planner=planner,
+            options=dict(options, sync=sync, ps_server=ps_server, algorithm=algorithm),
+            graph_fingerprint=graph.fingerprint(),
+            cluster_fingerprint=cluster.fingerprint(),
+        ),
+    )
+    plan.validate(graph, cluster)
+    plan.provenance.planning_time_s = time.perf_counter() - started
+    return plan
+
+
+def _resolve_devices(cluster, devices):
+    names = list(devices) if devices is not None else list(cluster.names)
+    if not names:
+        raise PlanError("A plan needs at least one device. Received: []")
+    for name in names:
+        if name not in cluster.names:
+            raise PlanError(
+                f"Unknown device {name!r}; the cluster has {cluster.names}. Received: {name!r}"
+            )
+    return names
+
+
+def _check_batch(batch_size, n):
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
+        raise PlanError(f"batch_size must be a positive integer. Received: {batch_size!r}")
+    if batch_size < n:
+        raise PlanError(
+            f"batch_size {batch_size} is smaller than the number of devices ({n}); every "
+            f"replica needs at least one sample. Received: batch_size={batch_size}"
+        )
+
+
+def single_device(graph, cluster, batch_size, device=None, bucket_bytes=DDP_BUCKET_BYTES):
+    """The whole batch on one device (the fastest by peak FLOP/s by default).
+
+    Args:
+        graph: The `ModelGraph`.
+        cluster: The `Cluster`.
+        batch_size: Global batch size.
+        device: Device name; default the fastest device.
+        bucket_bytes: Bucket threshold (irrelevant on one device, kept for
+            a uniform plan layout).
+
+    Returns:
+        A `Plan`.
+    """
+    started = time.perf_counter()
+    _check_batch(batch_size, 1)
+    if device is None:
+        speeds = device_speeds(cluster)
+        device = max(cluster.names, key=lambda d: (speeds[d], -cluster.names.index(d)))
+    devices = _resolve_devices(cluster, [device])
+    return _data_parallel_plan(
+        graph, cluster, batch_size, devices, [batch_size], "single_device", "allreduce",
+        None, "ring", bucket_bytes, None, {"device": device}, started,
+    )
+
+
+def data_parallel_even(
+    graph,
+    cluster,
+    batch_size,
+    devices=None,
+    sync="allreduce",
+    ps_server=None,
+    algorithm="ring",
+    bucket_bytes=DDP_BUCKET_BYTES,
+    buckets=None,
+):
+    """Even data parallelism: every device gets the same share (±1 sample).
+
+    Args:
+        graph: The `ModelGraph`.
+        cluster: The `Cluster`.
+        batch_size: Global batch size.
+        devices: Device names to use (default: all).
+        sync: `"allreduce"` or `"ps"`.
+        ps_server: PS server device (default: the first device).
+        algorithm: All-reduce algorithm: `"ring"`, `"tree"` or `"hierarchical"`.
+        bucket_bytes: Gradient bucket threshold in bytes (default 25 MiB, as
+            PyTorch DDP); 0 or None for one bucket per variable.
+        buckets: Explicit bucket layout, overriding `bucket_bytes`.
+
+    Returns:
+        A `Plan`.
+    """
+    started = time.perf_counter()
+    devices = _resolve_devices(cluster, devices)
+    _check_batch(batch_size, len(devices))
+    shares = split_batch([1] * len(devices), batch_size)
+    return _data_parallel_plan(
+        graph, cluster, batch_size, devices, shares, "data_parallel_even", sync, ps_server,
+        algorithm, bucket_bytes, buckets, {"bucket_bytes": bucket_bytes}, started,
+    )
+
+
+def proportional(
+    graph,
+    cluster,
+    batch_size,
+    devices=None,
+    speeds=None,
+    sync="allreduce",
+    ps_server=None,
+    algorithm="ring",
+    bucket_bytes=DDP_BUCKET_BYTES,
+    buckets=None,
+):
+    """Data parallelism with batch shares proportional to device speed.
+
+    Shares are whole samples (largest-remainder rounding) and respect each
+    device's predicted memory capacity: a device that cannot hold its share
+    keeps what fits and the rest moves to devices with room.
+
+    Args:
+        graph: The `ModelGraph`.
+        cluster: The `Cluster`.
+        batch_size: Global batch size.
+        devices: Device names to use (default: all).
+        speeds: Dict of measured relative speeds per device (e.g. samples/s);
+            default: catalog peak FP32 FLOP/s.
+        sync, ps_server, algorithm, bucket_bytes, buckets: As in
+            `data_parallel_even`.
+
+    Returns:
+        A `Plan`.
+    """
+    started = time.perf_counter()
+    devices = _resolve_devices(cluster, devices)
+    _check_batch(batch_size, len(devices))
+    weights = dict(device_speeds(cluster, devices))
+    if speeds is not None:
+        unknown = [d for d in devices if d not in speeds]
+        if unknown:
+            raise PlanError(f"speeds has no entry for devices {unknown}. Received: {speeds}")
+        weights = {d: float(speeds[d]) for d in devices}
+    shares = _shares_with_memory(graph, cluster, devices, weights, batch_size)
+    if min(shares) < 1:
+        # Every replica keeps at least one sample, so all devices step together.
+        shares = split_batch([max(w, 1e-9) for w in shares], batch_size)
+        for i, s in enumerate(shares):
+            if s == 0:
+                donor = max(range(len(shares)), key=lambda j: shares[j])
+                shares[donor] -= 1
+                shares[i] = 1
+    return _data_parallel_plan(
+        graph, cluster, batch_size, devices, shares, "proportional", sync, ps_server,
+        algorithm, bucket_bytes, buckets,
+        {"bucket_bytes": bucket_bytes, "speeds": weights}, started,
+    )
+
+
+BASELINES = {
+    "single_device": single_device,
+    "data_parallel_even": data_parallel_even,
+    "proportional": proportional,
+}

@@ -1,0 +1,602 @@
+"""The Plan: what to run where, as plain versioned data.
+
+A `Plan` is written by a planner (a baseline builder, FastT, HeteroG or Disco)
+and read by a backend adapter. It is JSON-serialisable, so a plan made on a
+laptop for a cluster it has never seen can be saved and run there unchanged.
+
+Structure (HeteroG's per-op encoding, generalised):
+
+- `groups`: layer groups. Each lists its layers and its replicas, each replica a
+  device and the number of samples of the global batch it processes. A
+  data-parallel plan is one group holding every layer, with one replica per
+  device; a model-parallel group has one replica with the whole batch; a FastT
+  split op is a group of one layer with several replicas.
+- `order`: per device, the execution priority of `(layer, phase)` entries.
+- `sync`: per trainable variable, `allreduce` (ring, tree or hierarchical) or
+  `ps` with its server device.
+- `buckets`: tensor fusion: ordered lists of variable names reduced together as
+  one flat buffer, in launch order.
+- `op_fusion`: groups of layers compiled together.
+- `prediction`: the simulator's predicted step time and its breakdown. Every
+  figure in it is a prediction, never a measurement.
+- `provenance`: planner, options, planning time, graph and cluster fingerprints.
+
+Example:
+
+```python
+plan = Plan.from_json("plan.json")
+plan.validate(graph, cluster)
+print(plan.summary())
+```
+"""
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+from typing import Optional
+
+from autodist_keras.errors import PlanError
+
+SCHEMA_VERSION = 1
+PHASES = ("forward", "backward")
+SYNC_METHODS = ("allreduce", "ps")
+ALLREDUCE_ALGORITHMS = ("ring", "tree", "hierarchical")
+
+
+@dataclasses.dataclass
+class Replica:
+    """One copy of a layer group on a device.
+
+    Args:
+        device: Device name, e.g. `"node0/gpu1"`.
+        batch_share: Samples of the global batch this replica processes.
+    """
+
+    device: str
+    batch_share: int
+
+
+@dataclasses.dataclass
+class LayerGroup:
+    """Layers that share one parallel configuration.
+
+    Args:
+        name: Group name, unique in the plan.
+        layers: Names of the graph nodes in this group.
+        replicas: Where the group runs and with what batch shares.
+    """
+
+    name: str
+    layers: list
+    replicas: list
+
+    @property
+    def devices(self):
+        return [r.device for r in self.replicas]
+
+    @property
+    def shares(self):
+        return [r.batch_share for r in self.replicas]
+
+
+@dataclasses.dataclass
+class SyncSpec:
+    """How one trainable variable's gradient is synchronised.
+
+    Args:
+        method: `"allreduce"` or `"ps"`.
+        algorithm: For all-reduce: `"ring"`, `"tree"` or `"hierarchical"`.
+        server: For PS: the device that aggregates and applies the update.
+    """
+
+    method: str = "allreduce"
+    algorithm: Optional[str] = "ring"
+    server: Optional[str] = None
+
+
+@dataclasses.dataclass
+class Prediction:
+    """Simulator output attached to a plan. Every number here is predicted.
+
+    Args:
+        step_time_s: Predicted time of one training step, in seconds.
+        compute_s: Predicted compute time on the critical device.
+        exposed_comm_s: Predicted communication time not hidden by compute.
+        idle_s: Predicted idle time on the critical device.
+        peak_memory_bytes: Predicted peak memory per device.
+        feasible: False when the plan does not fit in some device's memory.
+        infeasible_reason: Which device is short and by how much.
+        per_device: Per-device busy/idle/exposed-communication breakdown.
+        baselines: The same figures for baseline plans, by name.
+        source: Where the numbers come from.
+    """
+
+    step_time_s: float
+    compute_s: float = 0.0
+    exposed_comm_s: float = 0.0
+    idle_s: float = 0.0
+    peak_memory_bytes: dict = dataclasses.field(default_factory=dict)
+    feasible: bool = True
+    infeasible_reason: Optional[str] = None
+    per_device: dict = dataclasses.field(default_factory=dict)
+    baselines: dict = dataclasses.field(default_factory=dict)
+    source: str = "simulator (predicted)"
+
+
+@dataclasses.dataclass
+class Provenance:
+    """Who made the plan, how, and for what.
+
+    Args:
+        planner: Name of the planner or baseline builder.
+        options: Options the planner was called with (JSON-serialisable).
+        planning_time_s: Wall time spent planning, measured.
+        graph_fingerprint: `ModelGraph.fingerprint()` of the planned model.
+        cluster_fingerprint: `Cluster.fingerprint()` of the planned cluster.
+    """
+
+    planner: str
+    options: dict = dataclasses.field(default_factory=dict)
+    planning_time_s: float = 0.0
+    graph_fingerprint: Optional[str] = None
+    cluster_fingerprint: Optional[str] = None
+
+
+@dataclasses.dataclass
+class Plan:
+    """A deployment plan for one model on one cluster.
+
+    Args:
+        global_batch_size: The batch size the shares add up to. When `fit`
+            is called with another batch size, shares are rescaled in
+            proportion (see `shares_for`).
+        groups: List of `LayerGroup`.
+        sync: Dict from variable name to `SyncSpec`.
+        buckets: Ordered list of lists of variable names (tensor fusion).
+        order: Dict from device name to a list of `[layer, phase]` pairs.
+        op_fusion: List of lists of layer names compiled together.
+        prediction: The simulator's `Prediction`, or None.
+        provenance: `Provenance`.
+        notes: Human-readable flags, e.g. parts an adapter cannot execute yet.
+        schema_version: JSON schema version.
+    """
+
+    global_batch_size: int
+    groups: list
+    sync: dict
+    buckets: list = dataclasses.field(default_factory=list)
+    order: dict = dataclasses.field(default_factory=dict)
+    op_fusion: list = dataclasses.field(default_factory=list)
+    prediction: Optional[Prediction] = None
+    provenance: Provenance = dataclasses.field(
+        default_factory=lambda: Provenance(planner="manual")
+    )
+    notes: list = dataclasses.field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+
+    # ------------------------------------------------------------------ views
+    @property
+    def devices(self):
+        """Device names used by any group, in first-use order."""
+        seen = []
+        for group in self.groups:
+            for replica in group.replicas:
+                if replica.device not in seen:
+                    seen.append(replica.device)
+        return seen
+
+    @property
+    def is_data_parallel(self):
+        """True when the plan is one group replicated over its devices."""
+        return len(self.groups) == 1
+
+    @property
+    def replicas(self):
+        """Replicas of the data-parallel group.
+
+        Raises:
+            PlanError: If the plan has several groups.
+        """
+        if not self.is_data_parallel:
+            raise PlanError(
+                "This plan has several layer groups (a placement or hybrid plan); "
+                "it has no single list of data-parallel replicas. "
+                f"Received: {len(self.groups)} groups."
+            )
+        return list(self.groups[0].replicas)
+
+    def shares_for(self, batch_size):
+        """Split `batch_size` samples over the data-parallel replicas.
+
+        Shares are proportional to the planned ones and are whole samples
+        (largest-remainder rounding), so the last, smaller batch of an epoch
+        is split in the same proportions.
+
+        Args:
+            batch_size: Number of samples in the batch to split.
+
+        Returns:
+            A list of ints, one per replica, summing to `batch_size`.
+        """
+        return split_batch([r.batch_share for r in self.replicas], batch_size)
+
+    # ------------------------------------------------------------ validation
+    def validate(self, graph, cluster):
+        """Check the plan against a model graph and a cluster.
+
+        Args:
+            graph: The `ModelGraph` the plan is for.
+            cluster: The `Cluster` the plan will run on.
+
+        Returns:
+            A list of warning strings (e.g. fingerprint mismatches); empty when
+            everything matches.
+
+        Raises:
+            PlanError: If shares do not add up to the batch, a device or layer
+                is unknown, a variable has no sync method, or the buckets miss
+                or repeat a variable.
+        """
+        if self.schema_version != SCHEMA_VERSION:
+            raise PlanError(
+                f"Plan schema version {self.schema_version} is not supported; "
+                f"this autodist_keras reads version {SCHEMA_VERSION}. Re-create "
+                f"the plan with this version. Received: {self.schema_version}"
+            )
+        _check_positive_int(self.global_batch_size, "global_batch_size")
+        device_names = set(cluster.names)
+        layer_names = list(graph.nodes)
+        layer_set = set(layer_names)
+        if not self.groups:
+            raise PlanError("The plan has no layer groups. Received: groups=[]")
+        group_names = set()
+        placed = {}
+        for gi, group in enumerate(self.groups):
+            where = f"groups[{gi}] ({group.name!r})"
+            if group.name in group_names:
+                raise PlanError(f"{where}: duplicate group name. Received: {group.name!r}")
+            group_names.add(group.name)
+            if not group.replicas:
+                raise PlanError(f"{where}: a group needs at least one replica. Received: []")
+            for layer in group.layers:
+                if layer not in layer_set:
+                    raise PlanError(
+                        f"{where}: unknown layer {layer!r}; the model's layers are "
+                        f"{_preview(layer_names)}. Received: {layer!r}"
+                    )
+                if layer in placed:
+                    raise PlanError(
+                        f"{where}: layer {layer!r} is already in group {placed[layer]!r}; "
+                        f"each layer belongs to exactly one group. Received: {layer!r}"
+                    )
+                placed[layer] = group.name
+            seen_devices = set()
+            for ri, replica in enumerate(group.replicas):
+                if replica.device not in device_names:
+                    raise PlanError(
+                        f"{where}.replicas[{ri}]: unknown device {replica.device!r}; the "
+                        f"cluster has {_preview(sorted(device_names))}. "
+                        f"Received: {replica.device!r}"
+                    )
+                if replica.device in seen_devices:
+                    raise PlanError(
+                        f"{where}.replicas[{ri}]: device {replica.device!r} appears twice; "
+                        "give it one replica with the summed batch share. "
+                        f"Received: {replica.device!r}"
+                    )
+                seen_devices.add(replica.device)
+                if not isinstance(replica.batch_share, int) or isinstance(
+                    replica.batch_share, bool
+                ) or replica.batch_share < 0:
+                    raise PlanError(
+                        f"{where}.replicas[{ri}].batch_share must be a non-negative "
+                        f"integer number of samples. Received: {replica.batch_share!r}"
+                    )
+            total = sum(group.shares)
+            if total != self.global_batch_size:
+                raise PlanError(
+                    f"{where}: batch shares add up to {total}, not to the global batch "
+                    f"size {self.global_batch_size}. Make the shares sum to the batch. "
+                    f"Received: {group.shares}"
+                )
+        missing = [name for name in layer_names if name not in placed]
+        if missing:
+            raise PlanError(
+                f"Layers {_preview(missing)} are in no group; every layer of the model "
+                "must belong to one group."
+            )
+
+        for device, entries in self.order.items():
+            if device not in device_names:
+                raise PlanError(
+                    f"order: unknown device {device!r}; the cluster has "
+                    f"{_preview(sorted(device_names))}. Received: {device!r}"
+                )
+            for entry in entries:
+                if len(entry) != 2 or entry[0] not in layer_set or entry[1] not in PHASES:
+                    raise PlanError(
+                        f"order[{device!r}]: each entry must be [layer, phase] with a "
+                        f"known layer and a phase in {PHASES}. Received: {entry!r}"
+                    )
+
+        variable_names = [v.name for v in graph.variables]
+        variable_set = set(variable_names)
+        for name, spec in self.sync.items():
+            if name not in variable_set:
+                raise PlanError(
+                    f"sync: unknown variable {name!r}; the model's trainable variables "
+                    f"are {_preview(variable_names)}. Received: {name!r}"
+                )
+            if spec.method not in SYNC_METHODS:
+                raise PlanError(
+                    f"sync[{name!r}].method must be one of {SYNC_METHODS}. "
+                    f"Received: {spec.method!r}"
+                )
+            if spec.method == "allreduce" and spec.algorithm not in ALLREDUCE_ALGORITHMS:
+                raise PlanError(
+                    f"sync[{name!r}].algorithm must be one of {ALLREDUCE_ALGORITHMS}. "
+                    f"Received: {spec.algorithm!r}"
+                )
+            if spec.method == "ps" and spec.server not in device_names:
+                raise PlanError(
+                    f"sync[{name!r}]: PS server must be a device of the cluster "
+                    f"({_preview(sorted(device_names))}). Received: {spec.server!r}"
+                )
+        unsynced = [name for name in variable_names if name not in self.sync]
+        if unsynced:
+            raise PlanError(
+                f"Variables {_preview(unsynced)} have no sync method; give each "
+                "trainable variable an `allreduce` or `ps` entry in `sync`."
+            )
+
+        counts = {}
+        for bi, bucket in enumerate(self.buckets):
+            if not bucket:
+                raise PlanError(f"buckets[{bi}] is empty. Received: []")
+            for name in bucket:
+                if name not in variable_set:
+                    raise PlanError(
+                        f"buckets[{bi}]: unknown variable {name!r}. Received: {name!r}"
+                    )
+                counts[name] = counts.get(name, 0) + 1
+        repeated = sorted(name for name, count in counts.items() if count > 1)
+        if repeated:
+            raise PlanError(
+                f"Variables {_preview(repeated)} appear in more than one bucket; each "
+                "variable is reduced in exactly one bucket."
+            )
+        if variable_names and self.buckets:
+            unbucketed = [name for name in variable_names if name not in counts]
+            if unbucketed:
+                raise PlanError(
+                    f"Variables {_preview(unbucketed)} are in no bucket; the buckets must "
+                    "cover every trainable variable (use one bucket per variable for no "
+                    "tensor fusion)."
+                )
+        elif variable_names:
+            raise PlanError(
+                "The plan has no gradient buckets; list every trainable variable in "
+                "`buckets` (one bucket per variable means no tensor fusion). Received: []"
+            )
+
+        fused = {}
+        for fi, region in enumerate(self.op_fusion):
+            for layer in region:
+                if layer not in layer_set:
+                    raise PlanError(
+                        f"op_fusion[{fi}]: unknown layer {layer!r}. Received: {layer!r}"
+                    )
+                if layer in fused:
+                    raise PlanError(
+                        f"op_fusion[{fi}]: layer {layer!r} is already fused in region "
+                        f"{fused[layer]}. Received: {layer!r}"
+                    )
+                fused[layer] = fi
+
+        warnings = []
+        fp = getattr(graph, "fingerprint", None)
+        if self.provenance.graph_fingerprint and fp is not None:
+            if fp() != self.provenance.graph_fingerprint:
+                warnings.append(
+                    "The plan was made for a different model graph (fingerprint "
+                    f"{self.provenance.graph_fingerprint[:12]} vs {fp()[:12]})."
+                )
+        cfp = getattr(cluster, "fingerprint", None)
+        if self.provenance.cluster_fingerprint and cfp is not None:
+            if cfp() != self.provenance.cluster_fingerprint:
+                warnings.append(
+                    "The plan was made for a different cluster description (fingerprint "
+                    f"{self.provenance.cluster_fingerprint[:12]} vs {cfp()[:12]}); its "
+                    "predictions may not hold here."
+                )
+        return warnings
+
+    # ---------------------------------------------------------------- JSON
+    def to_dict(self):
+        """Returns the plan as a JSON-ready dict."""
+        data = dataclasses.asdict(self)
+        data["order"] = {d: [list(e) for e in entries] for d, entries in self.order.items()}
+        return data
+
+    @classmethod
+    def from_dict(cls, data, source="<dict>"):
+        """Builds a plan from `to_dict()` output.
+
+        Args:
+            data: The dict.
+            source: Where it came from, for error messages.
+
+        Raises:
+            PlanError: If the dict is not a plan of a supported schema version.
+        """
+        if not isinstance(data, dict):
+            raise PlanError(f"{source}: a plan must be a JSON object. Received: {type(data).__name__}")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise PlanError(
+                f"{source}: plan schema version must be {SCHEMA_VERSION}. Received: {version!r}"
+            )
+        try:
+            groups = [
+                LayerGroup(
+                    name=g["name"],
+                    layers=list(g["layers"]),
+                    replicas=[Replica(r["device"], r["batch_share"]) for r in g["replicas"]],
+                )
+                for g in data["groups"]
+            ]
+            sync = {name: SyncSpec(**spec) for name, spec in data["sync"].items()}
+            prediction = data.get("prediction")
+            prediction = Prediction(**prediction) if prediction is not None else None
+            provenance = Provenance(**data.get("provenance") or {"planner": "manual"})
+            return cls(
+                global_batch_size=data["global_batch_size"],
+                groups=groups,
+                sync=sync,
+                buckets=[list(b) for b in data.get("buckets", [])],
+                order={d: [tuple(e) for e in es] for d, es in data.get("order", {}).items()},
+                op_fusion=[list(r) for r in data.get("op_fusion", [])],
+                prediction=prediction,
+                provenance=provenance,
+                notes=list(data.get("notes", [])),
+                schema_version=version,
+            )
+        except (KeyError, TypeError, AttributeError) as e:
+            raise PlanError(
+                f"{source}: malformed plan ({type(e).__name__}: {e}). Write plans with "
+                "Plan.to_json()."
+            ) from None
+
+    def to_json(self, path=None, indent=2):
+        """Serialises the plan to JSON.
+
+        Args:
+            path: If given, the file to write (atomically: no partial file is
+                left on error).
+            indent: JSON indentation.
+
+        Returns:
+            The JSON text.
+        """
+        text = json.dumps(self.to_dict(), indent=indent, sort_keys=False)
+        if path is not None:
+            write_text_atomic(path, text)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path):
+        """Reads a plan from JSON text or from a `.json` file path.
+
+        Raises:
+            PlanError: If the file is missing, the JSON is malformed, or the
+                content is not a plan.
+        """
+        source = "<json>"
+        text = text_or_path
+        if isinstance(text_or_path, os.PathLike) or (
+            isinstance(text_or_path, str) and not text_or_path.lstrip().startswith("{")
+        ):
+            source = os.fspath(text_or_path)
+            try:
+                with open(source, encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as e:
+                raise PlanError(f"Cannot read plan file {source}: {e.strerror}.") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{source}: not valid JSON ({e}).") from None
+        return cls.from_dict(data, source=source)
+
+    # ------------------------------------------------------------- display
+    def summary(self):
+        """Returns a short plain-text description of the plan."""
+        lines = [
+            f"Plan by {self.provenance.planner}: {len(self.groups)} group(s), "
+            f"global batch {self.global_batch_size}, {len(self.buckets)} gradient bucket(s)"
+        ]
+        for group in self.groups:
+            shares = ", ".join(f"{r.device}={r.batch_share}" for r in group.replicas)
+            lines.append(f"  group {group.name}: {len(group.layers)} layer(s) on [{shares}]")
+        methods = {}
+        for spec in self.sync.values():
+            key = spec.method if spec.method == "allreduce" else f"ps@{spec.server}"
+            if spec.method == "allreduce":
+                key = f"allreduce/{spec.algorithm}"
+            methods[key] = methods.get(key, 0) + 1
+        if methods:
+            lines.append(
+                "  sync: " + ", ".join(f"{k} x{v}" for k, v in sorted(methods.items()))
+            )
+        if self.prediction is not None:
+            lines.append(
+                f"  predicted step time: {self.prediction.step_time_s * 1e3:.2f} ms "
+                f"({self.prediction.source})"
+            )
+        for note in self.notes:
+            lines.append(f"  note: {note}")
+        return "\n".join(lines)
+
+
+def split_batch(weights, batch_size):
+    """Splits `batch_size` samples in proportion to `weights`.
+
+    Uses largest-remainder rounding so the parts are whole samples, add up to
+    `batch_size` exactly, and ties go to the earlier entries.
+
+    Args:
+        weights: Non-negative numbers, not all zero.
+        batch_size: Non-negative int.
+
+    Returns:
+        A list of ints summing to `batch_size`.
+
+    Example:
+
+    >>> split_batch([2, 1, 1], 10)
+    [5, 3, 2]
+    """
+    weights = [float(w) for w in weights]
+    if not weights or any(w < 0 or math.isnan(w) for w in weights) or sum(weights) <= 0:
+        raise PlanError(
+            "Batch weights must be non-negative and not all zero. "
+            f"Received: {weights}"
+        )
+    total = sum(weights)
+    exact = [batch_size * w / total for w in weights]
+    parts = [int(math.floor(x)) for x in exact]
+    remainder = batch_size - sum(parts)
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - parts[i]), i))
+    for i in order[:remainder]:
+        parts[i] += 1
+    return parts
+
+
+def write_text_atomic(path, text):
+    """Writes `text` to `path` through a temporary file and a rename."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _check_positive_int(value, field):
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise PlanError(f"{field} must be a positive integer. Received: {value!r}")
+
+
+def _preview(names, limit=6):
+    names = list(names)
+    if len(names) <= limit:
+        return str(names)
+    return str(names[:limit])[:-1] + f", ... ({len(names)} in all)]"
