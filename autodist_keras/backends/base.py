@@ -1,0 +1,26 @@
+"""The interface every backend adapter implements."""
+
+import contextlib
+
+
+class BackendAdapter:
+    """Realises a `Plan` inside `model.fit`, `evaluate` and `predict`.
+
+    Args:
+        strategy: The `AutoStrategy` this adapter serves. The adapter calls
+            `strategy.plan_for(model, batch_size)` at the first training step
+            to get the plan, and `strategy.cluster` for the devices.
+    """
+
+    name = "base"
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+
+    def variable_scope(self):
+        """Context in which the model's variables are created (default: none)."""
+        return contextlib.nullcontext()
+
+    def attach(self, model):
+        """Installs the plan-running train/test/predict functions on `model`."""
+        raise NotImplementedError
