@@ -1,0 +1,36 @@
+"""Package-level behaviour: imports stay light, the CLI entry point exists."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "torch"])
+def test_import_loads_neither_framework(backend):
+    code = (
+        "import sys, autodist_keras, autodist_keras.devices, autodist_keras.graph, "
+        "autodist_keras.strategies, autodist_keras.estimator, autodist_keras.cli;"
+        "from autodist_keras import AutoStrategy, Cluster, ModelGraph, Plan;"
+        "print(sorted(m for m in ('tensorflow', 'torch', 'keras') if m in sys.modules))"
+    )
+    env = dict(os.environ, KERAS_BACKEND=backend)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_console_script_help():
+    out = subprocess.run(
+        [sys.executable, "-m", "autodist_keras.cli", "--help"], cwd=ROOT,
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    for command in ("devices", "graph"):
+        assert command in out.stdout

@@ -1,0 +1,169 @@
+"""The Plan schema, its validation, and the baseline builders, on real graphs and clusters."""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import pytest
+
+from autodist_keras.devices import Cluster
+from autodist_keras.errors import PlanError
+from autodist_keras.graph import ModelGraph
+from autodist_keras.strategies import baselines
+from autodist_keras.strategies.plan import Plan
+from autodist_keras.strategies.plan import Replica
+from autodist_keras.strategies.plan import SyncSpec
+from autodist_keras.strategies.plan import split_batch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _mlp():
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(32, activation="relu", name="hidden")(inputs)
+    outputs = keras.layers.Dense(4, name="head")(x)
+    return keras.Model(inputs, outputs, name="mlp")
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return ModelGraph.from_keras(_mlp())
+
+
+@pytest.fixture(scope="module")
+def testbed():
+    return Cluster.cpu_testbed()
+
+
+def test_split_batch_is_whole_and_exact():
+    assert split_batch([2, 1, 1], 256) == [128, 64, 64]
+    assert split_batch([1, 1, 1], 256) == [86, 85, 85]
+    assert split_batch([3, 1], 7) == [5, 2]
+    assert sum(split_batch([0.3, 0.2, 0.5], 1001)) == 1001
+    with pytest.raises(PlanError, match="Received"):
+        split_batch([0, 0], 10)
+
+
+def test_proportional_on_testbed_is_two_to_one(graph, testbed):
+    plan = baselines.proportional(graph, testbed, 256)
+    assert [r.batch_share for r in plan.replicas] == [128, 64, 64]
+    assert plan.shares_for(100) == [50, 25, 25]
+    even = baselines.data_parallel_even(graph, testbed, 256)
+    assert [r.batch_share for r in even.replicas] == [86, 85, 85]
+
+
+def test_json_round_trip_and_file(graph, testbed, tmp_path):
+    plan = baselines.proportional(graph, testbed, 96, sync="ps", bucket_bytes=1024)
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    loaded = Plan.from_json(path)
+    assert loaded.to_dict() == plan.to_dict()
+    assert loaded.validate(graph, testbed) == []
+    assert json.loads(path.read_text())["schema_version"] == 1
+    assert all(spec.method == "ps" and spec.server == "node0/cpu0" for spec in loaded.sync.values())
+
+
+def test_buckets_follow_threshold(graph):
+    every = baselines.gradient_buckets(graph, 0)
+    assert len(every) == len(graph.variables)
+    # backward order: the head's gradients are ready first
+    assert every[0][0].startswith("head/")
+    one = baselines.gradient_buckets(graph, 25 * 1024 * 1024)
+    assert len(one) == 1 and sorted(one[0]) == sorted(v.name for v in graph.variables)
+    small = baselines.gradient_buckets(graph, 300)
+    assert sorted(sum(small, [])) == sorted(v.name for v in graph.variables)
+    assert 1 < len(small) <= len(graph.variables)
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda p: setattr(p.groups[0].replicas[0], "batch_share", 1), "add up to"),
+        (lambda p: setattr(p.groups[0].replicas[0], "device", "node9/gpu0"), "unknown device"),
+        (lambda p: p.groups[0].layers.append("no_such_layer"), "unknown layer"),
+        (lambda p: p.groups[0].layers.pop(), "in no group"),
+        (lambda p: p.sync.pop(next(iter(p.sync))), "no sync method"),
+        (lambda p: p.sync.update({"ghost/kernel": SyncSpec()}), "unknown variable"),
+        (lambda p: setattr(p.sync[next(iter(p.sync))], "method", "gossip"), "method must be"),
+        (lambda p: setattr(p.sync[next(iter(p.sync))], "algorithm", "butterfly"), "algorithm"),
+        (lambda p: p.buckets.append([p.buckets[0][0]]), "more than one bucket"),
+        (lambda p: p.buckets.pop(), "in no bucket"),
+        (lambda p: p.groups[0].replicas.append(Replica("node0/cpu0", 0)), "appears twice"),
+        (lambda p: setattr(p, "global_batch_size", 0), "positive integer"),
+        (lambda p: p.order.update({"node0/cpu0": [("hidden", "sideways")]}), "phase"),
+    ],
+)
+def test_validate_rejects_with_clear_message(graph, testbed, mutate, message):
+    plan = baselines.data_parallel_even(graph, testbed, 48, bucket_bytes=0)
+    mutate(plan)
+    with pytest.raises(PlanError, match=message) as info:
+        plan.validate(graph, testbed)
+    assert "Received" in str(info.value) or "must belong" in str(info.value) or "every" in str(
+        info.value
+    )
+
+
+def test_from_json_rejects_bad_input(tmp_path):
+    with pytest.raises(PlanError, match="not valid JSON"):
+        Plan.from_json("{nope")
+    with pytest.raises(PlanError, match="schema version"):
+        Plan.from_json('{"schema_version": 99}')
+    with pytest.raises(PlanError, match="Cannot read plan file"):
+        Plan.from_json(tmp_path / "missing.json")
+    with pytest.raises(PlanError, match="malformed plan"):
+        Plan.from_json('{"schema_version": 1, "groups": []}')
+
+
+def test_fingerprint_mismatch_is_a_warning(graph, testbed):
+    plan = baselines.data_parallel_even(graph, testbed, 48)
+    other = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1},
+                                 {"cores": [0, 1], "threads": 2}])
+    warnings = plan.validate(graph, other)
+    assert any("different cluster" in w for w in warnings)
+
+
+def test_memory_caps_shares():
+    # A 2-device cluster where one device is tiny: it keeps what fits, the rest moves.
+    cluster = Cluster.from_dict(
+        {
+            "nodes": [
+                {
+                    "name": "node0",
+                    "address": "10.0.0.1",
+                    "gpus": [
+                        {"name": "tiny", "memory_gb": 0.001, "fp32_tflops": 100.0,
+                         "fp16_tflops": 200.0, "bandwidth_gbps": 900.0},
+                        "V100",
+                    ],
+                }
+            ]
+        }
+    )
+    inputs = keras.Input((256,))
+    x = keras.layers.Dense(512)(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(10)(x))
+    graph = ModelGraph.from_keras(model)
+    cap = baselines.memory_capacity_samples(graph, cluster, cluster.names[0])
+    plan = baselines.proportional(graph, cluster, 4096)
+    shares = [r.batch_share for r in plan.replicas]
+    assert shares[0] <= cap < 4096 and sum(shares) == 4096
+
+
+def test_graph_and_cluster_fingerprints_stable_across_processes(graph, testbed):
+    code = (
+        "import keras\n"
+        "from autodist_keras.graph import ModelGraph\n"
+        "from autodist_keras.devices import Cluster\n"
+        "inputs = keras.Input((16,))\n"
+        "x = keras.layers.Dense(32, activation='relu', name='hidden')(inputs)\n"
+        "model = keras.Model(inputs, keras.layers.Dense(4, name='head')(x), name='mlp')\n"
+        "print(ModelGraph.from_keras(model).fingerprint(), Cluster.cpu_testbed().fingerprint())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    g, c = out.stdout.split()[-2:]
+    assert g == graph.fingerprint()
+    assert c == testbed.fingerprint()
