@@ -1,0 +1,188 @@
+"""`load_model(spec)`: a Keras model from a name, a file or a factory function.
+
+Specs, tried in this order:
+
+- a `keras.Model`: returned as is;
+- a path to a `.keras` (or legacy `.h5`) file: loaded with
+  `keras.saving.load_model(path, compile=False)` (safe mode on);
+- `"module:function"`: the module is imported and the function is called
+  with no arguments; it must return a `keras.Model`;
+- a built-in zoo name: `"mlp"`, `"small_cnn"`, `"transformer_encoder"`,
+  `"bert_large"` (see `autodist_keras.graph.zoo`);
+- a `keras.applications` name, case-insensitive and ignoring `_`/`-`
+  (`"ResNet50"`, `"resnet152"`, `"mobilenet_v2"`), built with
+  `weights=None`: pretrained weights are never downloaded.
+
+Example:
+
+```python
+model = load_model("ResNet50")
+model = load_model("transformer_encoder", num_layers=12, d_model=512)
+model = load_model("my_package.models:build")
+```
+"""
+
+import difflib
+import importlib
+import os
+
+from autodist_keras.errors import GraphError
+
+ZOO_NAMES = ("mlp", "small_cnn", "transformer_encoder", "bert_large")
+
+
+def _normalise(name):
+    return name.lower().replace("_", "").replace("-", "")
+
+
+def application_names():
+    """Names of the model builders in `keras.applications` (e.g. `"ResNet50"`)."""
+    import keras
+
+    return sorted(
+        name for name in dir(keras.applications)
+        if name[:1].isupper() and callable(getattr(keras.applications, name))
+    )
+
+
+def _options_text():
+    return (
+        "a keras.applications name (e.g. ResNet50, VGG16, MobileNetV2, InceptionV3, "
+        "DenseNet121; built with weights=None), a built-in model "
+        f"({', '.join(ZOO_NAMES)}), a path to a .keras file, or 'module:function' "
+        "returning a keras.Model"
+    )
+
+
+def load_model(spec, **kwargs):
+    """Returns the Keras model that `spec` names.
+
+    Args:
+        spec: A `keras.Model`, a `.keras` file path, `"module:function"`, a
+            zoo name or a `keras.applications` name (see the module docs).
+        **kwargs: Passed to the zoo builder or the `keras.applications`
+            function (e.g. `num_layers=12`, `input_shape=(160, 160, 3)`).
+
+    Returns:
+        A `keras.Model` (not compiled).
+
+    Raises:
+        GraphError: If the spec names nothing loadable; the message lists
+            the accepted forms and close matches.
+    """
+    import keras
+
+    if isinstance(spec, keras.Model):
+        return spec
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
+    if not isinstance(spec, str) or not spec.strip():
+        raise GraphError(
+            f"A model spec must be a non-empty string or a keras.Model: {_options_text()}. "
+            f"Received: {spec!r}"
+        )
+    spec = spec.strip()
+    lower = spec.lower()
+    if lower.endswith((".keras", ".h5", ".hdf5")) or os.path.isfile(spec):
+        return _load_file(spec, kwargs)
+    if ":" in spec:
+        return _load_factory(spec, kwargs)
+    from autodist_keras.graph import zoo
+
+    zoo_key = lower.replace("-", "_")
+    if zoo_key in zoo.BUILDERS:
+        return _call(zoo.BUILDERS[zoo_key], spec, kwargs)
+    names = application_names()
+    by_key = {_normalise(n): n for n in names}
+    match = by_key.get(_normalise(spec))
+    if match is not None:
+        options = dict(kwargs)
+        options.setdefault("weights", None)
+        if options["weights"] is not None:
+            raise GraphError(
+                "load_model builds keras.applications models without pretrained weights "
+                "(it never downloads). Load weights yourself after building. "
+                f"Received: weights={options['weights']!r}"
+            )
+        return _call(getattr(keras.applications, match), spec, options)
+    close = difflib.get_close_matches(
+        _normalise(spec), list(by_key) + [_normalise(z) for z in ZOO_NAMES], n=3, cutoff=0.6
+    )
+    all_names = {**by_key, **{_normalise(z): z for z in ZOO_NAMES}}
+    hint = f" Did you mean {', '.join(all_names[c] for c in close)}?" if close else ""
+    raise GraphError(
+        f"Unknown model {spec!r}. A model spec is {_options_text()}.{hint} "
+        f"keras.applications offers: {', '.join(names)}. Received: {spec!r}"
+    )
+
+
+def _call(fn, spec, kwargs):
+    try:
+        model = fn(**kwargs)
+    except TypeError as e:
+        raise GraphError(
+            f"Cannot build model {spec!r} with options {sorted(kwargs)}: {e}. "
+            f"Received: {kwargs!r}"
+        ) from None
+    return model
+
+
+def _load_file(path, kwargs):
+    import keras
+
+    if not os.path.isfile(path):
+        raise GraphError(
+            f"Model file {path!r} does not exist. Give the path of a model saved with "
+            f"`model.save('model.keras')`, or {_options_text()}. Received: {path!r}"
+        )
+    # Models from the zoo use PositionEmbedding: register it before loading.
+    from autodist_keras.graph import zoo  # noqa: F401
+
+    try:
+        return keras.saving.load_model(path, compile=False, **kwargs)
+    except (ValueError, OSError, TypeError) as e:
+        raise GraphError(
+            f"Cannot load model file {path!r}: {type(e).__name__}: {e}. It must be a "
+            "model saved by Keras 3 (`model.save('model.keras')`); custom layers must be "
+            "registered with keras.saving.register_keras_serializable before loading. "
+            f"Received: {path!r}"
+        ) from None
+
+
+def _load_factory(spec, kwargs):
+    import keras
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise GraphError(
+            f"A factory spec is 'module:function', e.g. 'my_models:build'. Received: {spec!r}"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise GraphError(
+            f"Cannot import module {module_name!r} of model spec {spec!r}: {e}. Make the "
+            "module importable (install it or add its folder to PYTHONPATH). "
+            f"Received: {spec!r}"
+        ) from None
+    fn = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise GraphError(
+                f"Module {module_name!r} has no attribute {attr!r}; the model spec "
+                "'module:function' must name a function returning a keras.Model. "
+                f"Received: {spec!r}"
+            )
+    if not callable(fn):
+        raise GraphError(
+            f"{spec!r} is not callable; 'module:function' must name a function returning "
+            f"a keras.Model. Received: {type(fn).__name__}"
+        )
+    model = _call(fn, spec, kwargs)
+    if not isinstance(model, keras.Model):
+        raise GraphError(
+            f"{spec!r} returned a {type(model).__name__}, not a keras.Model. Make the "
+            f"function return the model. Received: {model!r:.200}"
+        )
+    return model
