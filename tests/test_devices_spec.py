@@ -133,6 +133,10 @@ BAD_YAML = [
      "nodes[0].gpus[0].memory_gb", "without quotes"),
     ("nodes:\n  - gpus: [{name: X, memory_gb: 1e12, fp32_tflops: 1, bandwidth_gbps: 9}]\n",
      "nodes[0].gpus[0].memory_gb", "implausibly large"),
+    ("nodes:\n  - gpus: [T4]\n    nic_gbps: 1" + "0" * 400 + "\n", "nodes[0].nic_gbps",
+     "finite"),
+    ("nodes:\n  - gpus: [T4]\n    nic_gbps: 1e3\n    intra_link: 2e400\n",
+     "nodes[0].intra_link", "finite"),
     ("nodes:\n  - gpus: [{type: T4, name: X}]\n", "nodes[0].gpus[0]", "not both"),
     ("nodes:\n  - gpus: [{count: 2}]\n", "nodes[0].gpus[0]", "Each `gpus` entry"),
     ("nodes:\n  - gpus: [T4]\n    nic_gbps: -10\n", "nodes[0].nic_gbps", "positive"),
@@ -284,7 +288,7 @@ def test_fuzz_random_dicts(spec):
     _only_cluster_spec_errors(lambda: Cluster.from_dict(spec))
 
 
-@FUZZ
+@settings(FUZZ, max_examples=100)
 @given(spec=_json)
 def test_fuzz_random_node_lists(spec):
     _only_cluster_spec_errors(lambda: Cluster.from_dict({"nodes": [spec]}))

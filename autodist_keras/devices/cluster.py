@@ -32,7 +32,7 @@ Example:
 ```python
 cluster = Cluster.from_string("node0:2xV100;node1:4x1080Ti@50")
 cluster.names                                  # ['node0/gpu0', ..., 'node1/gpu3']
-cluster.topology.bandwidth("node0/gpu0", "node1/gpu0")   # 6.25e9 bytes/s
+cluster.topology.bandwidth("node0/gpu0", "node1/gpu0")   # 3.125e9 bytes/s (25 Gbit/s NIC)
 print(cluster.summary())
 ```
 """

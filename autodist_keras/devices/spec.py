@@ -134,7 +134,10 @@ def _number(value, source, field, unit, maximum, minimum=0.0, allow_zero=False):
             "plain number without quotes or units.",
             source, field, value,
         )
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int too large for a float
+        value = math.inf
     if not math.isfinite(value):
         raise _fail(f"Expected a finite number ({unit}).", source, field, value)
     if value < minimum or (value == minimum and not allow_zero):
@@ -312,9 +315,10 @@ def _intra_link(node, figures, kind, source, field):
     """Returns `(type, bandwidth, default_latency)` of a node's intra-node link."""
     link_field = _child(field, "intra_link")
     value = node.get("intra_link")
-    if isinstance(value, str):
+    numeric = isinstance(value, str) and _EXPONENT_NUMBER.match(value.strip())
+    if isinstance(value, str) and not numeric:
         value = value.strip().lower()
-    if value is not None and not isinstance(value, str):
+    if value is not None and (numeric or not isinstance(value, str)):
         gbps = _number(value, source, link_field, "GB/s per direction", LIMITS["link_gbps"])
         return "custom", gbps * catalog.GB, CUSTOM_LATENCY
     if kind == "cpu":
