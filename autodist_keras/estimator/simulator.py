@@ -1,0 +1,897 @@
+"""Discrete-event simulation of one training step of a Plan on a Cluster.
+
+`simulate(graph, cluster, plan)` turns the plan into a task graph and runs it
+on simulated devices and links:
+
+- Compute: one stream per device. A layer group's replica runs every layer of
+  the group forward on its batch share, then backward. The stream is a list
+  scheduler: whenever it is free it starts the ready task of highest priority
+  (`plan.order[device]` if given, else topological order forward and reverse
+  topological order backward; the optimizer update comes last). It never
+  idles while a task is ready (work-conserving).
+- Activations: when a layer and its input's producer are in groups on
+  different devices, the samples the two replicas have in common (replicas
+  hold consecutive sample ranges of the global batch, in replica order) move
+  over the link: `edge bytes per sample x samples` forward, the same back as
+  gradients in backward. This covers placement plans (FastT), split ops (a
+  group of one layer on several devices) and hybrid plans (HeteroG).
+- Links: every device has a send and a receive port, every node a NIC send
+  and receive port. A transfer occupies the sender's send port and the
+  receiver's receive port (and both NICs across nodes) for
+  `cost_model.transfer_time`; a collective occupies the ports of all its
+  members (and the NICs of their nodes when it spans nodes). Transfers that
+  need a busy port wait: requests are served first come, first served, so
+  transfers through one port are serialised.
+- Gradient synchronisation: `plan.buckets` in launch order. A bucket's
+  variables are split by owning group and sync method. An all-reduce bucket
+  starts when every member replica has produced the bucket's gradients, one
+  at a time per communicator (its member set) and in bucket order, as
+  PyTorch DDP does, on a communication stream separate from compute (so it
+  overlaps with the rest of backward). A parameter-server bucket is pushed by
+  each client to the server as soon as that client's gradients are ready
+  (serialised on the server's receive port), summed and applied on the
+  server's compute stream, and pulled back by every client.
+- Optimizer update: per device, after its compute and its all-reduces,
+  memory-bound (`cost_model.update_time`) for the variables it updates.
+- Memory: parameters, gradients and optimizer slots (Adam: 2 slots per
+  parameter; PS clients keep none, the server keeps them) plus live
+  activations: each layer's output (`output_bytes x share`) from the start of
+  its forward to the end of its backward, and received activations from
+  arrival until the consumer's backward ends. A device whose peak exceeds its
+  memory makes the plan infeasible (the device and the shortfall are named).
+
+Every figure is a prediction from the cost model, not a measurement.
+
+For data-parallel plans the compute timeline of replicas on identical devices
+with identical shares and orders is identical, so it is simulated once per
+such class and copied (`dedupe=True`); communication is always simulated per
+device.
+
+Example:
+
+```python
+result = simulate(graph, cluster, plan)
+print(result.step_time_s, result.feasible)
+result.export_trace("step.json")          # open in https://ui.perfetto.dev
+plan.prediction = result.to_prediction()
+```
+"""
+
+import dataclasses
+import heapq
+import json
+import math
+from typing import Optional
+
+from autodist_keras.errors import EstimatorError
+from autodist_keras.errors import PlanError
+from autodist_keras.estimator.cost_model import AnalyticCostModel
+from autodist_keras.strategies.plan import Prediction
+from autodist_keras.strategies.plan import write_text_atomic
+
+ADAM_SLOTS = 2  # optimizer state tensors per parameter (Adam: m and v)
+
+_COMPUTE, _XFER, _COLLECTIVE, _UPDATE = 0, 1, 2, 3
+
+
+@dataclasses.dataclass
+class SimEvent:
+    """One interval on one stream of one device (predicted).
+
+    Args:
+        device: Device name.
+        stream: `"compute"` or `"comm"`.
+        name: What ran, e.g. `"conv1:forward"` or `"allreduce b3 (ring)"`.
+        start: Start time in seconds from the beginning of the step.
+        end: End time in seconds.
+        kind: `"forward"`, `"backward"`, `"update"`, `"transfer"`,
+            `"allreduce"`, `"ps_push"`, `"ps_pull"` or `"ps_update"`.
+    """
+
+    device: str
+    stream: str
+    name: str
+    start: float
+    end: float
+    kind: str
+
+
+@dataclasses.dataclass
+class DeviceStats:
+    """Per-device breakdown of the simulated step (predicted).
+
+    Args:
+        busy_s: Time the compute stream is running something.
+        exposed_comm_s: Time the device communicates while its compute
+            stream is idle.
+        idle_s: The rest of the step: neither computing nor communicating.
+        comm_s: Time the device communicates at all (overlapped or not).
+        peak_memory_bytes: Predicted peak memory.
+        memory_bytes: The device's memory capacity.
+        memory_breakdown: Bytes of parameters, gradients, optimizer slots and
+            peak live activations.
+    """
+
+    busy_s: float
+    exposed_comm_s: float
+    idle_s: float
+    comm_s: float
+    peak_memory_bytes: int
+    memory_bytes: int
+    memory_breakdown: dict
+
+
+@dataclasses.dataclass
+class SimResult:
+    """What `simulate` predicts for one training step.
+
+    Args:
+        step_time_s: Predicted time of one step, in seconds.
+        per_device: Dict from device name to `DeviceStats`.
+        peak_memory_bytes: Dict from device name to predicted peak bytes.
+        feasible: False when some device's memory is exceeded.
+        infeasible_reason: Which devices are short and by how many bytes.
+        timeline: List of `SimEvent`, sorted by start time.
+        critical_device: The device that finishes last.
+        num_tasks: Number of simulated tasks.
+        cost_model: The cost model's description.
+    """
+
+    step_time_s: float
+    per_device: dict
+    peak_memory_bytes: dict
+    feasible: bool
+    infeasible_reason: Optional[str]
+    timeline: list
+    critical_device: Optional[str]
+    num_tasks: int = 0
+    cost_model: dict = dataclasses.field(default_factory=dict)
+
+    def to_prediction(self):
+        """Returns the result as a `strategies.plan.Prediction` (labelled predicted)."""
+        crit = self.per_device.get(self.critical_device)
+        return Prediction(
+            step_time_s=self.step_time_s,
+            compute_s=crit.busy_s if crit else 0.0,
+            exposed_comm_s=crit.exposed_comm_s if crit else 0.0,
+            idle_s=crit.idle_s if crit else 0.0,
+            peak_memory_bytes=dict(self.peak_memory_bytes),
+            feasible=self.feasible,
+            infeasible_reason=self.infeasible_reason,
+            per_device={
+                name: {
+                    "busy_s": s.busy_s,
+                    "exposed_comm_s": s.exposed_comm_s,
+                    "idle_s": s.idle_s,
+                    "comm_s": s.comm_s,
+                    "peak_memory_bytes": s.peak_memory_bytes,
+                }
+                for name, s in self.per_device.items()
+            },
+            source="simulator (predicted)",
+        )
+
+    def trace(self):
+        """Returns the timeline as a Chrome trace dict (`traceEvents`)."""
+        devices = list(self.per_device)
+        for event in self.timeline:
+            if event.device not in self.per_device and event.device not in devices:
+                devices.append(event.device)
+        pid = {name: i + 1 for i, name in enumerate(devices)}
+        tids = {"compute": 1, "comm": 2}
+        events = []
+        for name in devices:
+            events.append(
+                {"ph": "M", "name": "process_name", "pid": pid[name], "tid": 0,
+                 "args": {"name": name}}
+            )
+            for stream, tid in tids.items():
+                events.append(
+                    {"ph": "M", "name": "thread_name", "pid": pid[name], "tid": tid,
+                     "args": {"name": stream}}
+                )
+        for e in self.timeline:
+            events.append(
+                {
+                    "ph": "X",
+                    "name": e.name,
+                    "cat": e.kind,
+                    "pid": pid[e.device],
+                    "tid": tids.get(e.stream, 3),
+                    "ts": e.start * 1e6,
+                    "dur": (e.end - e.start) * 1e6,
+                }
+            )
+        return {
+            "traceEvents": events,
+            "displayTimeUnit": "ms",
+            "otherData": {
+                "source": "autodist_keras simulator (predicted, not measured)",
+                "step_time_s": self.step_time_s,
+                "feasible": self.feasible,
+            },
+        }
+
+    def export_trace(self, path):
+        """Writes the timeline as Chrome trace JSON (opens in Perfetto / chrome://tracing).
+
+        Args:
+            path: File to write.
+
+        Returns:
+            The path.
+        """
+        write_text_atomic(path, json.dumps(self.trace()))
+        return path
+
+    def summary(self):
+        """A short plain-text table of the per-device breakdown."""
+        lines = [
+            f"Predicted step time: {self.step_time_s * 1e3:.3f} ms "
+            f"({'feasible' if self.feasible else 'INFEASIBLE: ' + str(self.infeasible_reason)})",
+            f"{'device':<18}{'busy ms':>10}{'exp.comm ms':>13}{'idle ms':>10}{'peak MiB':>11}",
+        ]
+        for name, s in self.per_device.items():
+            lines.append(
+                f"{name:<18}{s.busy_s * 1e3:>10.3f}{s.exposed_comm_s * 1e3:>13.3f}"
+                f"{s.idle_s * 1e3:>10.3f}{s.peak_memory_bytes / 2**20:>11.1f}"
+            )
+        return "\n".join(lines)
+
+
+def _ranges(shares):
+    out, offset = [], 0
+    for s in shares:
+        out.append((offset, offset + s))
+        offset += s
+    return out
+
+
+def _overlaps(ranges_a, ranges_b):
+    """Yields (i, j, samples) for every overlapping pair of two sorted range lists."""
+    i = j = 0
+    while i < len(ranges_a) and j < len(ranges_b):
+        a0, a1 = ranges_a[i]
+        b0, b1 = ranges_b[j]
+        n = min(a1, b1) - max(a0, b0)
+        if n > 0:
+            yield i, j, n
+        if a1 <= b1:
+            i += 1
+        else:
+            j += 1
+
+
+def _union_length(intervals):
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        elif e > cur_e:
+            cur_e = e
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def _merge(intervals):
+    merged = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            if e > merged[-1][1]:
+                merged[-1][1] = e
+        else:
+            merged.append([s, e])
+    return merged
+
+
+def _subtract_length(intervals, minus):
+    """Length of union(intervals) not covered by union(minus)."""
+    a = _merge(intervals)
+    b = _merge(minus)
+    total, j = 0.0, 0
+    for s, e in a:
+        covered = 0.0
+        while j < len(b) and b[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < e:
+            covered += min(e, b[k][1]) - max(s, b[k][0])
+            k += 1
+        total += (e - s) - covered
+    return total
+
+
+class _Tasks:
+    """Column store of simulation tasks (lists are faster than objects here)."""
+
+    def __init__(self):
+        self.kind, self.name, self.dur, self.stream, self.ports = [], [], [], [], []
+        self.prio, self.ndeps, self.succ, self.where = [], [], [], []
+        self.alloc, self.free = [], []
+
+    def add(self, kind, name, dur, stream, ports, prio, where, evkind):
+        self.kind.append(kind)
+        self.name.append(name)
+        self.dur.append(float(dur))
+        self.stream.append(stream)
+        self.ports.append(ports)
+        self.prio.append(prio)
+        self.ndeps.append(0)
+        self.succ.append([])
+        self.where.append((where, evkind))
+        self.alloc.append(None)
+        self.free.append(None)
+        return len(self.kind) - 1
+
+    def dep(self, before, after):
+        self.succ[before].append(after)
+        self.ndeps[after] += 1
+
+
+def simulate(graph, cluster, plan, cost_model=None, validate=True, dedupe=True):
+    """Simulates one training step of `plan` for `graph` on `cluster`.
+
+    Args:
+        graph: The `ModelGraph`.
+        cluster: The `Cluster`.
+        plan: The `Plan` (any mix of data-parallel, placement, split-op and
+            hybrid groups).
+        cost_model: A `CostModel`; default `AnalyticCostModel(cluster)`.
+        validate: Check the plan against the graph and cluster first.
+        dedupe: Simulate the compute of identical data-parallel replicas once
+            (same result, faster). Set False to simulate every device.
+
+    Returns:
+        A `SimResult`. Every number in it is a prediction.
+
+    Raises:
+        PlanError: If the plan does not match the graph or cluster.
+        EstimatorError: If the cost model cannot price a part of the plan.
+
+    Example:
+
+    ```python
+    plan = baselines.proportional(graph, cluster, 256)
+    result = simulate(graph, cluster, plan)
+    print(result.summary())
+    ```
+    """
+    if validate:
+        plan.validate(graph, cluster)
+    if cost_model is None:
+        cost_model = AnalyticCostModel(cluster)
+    elif hasattr(cost_model, "with_cluster"):
+        cost_model = cost_model.with_cluster(cluster)
+    return _Simulation(graph, cluster, plan, cost_model, dedupe).run()
+
+
+class _Simulation:
+    def __init__(self, graph, cluster, plan, cost, dedupe):
+        self.graph, self.cluster, self.plan, self.cost = graph, cluster, plan, cost
+        self.dedupe = dedupe
+
+    # ------------------------------------------------------------ building
+    def _setup_devices(self):
+        plan = self.plan
+        names = list(plan.devices)
+        for spec in plan.sync.values():
+            if spec.method == "ps" and spec.server and spec.server not in names:
+                names.append(spec.server)
+        self.dev_names = names
+        self.dev_index = {n: i for i, n in enumerate(names)}
+        try:
+            self.devs = [self.cluster.device(n) for n in names]
+        except (KeyError, ValueError) as e:
+            raise PlanError(
+                f"The plan uses a device the cluster does not have; validate the plan "
+                f"against this cluster. Received: {e}"
+            ) from None
+        nodes = []
+        self.dev_node = []
+        for d in self.devs:
+            if d.node not in nodes:
+                nodes.append(d.node)
+            self.dev_node.append(nodes.index(d.node))
+        n = len(names)
+        self.num_ports = 2 * n + 2 * len(nodes)
+
+    def _p2p_ports(self, a, b):
+        ports = (2 * a, 2 * b + 1)
+        na, nb = self.dev_node[a], self.dev_node[b]
+        if na != nb:
+            base = 2 * len(self.devs)
+            ports += (base + 2 * na, base + 2 * nb + 1)
+        return ports
+
+    def _group_ports(self, members):
+        ports = []
+        nodes = set()
+        for m in members:
+            ports += [2 * m, 2 * m + 1]
+            nodes.add(self.dev_node[m])
+        if len(nodes) > 1:
+            base = 2 * len(self.devs)
+            for nd in sorted(nodes):
+                ports += [base + 2 * nd, base + 2 * nd + 1]
+        return tuple(ports)
+
+    def _priorities(self):
+        names = list(self.graph.nodes)
+        n = len(names)
+        default = {}
+        for i, name in enumerate(names):
+            default[(name, "forward")] = i
+            default[(name, "backward")] = 2 * n - 1 - i
+        self.n_prio = 2 * n
+        self.default_prio = default
+        self.dev_prio = {}
+        for device, entries in (self.plan.order or {}).items():
+            table = {}
+            for k, entry in enumerate(entries):
+                layer, phase = entry[0], entry[1]
+                table.setdefault((layer, phase), k)
+            base = len(entries)
+            self.dev_prio[device] = (table, base)
+
+    def _prio(self, device, layer, phase):
+        found = self.dev_prio.get(device)
+        if found is None:
+            return self.default_prio[(layer, phase)]
+        table, base = found
+        p = table.get((layer, phase))
+        return p if p is not None else base + self.default_prio[(layer, phase)]
+
+    def build(self):
+        graph, plan, cost = self.graph, self.plan, self.cost
+        self._setup_devices()
+        self._priorities()
+        T = self.tasks = _Tasks()
+        n_dev = len(self.devs)
+        update_prio = 10 * (self.n_prio + 1)
+        for name in self.dev_names:
+            found = self.dev_prio.get(name)
+            if found is not None:
+                update_prio = max(update_prio, 10 * (found[1] + self.n_prio + 1))
+        self.update_prio = update_prio
+
+        layer_group = {}
+        for gi, group in enumerate(plan.groups):
+            for layer in group.layers:
+                layer_group[layer] = gi
+        self.layer_group = layer_group
+        group_ranges = [_ranges(g.shares) for g in plan.groups]
+        group_devs = [[self.dev_index[r.device] for r in g.replicas] for g in plan.groups]
+
+        # Replica classes: identical devices with identical shares and orders
+        # share one compute timeline in a data-parallel plan.
+        alias = [list(range(len(g.replicas))) for g in plan.groups]
+        ps_servers = {s.server for s in plan.sync.values() if s.method == "ps"}
+        if self.dedupe and len(plan.groups) == 1:
+            seen = {}
+            group = plan.groups[0]
+            for ri, r in enumerate(group.replicas):
+                d = self.cluster.device(r.device)
+                if r.device in ps_servers:
+                    continue
+                key = (
+                    d.kind, d.model, d.peak_flops_fp32, d.peak_flops_fp16,
+                    d.memory_bandwidth, r.batch_share,
+                    tuple(map(tuple, plan.order.get(r.device, ()))) if plan.order else (),
+                )
+                if key in seen:
+                    alias[0][ri] = seen[key]
+                else:
+                    seen[key] = ri
+        self.alias = alias
+
+        # Compute tasks.
+        F, B = {}, {}
+        dev_compute = [[] for _ in range(n_dev)]
+        time_cache = {}
+        for layer, node in graph.nodes.items():
+            gi = layer_group[layer]
+            group = plan.groups[gi]
+            for ri, r in enumerate(group.replicas):
+                if alias[gi][ri] != ri:
+                    continue
+                di = group_devs[gi][ri]
+                dev = self.devs[di]
+                for phase, table in (("forward", F), ("backward", B)):
+                    key = (layer, dev.model, dev.peak_flops_fp32, dev.memory_bandwidth,
+                           r.batch_share, phase)
+                    dur = time_cache.get(key)
+                    if dur is None:
+                        dur = cost.layer_time(node, dev, r.batch_share, phase)
+                        time_cache[key] = dur
+                    t = T.add(
+                        _COMPUTE, f"{layer}:{phase}", dur, di,
+                        None, self._prio(r.device, layer, phase) * 10, (di,), phase,
+                    )
+                    table[(layer, ri)] = t
+                    dev_compute[di].append(t)
+                act = node.output_bytes * r.batch_share
+                if act:
+                    T.alloc[F[(layer, ri)]] = [(di, act)]
+                    T.free[B[(layer, ri)]] = [(di, act)]
+                T.dep(F[(layer, ri)], B[(layer, ri)])
+        self.dev_compute = dev_compute
+
+        def rep(gi, ri):
+            return alias[gi][ri]
+
+        # Data dependencies and activation transfers.
+        for src, dst, nbytes in graph.edges:
+            gs, gd = layer_group[src], layer_group[dst]
+            if gs == gd:
+                pairs = [(ri, ri, s) for ri, s in enumerate(plan.groups[gs].shares) if s > 0]
+                if not pairs:
+                    pairs = [(ri, ri, 0) for ri in range(len(plan.groups[gs].replicas))]
+            else:
+                pairs = list(_overlaps(group_ranges[gs], group_ranges[gd]))
+            for rs, rd, samples in pairs:
+                if gs == gd and rep(gs, rs) != rs:
+                    continue
+                ds, dd = group_devs[gs][rs], group_devs[gd][rd]
+                fs, fd = F[(src, rep(gs, rs))], F[(dst, rep(gd, rd))]
+                bs, bd = B[(src, rep(gs, rs))], B[(dst, rep(gd, rd))]
+                if ds == dd:
+                    T.dep(fs, fd)
+                    T.dep(bd, bs)
+                    continue
+                size = nbytes * samples
+                fwd = T.add(
+                    _XFER, f"{src}->{dst} activations", cost.transfer_time(size, self.dev_names[ds],
+                                                                            self.dev_names[dd]),
+                    -1, self._p2p_ports(ds, dd), 0, (ds, dd), "transfer",
+                )
+                T.dep(fs, fwd)
+                T.dep(fwd, fd)
+                if size:
+                    T.alloc[fwd] = [(dd, size)]
+                    T.free[bd] = (T.free[bd] or []) + [(dd, size)]
+                bwd = T.add(
+                    _XFER, f"{dst}->{src} gradients", cost.transfer_time(size, self.dev_names[dd],
+                                                                          self.dev_names[ds]),
+                    -1, self._p2p_ports(dd, ds), 0, (dd, ds), "transfer",
+                )
+                T.dep(bd, bwd)
+                T.dep(bwd, bs)
+
+        # Loss: the backward of every output waits for the forward of every
+        # output of its replica.
+        outputs = [o for o in graph.outputs if o in layer_group]
+        for o in outputs:
+            for o2 in outputs:
+                if o2 != o and layer_group[o2] == layer_group[o]:
+                    gi = layer_group[o]
+                    for ri in range(len(plan.groups[gi].replicas)):
+                        if rep(gi, ri) == ri:
+                            T.dep(F[(o2, ri)], B[(o, ri)])
+
+        self._build_sync(F, B, group_devs)
+        return T
+
+    def _build_sync(self, F, B, group_devs):
+        graph, plan, cost, T = self.graph, self.plan, self.cost, self.tasks
+        n_dev = len(self.devs)
+        var_layer, var_bytes = {}, {}
+        for layer, node in graph.nodes.items():
+            for v in node.variables:
+                var_layer.setdefault(v.name, layer)
+                var_bytes.setdefault(v.name, int(v.bytes))
+        buckets = [list(b) for b in (plan.buckets or [])]
+        covered = {v for b in buckets for v in b}
+        for layer in reversed(list(graph.nodes)):
+            for v in reversed(graph.nodes[layer].variables):
+                if v.name not in covered:
+                    buckets.append([v.name])
+                    covered.add(v.name)
+
+        # Static memory per device.
+        params = [0] * n_dev
+        grads = [0] * n_dev
+        slots = [0] * n_dev
+        local_update = [[0, 0] for _ in range(n_dev)]  # bytes, tensors
+        update_deps = [[] for _ in range(n_dev)]
+        for gi, group in enumerate(plan.groups):
+            non_trainable = sum(
+                int(graph.nodes[layer].non_trainable_bytes or 0) for layer in group.layers
+            )
+            for di in group_devs[gi]:
+                params[di] += non_trainable
+
+        comm_last = {}
+        self.comm_tasks = []
+        for bi, bucket in enumerate(buckets):
+            parts = {}
+            for v in bucket:
+                layer = var_layer.get(v)
+                if layer is None:
+                    continue
+                gi = self.layer_group[layer]
+                spec = plan.sync.get(v)
+                if spec is None or spec.method == "allreduce":
+                    key = (gi, "allreduce", spec.algorithm if spec and spec.algorithm else "ring")
+                else:
+                    key = (gi, "ps", spec.server)
+                parts.setdefault(key, []).append(v)
+            for (gi, method, arg), names in parts.items():
+                group = plan.groups[gi]
+                members = group_devs[gi]
+                nbytes = sum(var_bytes[v] for v in names)
+                layers = sorted({var_layer[v] for v in names}, key=list(graph.nodes).index)
+                ready = [
+                    [B[(layer, self.alias[gi][ri])] for layer in layers]
+                    for ri in range(len(members))
+                ]
+                for di in members:
+                    params[di] += nbytes
+                    grads[di] += nbytes
+                local = len(members) == 1 and (method == "allreduce" or members[0] == self.dev_index[arg])
+                if method == "allreduce" or local:
+                    for di in members:
+                        slots[di] += ADAM_SLOTS * nbytes
+                        local_update[di][0] += nbytes
+                        local_update[di][1] += len(names)
+                    if local:
+                        continue
+                    names_m = [self.dev_names[d] for d in members]
+                    dur = cost.allreduce_time(nbytes, names_m, arg)
+                    t = T.add(
+                        _COLLECTIVE, f"allreduce b{bi} ({arg}, {nbytes} B)", dur, -1,
+                        self._group_ports(members), 0, tuple(members), "allreduce",
+                    )
+                    seen = set()
+                    for row in ready:
+                        for b in row:
+                            if b not in seen:
+                                seen.add(b)
+                                T.dep(b, t)
+                    comm_key = frozenset(members)
+                    if comm_key in comm_last:
+                        T.dep(comm_last[comm_key], t)
+                    comm_last[comm_key] = t
+                    for di in members:
+                        update_deps[di].append(t)
+                    self.comm_tasks.append(t)
+                    continue
+                # Parameter server.
+                server = self.dev_index[arg]
+                if server not in members:
+                    params[server] += nbytes
+                    grads[server] += nbytes
+                slots[server] += ADAM_SLOTS * nbytes
+                upd = T.add(
+                    _UPDATE, f"ps apply b{bi} ({nbytes} B)",
+                    cost.aggregate_time(nbytes, len(members), self.dev_names[server])
+                    + cost.update_time(nbytes, self.dev_names[server], len(names)),
+                    server, None, self.update_prio - 5, (server,), "ps_update",
+                )
+                for ri, di in enumerate(members):
+                    if di == server:
+                        for b in ready[ri]:
+                            T.dep(b, upd)
+                        continue
+                    name = self.dev_names[di]
+                    push = T.add(
+                        _XFER, f"ps push b{bi} ({nbytes} B)",
+                        cost.transfer_time(nbytes, name, arg), -1,
+                        self._p2p_ports(di, server), 0, (di, server), "ps_push",
+                    )
+                    for b in ready[ri]:
+                        T.dep(b, push)
+                    T.dep(push, upd)
+                    pull = T.add(
+                        _XFER, f"ps pull b{bi} ({nbytes} B)",
+                        cost.transfer_time(nbytes, arg, name), -1,
+                        self._p2p_ports(server, di), 0, (server, di), "ps_pull",
+                    )
+                    T.dep(upd, pull)
+                    self.comm_tasks += [push, pull]
+
+        # Per-device optimizer update, after the device's compute and all-reduces.
+        self.memory_static = [
+            {"parameters": params[i], "gradients": grads[i], "optimizer_slots": slots[i]}
+            for i in range(n_dev)
+        ]
+        for di in range(n_dev):
+            nbytes, ntensors = local_update[di]
+            if ntensors == 0:
+                continue
+            t = T.add(
+                _UPDATE, f"optimizer update ({nbytes} B)",
+                self.cost.update_time(nbytes, self.devs[di], ntensors), di, None,
+                self.update_prio, (di,), "update",
+            )
+            compute = self.dev_compute[di] or self._rep_compute(di)
+            for c in compute:
+                T.dep(c, t)
+            for c in update_deps[di]:
+                T.dep(c, t)
+
+    def _rep_compute(self, di):
+        """Compute tasks of the representative an aliased device copies."""
+        group = self.plan.groups[0]
+        name = self.dev_names[di]
+        for ri, r in enumerate(group.replicas):
+            if r.device == name:
+                rep_dev = self.dev_index[group.replicas[self.alias[0][ri]].device]
+                return self.dev_compute[rep_dev]
+        return []
+
+    # -------------------------------------------------------------- running
+    def run(self):
+        T = self.build()
+        n = len(T.kind)
+        n_dev = len(self.devs)
+        dur, stream, ports, prio, succ = T.dur, T.stream, T.ports, T.prio, T.succ
+        ndeps = list(T.ndeps)
+        alloc, free = T.alloc, T.free
+        start = [0.0] * n
+        end = [0.0] * n
+        port_free = [0.0] * self.num_ports
+        busy = [False] * n_dev
+        ready_q = [[] for _ in range(n_dev)]
+        events = []
+        live = [0] * n_dev
+        peak_live = [0] * n_dev
+        dirty = set()
+        done = 0
+        now = 0.0
+
+        def begin(t, now):
+            start[t] = now
+            e = now + dur[t]
+            end[t] = e
+            a = alloc[t]
+            if a is not None:
+                for di, size in a:
+                    live[di] += size
+                    if live[di] > peak_live[di]:
+                        peak_live[di] = live[di]
+            heapq.heappush(events, (e, t))
+
+        def make_ready(t, now):
+            s = stream[t]
+            if s >= 0:
+                heapq.heappush(ready_q[s], (prio[t], t))
+                dirty.add(s)
+                return
+            p = ports[t]
+            at = now
+            if p:
+                for q in p:
+                    if port_free[q] > at:
+                        at = port_free[q]
+                e = at + dur[t]
+                for q in p:
+                    port_free[q] = e
+            begin(t, at)
+
+        for t in range(n):
+            if ndeps[t] == 0:
+                make_ready(t, 0.0)
+        while True:
+            for s in list(dirty):
+                if not busy[s] and ready_q[s]:
+                    _, t = heapq.heappop(ready_q[s])
+                    busy[s] = True
+                    begin(t, now)
+            dirty.clear()
+            if not events:
+                break
+            now = events[0][0]
+            while events and events[0][0] == now:
+                _, t = heapq.heappop(events)
+                done += 1
+                fr = free[t]
+                if fr is not None:
+                    for di, size in fr:
+                        live[di] -= size
+                s = stream[t]
+                if s >= 0:
+                    busy[s] = False
+                    dirty.add(s)
+                for u in succ[t]:
+                    ndeps[u] -= 1
+                    if ndeps[u] == 0:
+                        make_ready(u, now)
+        if done != n:
+            stuck = [T.name[t] for t in range(n) if ndeps[t] > 0][:5]
+            raise EstimatorError(
+                "The simulation stopped with tasks still waiting: the plan's layer "
+                "groups depend on each other in a cycle. Check the plan's groups and "
+                f"order. Received: waiting tasks {stuck}"
+            )
+        self.start, self.end, self.peak_live = start, end, peak_live
+        return self._result()
+
+    # ------------------------------------------------------------- results
+    def _result(self):
+        T = self.tasks
+        n_dev = len(self.devs)
+        start, end = self.start, self.end
+        step = max(end) if end else 0.0
+        stream_name = {_COMPUTE: "compute", _UPDATE: "compute", _XFER: "comm", _COLLECTIVE: "comm"}
+        timeline = []
+        compute_iv = [[] for _ in range(n_dev)]
+        comm_iv = [[] for _ in range(n_dev)]
+        # Aliased devices copy their representative's compute timeline.
+        copies = {}
+        if len(self.plan.groups) == 1:
+            group = self.plan.groups[0]
+            for ri, r in enumerate(group.replicas):
+                a = self.alias[0][ri]
+                if a != ri:
+                    src = self.dev_index[group.replicas[a].device]
+                    copies.setdefault(src, []).append(self.dev_index[r.device])
+        for t in range(len(T.kind)):
+            s, e = start[t], end[t]
+            if e <= s:
+                continue
+            where, evkind = T.where[t]
+            sname = stream_name[T.kind[t]]
+            name = T.name[t]
+            if sname == "compute":
+                di = where[0]
+                targets = [di] + (copies.get(di, []) if T.kind[t] == _COMPUTE else [])
+                for d in targets:
+                    compute_iv[d].append((s, e))
+                    timeline.append(SimEvent(self.dev_names[d], "compute", name, s, e, evkind))
+            else:
+                for d in where:
+                    comm_iv[d].append((s, e))
+                    timeline.append(SimEvent(self.dev_names[d], "comm", name, s, e, evkind))
+        timeline.sort(key=lambda ev: (ev.start, ev.device, ev.stream))
+
+        peak_live = list(self.peak_live)
+        for src, targets in copies.items():
+            for d in targets:
+                peak_live[d] = max(peak_live[d], peak_live[src])
+        per_device, peaks, short = {}, {}, []
+        last_end = [0.0] * n_dev
+        for d in range(n_dev):
+            for s, e in compute_iv[d] + comm_iv[d]:
+                last_end[d] = max(last_end[d], e)
+        for d, name in enumerate(self.dev_names):
+            busy = sum(e - s for s, e in compute_iv[d])
+            comm = _union_length(comm_iv[d])
+            exposed = _subtract_length(comm_iv[d], compute_iv[d])
+            static = self.memory_static[d]
+            peak = int(sum(static.values()) + peak_live[d])
+            capacity = int(self.devs[d].memory_bytes)
+            breakdown = dict(static, activations_peak=int(peak_live[d]))
+            per_device[name] = DeviceStats(
+                busy_s=busy,
+                exposed_comm_s=exposed,
+                idle_s=max(step - busy - exposed, 0.0),
+                comm_s=comm,
+                peak_memory_bytes=peak,
+                memory_bytes=capacity,
+                memory_breakdown=breakdown,
+            )
+            peaks[name] = peak
+            if peak > capacity:
+                short.append(
+                    f"{name} needs {peak} bytes but has {capacity} "
+                    f"(short by {peak - capacity} bytes, {(peak - capacity) / 2**20:.1f} MiB)"
+                )
+        critical = None
+        if n_dev:
+            best = max(range(n_dev), key=lambda d: (last_end[d], per_device[self.dev_names[d]].busy_s))
+            critical = self.dev_names[best]
+        config = self.cost.config() if hasattr(self.cost, "config") else {"type": type(self.cost).__name__}
+        return SimResult(
+            step_time_s=step,
+            per_device=per_device,
+            peak_memory_bytes=peaks,
+            feasible=not short,
+            infeasible_reason="; ".join(short) if short else None,
+            timeline=timeline,
+            critical_device=critical,
+            num_tasks=len(T.kind),
+            cost_model=config,
+        )

@@ -1,0 +1,114 @@
+"""The analytic roofline cost model on real Keras layers and real device specs."""
+
+import keras
+import pytest
+
+from autodist_keras.devices import Cluster
+from autodist_keras.errors import EstimatorError
+from autodist_keras.estimator import AnalyticCostModel
+from autodist_keras.estimator import cost_model as cm
+from autodist_keras.graph import ModelGraph
+
+
+@pytest.fixture(scope="module")
+def graph():
+    inputs = keras.Input((2048,), name="x")
+    big = keras.layers.Dense(4096, name="big")(inputs)
+    act = keras.layers.ReLU(name="relu")(big)
+    outputs = keras.layers.Dense(8, name="small")(act)
+    return ModelGraph.from_keras(keras.Model(inputs, outputs))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return Cluster.from_string("1xV100,1xT4")
+
+
+def test_compute_bound_layer_follows_peak_flops(graph, cluster):
+    cost = AnalyticCostModel(cluster)
+    node = graph.nodes["big"]
+    v100 = cluster.devices[0]
+    batch = 512
+    flops_time = node.forward_flops * batch / (v100.peak_flops_fp32 * 0.55)
+    memory_time = (
+        sum(v.bytes for v in node.variables) + (2048 * 4 + node.output_bytes) * batch
+    ) / (v100.memory_bandwidth * 0.75)
+    assert flops_time > memory_time  # this layer is compute-bound on a V100
+    t = cost.layer_time(node, v100, batch, "forward")
+    assert t == pytest.approx(flops_time + cm.LAUNCH_OVERHEAD_S["gpu"], rel=1e-12)
+    # Backward has twice the FLOPs and two kernels (input and weight gradients).
+    tb = cost.layer_time(node, v100, batch, "backward")
+    assert tb == pytest.approx(
+        node.backward_flops * batch / (v100.peak_flops_fp32 * 0.55) + 2 * 8e-6, rel=1e-12
+    )
+    # Mixed precision uses the FP16 (tensor core) peak for matmul-like layers.
+    mixed = AnalyticCostModel(cluster, precision="mixed")
+    assert mixed.layer_time(node, v100, batch, "forward") < t / 4
+    # A slower device takes longer; more samples take longer.
+    t4 = cluster.devices[1]
+    assert cost.layer_time(node, t4, batch, "forward") > t
+    assert cost.layer_time(node, v100, 2 * batch, "forward") > t
+
+
+def test_memory_bound_layer_follows_bandwidth(graph, cluster):
+    cost = AnalyticCostModel(cluster)
+    node = graph.nodes["relu"]
+    v100 = cluster.devices[0]
+    batch = 512
+    moved = (4096 * 4 + node.output_bytes) * batch
+    assert cost.layer_time(node, v100, batch, "forward") == pytest.approx(
+        moved / (v100.memory_bandwidth * 0.75) + 8e-6, rel=1e-12
+    )
+    back = (2 * 4096 * 4 + node.output_bytes) * batch
+    assert cost.layer_time(node, v100, batch, "backward") == pytest.approx(
+        back / (v100.memory_bandwidth * 0.75) + 8e-6, rel=1e-12
+    )
+
+
+def test_free_cases_update_and_cpu_constants(graph, cluster):
+    cost = AnalyticCostModel(cluster)
+    v100 = cluster.devices[0]
+    assert cost.layer_time(graph.nodes["x"], v100, 512, "forward") == 0.0
+    assert cost.layer_time(graph.nodes["big"], v100, 0, "backward") == 0.0
+    # Adam: 7 x parameter bytes through memory, one launch per tensor.
+    assert cost.update_time(10**8, v100, 3) == pytest.approx(
+        7e8 / (v100.memory_bandwidth * 0.75) + 3 * 8e-6, rel=1e-12
+    )
+    cpu_cluster = Cluster.from_dict(
+        {"nodes": [{"name": "node0", "cpus": [{"cores": [0], "threads": 1}]}]}
+    )
+    cpu = cpu_cluster.devices[0]
+    small = graph.nodes["small"]
+    cpu_cost = AnalyticCostModel(cpu_cluster)
+    expected = max(
+        small.forward_flops * 4 / (cpu.peak_flops_fp32 * 0.40),
+        (sum(v.bytes for v in small.variables) + (4096 * 4 + small.output_bytes) * 4)
+        / (cpu.memory_bandwidth * 0.50),
+    ) + 25e-6
+    assert cpu_cost.layer_time(small, cpu, 4, "forward") == pytest.approx(expected, rel=1e-12)
+    # Device names resolve through the bound cluster.
+    assert cost.layer_time(small, v100.name, 4, "forward") == cost.layer_time(
+        small, v100, 4, "forward"
+    )
+
+
+def test_constants_can_be_overridden_and_are_checked(graph, cluster):
+    node = graph.nodes["big"]
+    v100 = cluster.devices[0]
+    slow = AnalyticCostModel(cluster, compute_efficiency={"gpu": {"matmul": 0.275}})
+    base = AnalyticCostModel(cluster)
+    overhead = cm.LAUNCH_OVERHEAD_S["gpu"]
+    assert slow.layer_time(node, v100, 512, "forward") - overhead == pytest.approx(
+        2 * (base.layer_time(node, v100, 512, "forward") - overhead), rel=1e-12
+    )
+    assert slow.config()["compute_efficiency"]["gpu"]["matmul"] == 0.275
+    with pytest.raises(EstimatorError, match=r"Received: 1\.5"):
+        AnalyticCostModel(cluster, memory_efficiency={"gpu": 1.5})
+    with pytest.raises(EstimatorError, match="Received: precision='int8'"):
+        AnalyticCostModel(cluster, precision="int8")
+    with pytest.raises(EstimatorError, match="Received: phase='sideways'"):
+        base.layer_time(node, v100, 1, "sideways")
+    with pytest.raises(EstimatorError, match="with_cluster"):
+        AnalyticCostModel().transfer_time(1024, "node0/gpu0", "node0/gpu1")
+    bound = AnalyticCostModel().with_cluster(cluster)
+    assert bound.transfer_time(1024, *cluster.names) > 0
