@@ -12,6 +12,10 @@ from autodist_keras.errors import GraphError
 from autodist_keras.errors import PlanError
 from autodist_keras.errors import StrategyError
 from autodist_keras.errors import WorkerError
+from autodist_keras.devices import Cluster
+from autodist_keras.devices import Device
+from autodist_keras.graph import ModelGraph
+from autodist_keras.strategies.auto import AutoStrategy
 from autodist_keras.strategies.plan import Plan
 
 __version__ = "0.1.0"

@@ -104,6 +104,13 @@ def memory_capacity_samples(graph, cluster, device_name, optimizer_slots=2):
 def _shares_with_memory(graph, cluster, devices, weights, batch_size):
     """Proportional shares, capped by memory, the excess moved to devices with room."""
     caps = {d: memory_capacity_samples(graph, cluster, d) for d in devices}
+    empty = [d for d in devices if caps[d] < 1]
+    if empty:
+        raise PlanError(
+            f"Devices {empty} cannot hold this model's parameters, gradients and optimizer "
+            f"state ({graph.param_bytes} parameter bytes, predicted). Leave them out with "
+            f"`devices=[...]`, or use a placement plan. Received: devices={devices}"
+        )
     if sum(caps.values()) < batch_size:
         short = ", ".join(f"{d}: {caps[d]}" for d in devices)
         raise PlanError(

@@ -305,7 +305,7 @@ class Plan:
         if missing:
             raise PlanError(
                 f"Layers {_preview(missing)} are in no group; every layer of the model "
-                "must belong to one group."
+                f"must belong to one group. Received: groups {[g.name for g in self.groups]}"
             )
 
         for device, entries in self.order.items():
@@ -348,7 +348,8 @@ class Plan:
         if unsynced:
             raise PlanError(
                 f"Variables {_preview(unsynced)} have no sync method; give each "
-                "trainable variable an `allreduce` or `ps` entry in `sync`."
+                "trainable variable an `allreduce` or `ps` entry in `sync`. "
+                f"Received: sync for {len(self.sync)} of {len(variable_names)} variables"
             )
 
         counts = {}
@@ -365,7 +366,8 @@ class Plan:
         if repeated:
             raise PlanError(
                 f"Variables {_preview(repeated)} appear in more than one bucket; each "
-                "variable is reduced in exactly one bucket."
+                "variable is reduced in exactly one bucket. "
+                f"Received: {len(self.buckets)} buckets"
             )
         if variable_names and self.buckets:
             unbucketed = [name for name in variable_names if name not in counts]
@@ -373,7 +375,8 @@ class Plan:
                 raise PlanError(
                     f"Variables {_preview(unbucketed)} are in no bucket; the buckets must "
                     "cover every trainable variable (use one bucket per variable for no "
-                    "tensor fusion)."
+                    "tensor fusion). "
+                    f"Received: {len(self.buckets)} buckets"
                 )
         elif variable_names:
             raise PlanError(

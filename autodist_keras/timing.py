@@ -1,0 +1,53 @@
+"""Measuring training step times from inside `model.fit`.
+
+Example:
+
+```python
+timer = StepTimer(warmup=3)
+model.fit(x, y, batch_size=64, epochs=2, callbacks=[timer])
+print(timer.median_s, len(timer.times_s))
+```
+"""
+
+import statistics
+import time
+
+import keras
+
+
+class StepTimer(keras.callbacks.Callback):
+    """Records the wall time of every training batch (measured, not predicted).
+
+    In distributed fit the user's process waits for the step's gradient
+    synchronisation, so the time of a batch is the time of the whole
+    distributed step.
+
+    Args:
+        warmup: Number of first batches to leave out of `times_s` (compilation,
+            worker start-up).
+    """
+
+    def __init__(self, warmup=3):
+        super().__init__()
+        self.warmup = int(warmup)
+        self.all_times_s = []
+        self._start = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._start is not None:
+            self.all_times_s.append(time.perf_counter() - self._start)
+            self._start = None
+
+    @property
+    def times_s(self):
+        """Step times after warm-up, in seconds."""
+        return self.all_times_s[self.warmup:]
+
+    @property
+    def median_s(self):
+        """Median step time after warm-up, in seconds (None before any step)."""
+        times = self.times_s
+        return statistics.median(times) if times else None
