@@ -538,7 +538,8 @@ def _multi_head_attention(layer, call):
     if getattr(layer, "_dropout", 0.0):
         flops += DROPOUT_FLOPS * heads * t * s
     if getattr(layer, "_use_bias", False):
-        flops += t * heads * key_dim + 2 * s * heads * value_dim + elements(_out(call))
+        # Bias adds of the query, key, value and output projections.
+        flops += t * heads * key_dim + s * heads * (key_dim + value_dim) + elements(_out(call))
     return Cost(multiply_adds=macs, flops=flops)
 
 

@@ -1,0 +1,86 @@
+"""load_model: keras.applications names, zoo names, .keras files, module:function, errors."""
+
+import keras
+import pytest
+
+from autodist_keras.errors import GraphError
+from autodist_keras.graph import ModelGraph
+from autodist_keras.graph import load_model
+from autodist_keras.graph import zoo
+
+
+def test_zoo_names_are_case_insensitive_and_take_options():
+    model = load_model("MLP", input_dim=5, hidden=(7,), num_classes=3)
+    assert model.name == "mlp"
+    assert model.input_shape == (None, 5) and model.output_shape == (None, 3)
+    encoder = load_model("transformer-encoder", num_layers=1, d_model=16, heads=2, seq_len=8,
+                         vocab=50)
+    types = [n.layer_type for n in ModelGraph.from_keras(encoder).nodes.values()]
+    assert types.count("MultiHeadAttention") == 1
+
+
+def test_application_names_ignore_case_and_underscores():
+    model = load_model("mobilenet_v3_small", input_shape=(32, 32, 3), classes=7)
+    assert model.name.lower().startswith("mobilenetv3small")
+    assert model.output_shape == (None, 7)
+    graph = ModelGraph.from_keras(model)
+    # Every layer type of this model has a formula (Rescaling, hard_sigmoid, ...).
+    assert not graph.warnings and graph.params == model.count_params()
+
+
+def test_weights_are_never_downloaded():
+    with pytest.raises(GraphError, match="never downloads.*Received: weights='imagenet'"):
+        load_model("ResNet50", weights="imagenet")
+
+
+def test_keras_file_round_trip(tmp_path):
+    keras.utils.set_random_seed(3)
+    model = zoo.transformer_encoder(num_layers=1, d_model=16, heads=2, seq_len=8, vocab=50)
+    path = tmp_path / "encoder.keras"
+    model.save(path)
+    loaded = load_model(str(path))
+    before, after = ModelGraph.from_keras(model), ModelGraph.from_keras(loaded)
+    assert after.fingerprint() == before.fingerprint()
+    assert [v.name for v in after.variables] == [v.name for v in before.variables]
+    for a, b in zip(model.weights, loaded.weights):
+        assert keras.ops.all(a.value == b.value)
+
+
+def test_module_function_spec(tmp_path, monkeypatch):
+    (tmp_path / "my_models_for_test.py").write_text(
+        "from autodist_keras.graph import zoo\n"
+        "def build():\n"
+        "    return zoo.mlp(input_dim=3, hidden=(4,), name='from_factory')\n"
+        "def not_a_model():\n"
+        "    return 42\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = load_model("my_models_for_test:build")
+    assert model.name == "from_factory"
+    with pytest.raises(GraphError, match="returned a int, not a keras.Model"):
+        load_model("my_models_for_test:not_a_model")
+    with pytest.raises(GraphError, match="has no attribute 'missing'"):
+        load_model("my_models_for_test:missing")
+    with pytest.raises(GraphError, match="Cannot import module 'no_such_module_xyz'"):
+        load_model("no_such_module_xyz:build")
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("ResNet5O", "Unknown model 'ResNet5O'.*Did you mean ResNet50"),
+        ("definitely_not_a_model", "keras.applications name.*mlp, small_cnn"),
+        ("missing_file.keras", "does not exist"),
+        ("", "non-empty string"),
+        (42, "Received: 42"),
+    ],
+)
+def test_bad_specs_raise_graph_error_with_options(spec, message):
+    with pytest.raises(GraphError, match=message) as info:
+        load_model(spec)
+    assert "Received" in str(info.value)
+
+
+def test_model_passes_through():
+    model = zoo.mlp()
+    assert load_model(model) is model

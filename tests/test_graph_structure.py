@@ -1,0 +1,207 @@
+"""ModelGraph structure: shared layers, nested models, multi-I/O, subclassed models,
+errors, fingerprints, JSON and display, on real Keras models (both backends)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import networkx
+import pytest
+
+from autodist_keras.errors import GraphError
+from autodist_keras.graph import LayerNode
+from autodist_keras.graph import ModelGraph
+from autodist_keras.graph import TensorInfo
+
+L = keras.layers
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _siamese():
+    """Two inputs, a shared Dense, a nested Functional model called twice, a nested
+    Sequential, a keras.ops call, two outputs."""
+    a = keras.Input((8,), name="a")
+    b = keras.Input((8,), name="b")
+    shared = L.Dense(4, name="shared")
+    inner_in = keras.Input((4,))
+    inner = keras.Model(inner_in, L.Dense(2, name="inner_dense")(inner_in), name="inner")
+    seq = keras.Sequential(
+        [keras.Input((4,)), L.Dense(3, name="seq_dense"), L.ReLU(name="seq_relu")], name="seq"
+    )
+    ha, hb = shared(a), shared(b)
+    oa, ob = inner(ha), inner(hb)
+    s = seq(ha)
+    c = keras.ops.concatenate([oa, ob], axis=-1) * 2.0
+    out = L.Dense(1, name="head")(L.Concatenate(name="cat")([c, s]))
+    return keras.Model([a, b], [out, oa], name="siamese")
+
+
+@pytest.fixture(scope="module")
+def siamese():
+    model = _siamese()
+    return model, ModelGraph.from_keras(model)
+
+
+def test_shared_and_nested_calls_are_flattened(siamese):
+    model, graph = siamese
+    assert list(graph.nodes) == [
+        "a", "b", "shared", "shared#1", "inner_dense", "inner_dense#1", "concatenate",
+        "multiply", "seq_dense", "seq_relu", "cat", "head",
+    ]
+    kinds = {n.name: n.kind for n in graph.nodes.values()}
+    assert kinds["a"] == "input" and kinds["concatenate"] == "op" and kinds["head"] == "layer"
+    assert not any(n.layer_type in ("Functional", "Sequential") for n in graph.nodes.values())
+    # The first call owns the shared variables; later calls own none but still cost FLOPs.
+    assert [v.name for v in graph.nodes["shared"].variables] == ["shared/kernel", "shared/bias"]
+    assert graph.nodes["shared#1"].variables == []
+    assert graph.nodes["shared#1"].forward_flops == graph.nodes["shared"].forward_flops
+    assert graph.nodes["shared#1"].backward_flops == graph.nodes["shared"].backward_flops
+    assert graph.nodes["shared#1"].layer_name == "shared"
+    assert graph.inputs == ["a", "b"]
+    assert graph.outputs == ["head", "inner_dense"]
+
+
+def test_variables_and_params_match_keras(siamese):
+    model, graph = siamese
+    assert [v.name for v in graph.variables] == [v.path for v in model.trainable_weights]
+    assert graph.params == model.count_params()
+    assert graph.param_bytes == 4 * sum(int(v.numpy().size) for v in model.trainable_weights)
+    owned = [v.name for n in graph.nodes.values() for v in n.variables]
+    assert sorted(owned) == sorted(v.name for v in graph.variables)
+    assert graph.variable_owner["head/kernel"] == "head"
+
+
+def test_edges_carry_bytes_and_respect_topological_order(siamese):
+    _, graph = siamese
+    edges = {(s, d): b for s, d, b in graph.edges}
+    assert edges[("a", "shared")] == 8 * 4
+    assert edges[("shared", "inner_dense")] == 4 * 4
+    assert edges[("shared", "seq_dense")] == 4 * 4  # into the nested Sequential
+    assert edges[("inner_dense#1", "concatenate")] == 2 * 4
+    assert edges[("multiply", "cat")] == 4 * 4 and edges[("seq_relu", "cat")] == 3 * 4
+    index = {name: i for i, name in enumerate(graph.nodes)}
+    assert all(index[s] < index[d] for s, d, _ in graph.edges)
+    g = graph.nx
+    assert networkx.is_directed_acyclic_graph(g)
+    assert set(g.nodes) == set(graph.nodes)
+    assert g.edges["cat", "head"]["bytes"] == 7 * 4
+    assert isinstance(g.nodes["head"]["node"], LayerNode)
+    assert g.nodes["head"]["forward_flops"] == graph.nodes["head"].forward_flops
+
+
+def test_layer_sharing_inside_one_model_counts_every_call():
+    x = keras.Input((6,))
+    block = L.Dense(6, name="block")
+    h = x
+    for _ in range(3):
+        h = block(h)
+    graph = ModelGraph.from_keras(keras.Model(x, h))
+    assert list(graph.nodes)[1:] == ["block", "block#1", "block#2"]
+    assert graph.forward_flops == 3 * (2 * 36 + 6)
+    assert graph.params == 42 and len(graph.variables) == 2
+
+
+def test_sequential_built_without_input_layer():
+    model = keras.Sequential([L.Dense(5, name="d0"), L.Dense(2, name="d1")])
+    with pytest.raises(GraphError, match="not built"):
+        ModelGraph.from_keras(model)
+    model.build((None, 3))
+    graph = ModelGraph.from_keras(model)
+    assert [n.kind for n in graph.nodes.values()] == ["input", "layer", "layer"]
+    assert graph.nodes["d0"].input_shapes == [(3,)]
+    assert graph.params == model.count_params() == 3 * 5 + 5 + 5 * 2 + 2
+
+
+class _Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__(name="subclassed")
+        self.conv = L.Conv2D(4, 3)
+        self.bn = L.BatchNormalization()
+        self.dense = L.Dense(3)
+
+    def call(self, x):
+        return self.dense(keras.ops.mean(self.bn(self.conv(x)), axis=(1, 2)))
+
+
+def test_subclassed_model_is_one_data_parallel_node():
+    model = _Subclassed()
+    with pytest.raises(GraphError, match="not built.*Received"):
+        ModelGraph.from_keras(model)
+    model(keras.ops.ones((2, 8, 8, 3)))
+    graph = ModelGraph.from_keras(model)
+    assert graph.data_parallel_only
+    assert list(graph.nodes) == ["subclassed"] and graph.nodes["subclassed"].kind == "model"
+    assert any("data-parallel" in w for w in graph.warnings)
+    assert [v.name for v in graph.variables] == [v.path for v in model.trainable_weights]
+    assert graph.params == model.count_params()
+    node = graph.nodes["subclassed"]
+    assert node.input_shapes == [(8, 8, 3)] and node.output_shapes == [(3,)]
+    # Built sublayers are costed: conv (6*6*4 outputs x 27 taps) + dense (4 -> 3).
+    assert node.multiply_adds == 6 * 6 * 4 * 27 + 4 * 3
+    assert node.non_trainable_bytes == 2 * 4 * 4  # BN moving mean and variance
+    assert node.estimated
+
+
+def test_not_a_model_is_rejected():
+    with pytest.raises(GraphError, match="Received: .*Dense"):
+        ModelGraph.from_keras(L.Dense(3))
+
+
+def test_to_dict_is_json_and_round_trips(siamese):
+    _, graph = siamese
+    data = json.loads(json.dumps(graph.to_dict()))
+    for key in ("nodes", "edges", "forward_flops", "params", "param_bytes", "warnings"):
+        assert key in data
+    assert data["params"] == graph.params and data["forward_flops"] == graph.forward_flops
+    again = ModelGraph.from_dict(data)
+    assert again.to_dict() == graph.to_dict()
+    assert again.fingerprint() == graph.fingerprint()
+    assert isinstance(again.variables[0], TensorInfo)
+    assert again.variables[0] is again.nodes["shared"].variables[0]
+    with pytest.raises(GraphError, match="schema version"):
+        ModelGraph.from_dict({"nodes": []})
+
+
+def test_summary_lists_nodes_and_totals(siamese):
+    _, graph = siamese
+    text = graph.summary()
+    for name in graph.nodes:
+        assert name in text
+    assert f"Params: {graph.params:,}" in text
+    short = graph.summary(max_rows=3)
+    assert "(9 more)" in short
+
+
+def _anonymous_mlp(units=32):
+    inputs = keras.Input((16,))
+    x = L.Dense(units, activation="relu")(inputs)
+    x = L.BatchNormalization()(x)
+    return keras.Model(inputs, L.Dense(4)(x))
+
+
+def test_fingerprint_ignores_generated_names_but_not_structure():
+    first = ModelGraph.from_keras(_anonymous_mlp())
+    second = ModelGraph.from_keras(_anonymous_mlp())
+    assert list(first.nodes) != list(second.nodes)  # Keras numbered the layers anew
+    assert first.fingerprint() == second.fingerprint()
+    assert ModelGraph.from_keras(_anonymous_mlp(units=33)).fingerprint() != first.fingerprint()
+
+
+def test_fingerprint_stable_across_processes():
+    for _ in range(3):  # shift this process's automatic layer numbering
+        _anonymous_mlp()
+    expected = ModelGraph.from_keras(_anonymous_mlp()).fingerprint()
+    code = (
+        "import sys; sys.path.insert(0, 'tests')\n"
+        "from test_graph_structure import _anonymous_mlp\n"
+        "from autodist_keras.graph import ModelGraph\n"
+        "print(ModelGraph.from_keras(_anonymous_mlp()).fingerprint())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == expected
