@@ -3,7 +3,11 @@
 ```
 autodist-keras devices [--cluster SPEC] [--json]
 autodist-keras graph --model MODEL [--json]
+autodist-keras plan --model MODEL --cluster SPEC [--strategy NAME] [--batch-size N] [--json] [--out plan.json]
+autodist-keras simulate --model MODEL --cluster SPEC --plan PLAN.json [--trace out.json] [--json]
 ```
+
+Every step time these commands print is predicted by the simulator, not measured.
 
 MODEL is a keras.applications name (e.g. `ResNet50`, built without weights),
 a built-in zoo name (`mlp`, `small_cnn`, `transformer_encoder`, `bert_large`),
@@ -55,6 +59,117 @@ def _cmd_graph(args):
     return 0
 
 
+def _load_graph(spec):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from autodist_keras.graph import ModelGraph
+    from autodist_keras.graph import load_model
+
+    return ModelGraph.from_keras(load_model(spec))
+
+
+def _cmd_plan(args):
+    import time
+
+    from autodist_keras.strategies import selection
+    from autodist_keras.strategies.auto import BASELINE_FOR_NAME
+    from autodist_keras.strategies.auto import FAMILY_NAMES
+    from autodist_keras.strategies.auto import STRATEGY_NAMES
+    from autodist_keras.errors import StrategyError
+
+    if args.strategy not in STRATEGY_NAMES:
+        raise StrategyError(
+            f"Unknown strategy; valid names: {', '.join(STRATEGY_NAMES)}. "
+            f"Received: {args.strategy!r}"
+        )
+    cluster = _cluster(args.cluster)
+    graph = _load_graph(args.model)
+    batch_size = args.batch_size or 32 * len(cluster)
+    started = time.perf_counter()
+    if args.strategy == "auto":
+        plan, candidates = selection.choose_plan(
+            graph, cluster, batch_size, use_cache=False, show_progress=not args.json
+        )
+    else:
+        families = [args.strategy] if args.strategy in FAMILY_NAMES else []
+        candidates = selection.build_candidates(graph, cluster, batch_size, families=families)
+        wanted = BASELINE_FOR_NAME.get(args.strategy, args.strategy)
+        chosen = [c for c in candidates if c.name == wanted and c.plan is not None]
+        if not chosen:
+            reason = next((c.reason for c in candidates if c.name == wanted), "not built")
+            raise StrategyError(f"No {args.strategy} plan: {reason}. Received: {args.strategy!r}")
+        plan = chosen[0].plan
+        plan.prediction.baselines = {c.name: c.to_dict() for c in candidates}
+    planning_time = time.perf_counter() - started
+    by_name = {c.name: c for c in candidates}
+    even = by_name.get("data_parallel_even") or by_name.get("single_device")
+    result = {
+        "strategy": plan.provenance.planner,
+        "requested": args.strategy,
+        "model": args.model,
+        "cluster": args.cluster,
+        "devices": len(cluster),
+        "batch_size": batch_size,
+        "predicted_step_time_s": plan.prediction.step_time_s,
+        "baselines": {
+            c.name: {"predicted_step_time_s": c.step_time_s, "feasible": c.feasible,
+                     "reason": c.reason}
+            for c in candidates
+        },
+        "speedup_vs_even": (
+            even.step_time_s / plan.prediction.step_time_s
+            if even is not None and even.step_time_s else None
+        ),
+        "planning_time_s": planning_time,
+        "feasible": plan.prediction.feasible,
+        "memory_per_device": dict(plan.prediction.peak_memory_bytes),
+        "notes": list(plan.notes),
+        "predicted": "all step times are simulator predictions, not measurements",
+    }
+    if args.out:
+        plan.to_json(args.out)
+        result["plan_file"] = args.out
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        from autodist_keras.strategies.explain import explanation
+        from autodist_keras.strategies.explain import render_text
+
+        print(render_text(explanation(plan, cluster, strategy_name=args.strategy)))
+        print(f"planning time: {planning_time:.2f} s (measured)")
+        if args.out:
+            print(f"plan written to {args.out}")
+    return 0
+
+
+def _cmd_simulate(args):
+    from autodist_keras.estimator import simulate
+    from autodist_keras.strategies.plan import Plan
+
+    cluster = _cluster(args.cluster)
+    graph = _load_graph(args.model)
+    plan = Plan.from_json(args.plan)
+    result = simulate(graph, cluster, plan)
+    if args.trace:
+        result.export_trace(args.trace)
+    if args.json:
+        prediction = result.to_prediction()
+        print(json.dumps({
+            "predicted_step_time_s": result.step_time_s,
+            "feasible": result.feasible,
+            "infeasible_reason": result.infeasible_reason,
+            "critical_device": result.critical_device,
+            "per_device": prediction.per_device,
+            "peak_memory_bytes": prediction.peak_memory_bytes,
+            "trace": args.trace,
+            "source": prediction.source,
+        }, indent=2))
+    else:
+        print(result.summary())
+        if args.trace:
+            print(f"Chrome trace written to {args.trace} (open in Perfetto)")
+    return 0
+
+
 def build_parser():
     """Returns the argparse parser of the `autodist-keras` command."""
     parser = argparse.ArgumentParser(
@@ -72,6 +187,24 @@ def build_parser():
     p.add_argument("--model", required=True, help="ResNet50, mlp, a .keras file or module:function")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_graph)
+
+    p = sub.add_parser("plan", help="plan for a cluster without owning it (predicted figures)")
+    p.add_argument("--model", required=True, help="ResNet50, mlp, a .keras file or module:function")
+    p.add_argument("--cluster", required=True, help="YAML spec, '2xV100,4x1080Ti' or 'cpu_testbed'")
+    p.add_argument("--strategy", default="auto", help="auto, fastt, heterog, disco, "
+                   "data_parallel, proportional or single_device")
+    p.add_argument("--batch-size", type=int, default=None, help="global batch (default 32 x devices)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--out", default=None, help="write the plan as JSON to this file")
+    p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("simulate", help="predict one training step of a plan")
+    p.add_argument("--model", required=True)
+    p.add_argument("--cluster", required=True)
+    p.add_argument("--plan", required=True, help="plan JSON file (from `plan --out`)")
+    p.add_argument("--trace", default=None, help="write a Chrome trace JSON here")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_simulate)
     return parser
 
 

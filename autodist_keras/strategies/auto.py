@@ -23,7 +23,12 @@ from autodist_keras.errors import StrategyError
 from autodist_keras.strategies.plan import Plan
 
 STRATEGY_NAMES = ("auto", "single_device", "data_parallel", "proportional", "fastt", "heterog", "disco")
-NOT_YET = ("fastt", "heterog", "disco")
+FAMILY_NAMES = ("fastt", "heterog", "disco")
+BASELINE_FOR_NAME = {
+    "single_device": "single_device",
+    "data_parallel": "data_parallel_even",
+    "proportional": "proportional",
+}
 OPTION_NAMES = (
     "sync",  # "allreduce" or "ps"
     "ps_server",  # device name for PS sync
@@ -71,7 +76,9 @@ class AutoStrategy:
                 f"Unknown strategy {strategy!r}. Valid names: {', '.join(STRATEGY_NAMES)}. "
                 f"Received: strategy={strategy!r}"
             )
-        if strategy in NOT_YET:
+        from autodist_keras.strategies.selection import available_families
+
+        if strategy in FAMILY_NAMES and strategy not in available_families():
             raise StrategyError(
                 f"The {strategy!r} planner is not available yet in this version of "
                 "autodist_keras. Use strategy='auto', 'proportional', 'data_parallel' or "
@@ -103,6 +110,7 @@ class AutoStrategy:
         self.plan = plan
         self.graph = None
         self.measured = {}
+        self.candidates = []
         self._adapter = None
         self._models = []
 
@@ -156,6 +164,29 @@ class AutoStrategy:
         if model not in self._models:
             self._models.append(model)
         self.adapter.attach(model)
+        self._time_fit(model)
+
+    def _time_fit(self, model):
+        """Wraps `model.fit` to measure step times for `explain()` (measured, not predicted)."""
+        if getattr(model, "_autodist_fit_timed", False):
+            return
+        original_fit = model.fit
+        strategy = self
+
+        def fit(*args, **kwargs):
+            from autodist_keras.timing import StepTimer
+
+            if len(args) > 5:  # callbacks passed positionally: leave them alone
+                return original_fit(*args, **kwargs)
+            timer = StepTimer(warmup=2)
+            kwargs["callbacks"] = list(kwargs.get("callbacks") or []) + [timer]
+            history = original_fit(*args, **kwargs)
+            if timer.median_s is not None:
+                strategy.measured = {"step_time_s": timer.median_s, "steps": len(timer.times_s)}
+            return history
+
+        model.fit = fit
+        model._autodist_fit_timed = True
 
     # ------------------------------------------------------------- planning
     def plan_for(self, model, batch_size):
@@ -186,34 +217,76 @@ class AutoStrategy:
         return self.plan
 
     def _build_plan(self, graph, batch_size):
-        from autodist_keras.strategies import baselines
+        from autodist_keras.strategies import selection
 
         opts = {k: v for k, v in self.options.items() if k != "timeout_s"}
-        name = self.name
-        if name == "single_device":
-            return baselines.single_device(
-                graph, self.cluster, batch_size,
-                device=self.devices[0] if len(self.devices) == 1 else None,
-                bucket_bytes=opts.get("bucket_bytes", baselines.DDP_BUCKET_BYTES),
+        executable = getattr(self.adapter, "can_execute", None)
+        if self.name == "auto":
+            plan, self.candidates = selection.choose_plan(
+                graph, self.cluster, batch_size, devices=self.devices,
+                options=dict(opts, backend=self.adapter.name),
+                show_progress=True, executable=executable,
             )
-        if name == "data_parallel":
-            opts.pop("speeds", None)
-            return baselines.data_parallel_even(
-                graph, self.cluster, batch_size, devices=self.devices, **opts
-            )
-        # "auto" uses the proportional baseline until the planners land.
-        return baselines.proportional(graph, self.cluster, batch_size, devices=self.devices, **opts)
+            return plan
+        families = [self.name] if self.name in FAMILY_NAMES else []
+        sync_opts = {k: opts[k] for k in ("algorithm", "bucket_bytes") if k in opts}
+        self.candidates = selection.build_candidates(
+            graph, self.cluster, batch_size, devices=self.devices, families=families,
+            options=sync_opts, executable=executable,
+        )
+        wanted = BASELINE_FOR_NAME.get(self.name, self.name)
+        if self.name in BASELINE_FOR_NAME and set(opts) - {"algorithm", "bucket_bytes"}:
+            # Options such as sync="ps", ps_server, speeds or buckets shape the plan itself.
+            from autodist_keras.estimator import simulate
+            from autodist_keras.strategies import baselines
+
+            builder = {
+                "single_device": baselines.single_device,
+                "data_parallel": baselines.data_parallel_even,
+                "proportional": baselines.proportional,
+            }[self.name]
+            if self.name == "single_device":
+                plan = builder(graph, self.cluster, batch_size, device=opts.get("device"))
+            else:
+                if self.name == "data_parallel":
+                    opts.pop("speeds", None)
+                plan = builder(graph, self.cluster, batch_size, devices=self.devices, **opts)
+            plan.prediction = simulate(graph, self.cluster, plan).to_prediction()
+        else:
+            chosen = [c for c in self.candidates if c.name == wanted]
+            if not chosen or chosen[0].plan is None:
+                reason = chosen[0].reason if chosen else "not built"
+                raise StrategyError(
+                    f"The {self.name!r} plan could not be made for this model and cluster: "
+                    f"{reason}. Try strategy='auto'. Received: strategy={self.name!r}"
+                )
+            plan = chosen[0].plan
+            if chosen[0].executable is False:
+                raise StrategyError(
+                    f"The {self.name!r} plan cannot run on the {self.adapter.name} backend "
+                    f"yet: {chosen[0].reason}. Use strategy='auto' to pick a plan that runs, "
+                    f"or plan with the CLI. Received: strategy={self.name!r}"
+                )
+        plan.prediction.baselines = {c.name: c.to_dict() for c in self.candidates}
+        return plan
 
     # -------------------------------------------------------------- explain
     def explain(self, format="text"):
-        """Describes the plan in force and what it is predicted to cost.
+        """Describes the plan in force, why it was chosen, and what the alternatives cost.
+
+        Every figure from the simulator is labelled predicted; after `fit`,
+        the measured median step time appears beside the predicted one.
 
         Args:
-            format: `"text"` for a readable summary or `"json"` for a dict.
+            format: `"text"` (rich tables in a terminal, plain text otherwise)
+                or `"json"` (a dict).
 
         Returns:
             A string (text) or a dict (json).
         """
+        from autodist_keras.strategies.explain import explanation
+        from autodist_keras.strategies.explain import render_text
+
         if format not in ("text", "json"):
             raise StrategyError(f"format must be 'text' or 'json'. Received: {format!r}")
         if self.plan is None:
@@ -222,13 +295,42 @@ class AutoStrategy:
                 "compiled inside strategy.scope()."
             )
             return {"plan": None, "message": message} if format == "json" else message
+        data = explanation(self.plan, self.cluster, measured=self.measured, strategy_name=self.name)
         if format == "json":
-            return {
-                "strategy": self.name,
-                "plan": self.plan.to_dict(),
-                "measured": dict(self.measured),
-            }
-        lines = [f"AutoStrategy({self.name!r}) on {len(self.cluster)} device(s)", self.plan.summary()]
-        for key, value in self.measured.items():
-            lines.append(f"  measured {key}: {value}")
-        return "\n".join(lines)
+            data["plan"] = self.plan.to_dict()
+            return data
+        return render_text(data)
+
+    def _simulation(self):
+        from autodist_keras.estimator import simulate
+
+        if self.plan is None or self.graph is None:
+            raise StrategyError(
+                "No plan yet: call model.fit (or strategy.plan_for(model, batch_size)) first."
+            )
+        return simulate(self.graph, self.cluster, self.plan)
+
+    def export_trace(self, path):
+        """Writes the simulated timeline of the plan as a Chrome trace (predicted).
+
+        Args:
+            path: JSON file to write; open it in Perfetto or chrome://tracing.
+
+        Returns:
+            The path.
+        """
+        return self._simulation().export_trace(path)
+
+    def plot(self, path):
+        """Draws the simulated timeline of the plan as a Gantt chart (PNG, predicted).
+
+        Args:
+            path: PNG file to write.
+
+        Returns:
+            The path.
+        """
+        from autodist_keras.strategies.gantt import plot_timeline
+
+        return plot_timeline(self._simulation(), path, title=f"{self.plan.provenance.planner} "
+                             "plan: simulated step (predicted)")

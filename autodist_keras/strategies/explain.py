@@ -1,0 +1,209 @@
+"""explain(): what was chosen, why, and what the alternatives would cost.
+
+Every figure from the simulator is labelled "predicted"; step times measured
+during `fit` appear beside them as "measured".
+"""
+
+import io
+import sys
+
+
+def _ms(seconds):
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
+def _mib(nbytes):
+    return None if nbytes is None else round(nbytes / 2**20, 1)
+
+
+def explanation(plan, cluster, candidates=None, measured=None, strategy_name="auto"):
+    """Builds the machine-readable explanation of a plan.
+
+    Args:
+        plan: The `Plan` in force (with its `prediction`).
+        cluster: The `Cluster`.
+        candidates: Candidate dicts by name (default: `plan.prediction.baselines`).
+        measured: Dict of measured figures (e.g. `step_time_s`, `steps`).
+        strategy_name: The strategy name the user asked for.
+
+    Returns:
+        A JSON-ready dict.
+    """
+    prediction = plan.prediction
+    if candidates is None:
+        candidates = dict(prediction.baselines) if prediction is not None else {}
+    device_rows = []
+    layers_on = {}
+    shares_on = {}
+    for group in plan.groups:
+        for replica in group.replicas:
+            layers_on.setdefault(replica.device, 0)
+            layers_on[replica.device] += len(group.layers)
+            shares_on.setdefault(replica.device, []).append(replica.batch_share)
+    for name in plan.devices:
+        device = cluster.device(name)
+        per = (prediction.per_device.get(name, {}) if prediction is not None else {})
+        step = prediction.step_time_s if prediction is not None else None
+        busy = per.get("busy_s")
+        device_rows.append(
+            {
+                "device": name,
+                "model": device.model,
+                "batch_share": shares_on[name][0] if plan.is_data_parallel else None,
+                "layers": layers_on[name],
+                "predicted_busy_ms": _ms(busy),
+                "predicted_utilisation": (round(busy / step, 3) if busy and step else None),
+                "predicted_peak_memory_mib": _mib(per.get("peak_memory_bytes")),
+                "memory_mib": _mib(device.memory_bytes),
+            }
+        )
+    sync = {}
+    for spec in plan.sync.values():
+        key = f"ps@{spec.server}" if spec.method == "ps" else f"allreduce/{spec.algorithm}"
+        sync[key] = sync.get(key, 0) + 1
+    even = candidates.get("data_parallel_even") or candidates.get("single_device")
+    speedup = None
+    if prediction is not None and even and even.get("predicted_step_time_s"):
+        speedup = round(even["predicted_step_time_s"] / prediction.step_time_s, 3)
+    why = [n[len("auto: "):] for n in plan.notes if n.startswith("auto: ")]
+    if not why:
+        why = [f"{plan.provenance.planner} plan requested with strategy={strategy_name!r}"]
+    return {
+        "strategy": strategy_name,
+        "chosen": plan.provenance.planner,
+        "why": why,
+        "notes": [n for n in plan.notes if not n.startswith("auto: ")],
+        "global_batch_size": plan.global_batch_size,
+        "predicted": None if prediction is None else {
+            "step_time_ms": _ms(prediction.step_time_s),
+            "compute_ms": _ms(prediction.compute_s),
+            "exposed_comm_ms": _ms(prediction.exposed_comm_s),
+            "idle_ms": _ms(prediction.idle_s),
+            "feasible": prediction.feasible,
+            "source": prediction.source,
+        },
+        "measured": dict(measured or {}),
+        "speedup_vs_even_predicted": speedup,
+        "devices": device_rows,
+        "sync": sync,
+        "buckets": {
+            "count": len(plan.buckets),
+            "sizes": [len(b) for b in plan.buckets],
+        },
+        "op_fusion_regions": len(plan.op_fusion),
+        "candidates": [
+            dict(c, name=name) if "name" not in c else dict(c) for name, c in candidates.items()
+        ],
+        "planning_time_s": round(plan.provenance.planning_time_s, 4),
+    }
+
+
+def render_text(data, use_rich=None):
+    """Renders `explanation()` output as text: rich tables in a terminal, plain otherwise.
+
+    Args:
+        data: The dict from `explanation()`.
+        use_rich: Force rich (True) or plain (False); default: rich when
+            stdout is a terminal.
+
+    Returns:
+        A string.
+    """
+    if use_rich is None:
+        use_rich = sys.stdout.isatty()
+    if use_rich:
+        return _render_rich(data)
+    return _render_plain(data)
+
+
+def _fmt(value, suffix=""):
+    return "-" if value is None else f"{value}{suffix}"
+
+
+def _header_lines(data):
+    lines = [f"AutoStrategy({data['strategy']!r}): chose {data['chosen']}"]
+    lines += [f"  why: {w}" for w in data["why"]]
+    p = data["predicted"]
+    if p is not None:
+        lines.append(
+            f"  predicted step time: {p['step_time_ms']} ms (compute {p['compute_ms']} ms, "
+            f"exposed communication {p['exposed_comm_ms']} ms, idle {p['idle_ms']} ms; "
+            f"{p['source']})"
+        )
+    m = data["measured"]
+    if m.get("step_time_s") is not None:
+        lines.append(
+            f"  measured step time: {m['step_time_s'] * 1e3:.3f} ms "
+            f"(median of {m.get('steps', '?')} steps after warm-up)"
+        )
+    if data["speedup_vs_even_predicted"] is not None:
+        lines.append(f"  predicted speedup over even data parallelism: "
+                     f"{data['speedup_vs_even_predicted']}x")
+    lines.append(
+        f"  sync: {', '.join(f'{k} x{v}' for k, v in data['sync'].items())}; "
+        f"{data['buckets']['count']} gradient bucket(s); "
+        f"{data['op_fusion_regions']} op-fusion region(s)"
+    )
+    lines += [f"  note: {n}" for n in data["notes"]]
+    return lines
+
+
+DEVICE_COLUMNS = [
+    ("device", "device"), ("model", "model"), ("batch_share", "batch share"),
+    ("layers", "layers"), ("predicted_busy_ms", "busy ms (pred.)"),
+    ("predicted_utilisation", "util. (pred.)"),
+    ("predicted_peak_memory_mib", "peak MiB (pred.)"), ("memory_mib", "memory MiB"),
+]
+CANDIDATE_COLUMNS = [
+    ("name", "candidate"), ("predicted_step_time_s", "step ms (pred.)"),
+    ("feasible", "feasible"), ("executable", "runs here"), ("planning_time_s", "planning s"),
+]
+
+
+def _cell(key, value):
+    if key == "predicted_step_time_s":
+        return _fmt(_ms(value))
+    if key == "planning_time_s" and value is not None:
+        return f"{value:.3f}"
+    return _fmt(value)
+
+
+def _render_plain(data):
+    lines = _header_lines(data)
+    lines.append("")
+    widths = [max(len(title), 10) for _, title in DEVICE_COLUMNS]
+    lines.append("  ".join(t.ljust(w) for (_, t), w in zip(DEVICE_COLUMNS, widths)))
+    for row in data["devices"]:
+        lines.append("  ".join(_cell(k, row[k]).ljust(w) for (k, _), w in zip(DEVICE_COLUMNS, widths)))
+    if data["candidates"]:
+        lines.append("")
+        widths = [max(len(title), 22 if k == "name" else 10) for k, title in CANDIDATE_COLUMNS]
+        lines.append("  ".join(t.ljust(w) for (_, t), w in zip(CANDIDATE_COLUMNS, widths)))
+        for c in data["candidates"]:
+            lines.append("  ".join(_cell(k, c.get(k)).ljust(w)
+                                   for (k, _), w in zip(CANDIDATE_COLUMNS, widths)))
+    return "\n".join(lines)
+
+
+def _render_rich(data):
+    from rich.console import Console
+    from rich.table import Table
+
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=True, width=120)
+    for line in _header_lines(data):
+        console.print(line, highlight=False, markup=False)
+    table = Table(title="Devices (predicted figures from the simulator)")
+    for _, title in DEVICE_COLUMNS:
+        table.add_column(title)
+    for row in data["devices"]:
+        table.add_row(*[_cell(k, row[k]) for k, _ in DEVICE_COLUMNS])
+    console.print(table)
+    if data["candidates"]:
+        table = Table(title="Candidates (predicted)")
+        for _, title in CANDIDATE_COLUMNS:
+            table.add_column(title)
+        for c in data["candidates"]:
+            table.add_row(*[_cell(k, c.get(k)) for k, _ in CANDIDATE_COLUMNS])
+        console.print(table)
+    return buffer.getvalue()

@@ -1,0 +1,64 @@
+"""Gantt charts of simulated step timelines (matplotlib PNG)."""
+
+from autodist_keras.errors import StrategyError
+
+KIND_COLORS = {
+    "forward": "#4c72b0",
+    "backward": "#dd8452",
+    "update": "#55a868",
+    "transfer": "#8172b3",
+    "allreduce": "#c44e52",
+    "ps_push": "#937860",
+    "ps_pull": "#da8bc3",
+    "ps_update": "#8c8c8c",
+}
+
+
+def plot_timeline(result, path, title="Simulated step (predicted)"):
+    """Draws a `SimResult` timeline as a Gantt chart, one row per device and stream.
+
+    Args:
+        result: The simulator's `SimResult`.
+        path: PNG file to write.
+        title: Chart title; keep the word "predicted" in it.
+
+    Returns:
+        The path.
+
+    Raises:
+        StrategyError: If matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError:
+        raise StrategyError(
+            "plot() needs matplotlib: pip install 'autodist-keras[plot]'. Received: no matplotlib"
+        ) from None
+    rows = []
+    for event in result.timeline:
+        key = (event.device, event.stream)
+        if key not in rows:
+            rows.append(key)
+    rows.sort()
+    index = {key: i for i, key in enumerate(rows)}
+    fig, ax = plt.subplots(figsize=(12, 0.45 * len(rows) + 1.5))
+    for event in result.timeline:
+        y = index[(event.device, event.stream)]
+        ax.barh(y, (event.end - event.start) * 1e3, left=event.start * 1e3, height=0.8,
+                color=KIND_COLORS.get(event.kind, "#999999"), linewidth=0)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"{d} {s}" for d, s in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("time in step (ms, predicted)")
+    ax.set_title(f"{title}: {result.step_time_s * 1e3:.2f} ms")
+    kinds = sorted({e.kind for e in result.timeline})
+    ax.legend(handles=[Patch(color=KIND_COLORS.get(k, "#999999"), label=k) for k in kinds],
+              loc="upper right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
