@@ -71,7 +71,7 @@ from autodist_keras.strategies.plan import write_text_atomic
 
 ADAM_SLOTS = 2  # optimizer state tensors per parameter (Adam: m and v)
 
-_COMPUTE, _XFER, _COLLECTIVE, _UPDATE = 0, 1, 2, 3
+_COMPUTE, _XFER, _COLLECTIVE, _UPDATE, _BARRIER = 0, 1, 2, 3, 4
 
 
 @dataclasses.dataclass
@@ -131,10 +131,12 @@ class SimResult:
         peak_memory_bytes: Dict from device name to predicted peak bytes.
         feasible: False when some device's memory is exceeded.
         infeasible_reason: Which devices are short and by how many bytes.
-        timeline: List of `SimEvent`, sorted by start time.
         critical_device: The device that finishes last.
         num_tasks: Number of simulated tasks.
         cost_model: The cost model's description.
+
+    The `timeline` property lists every `SimEvent`, sorted by start time; it
+    is built on first access (a large simulation has tens of thousands).
     """
 
     step_time_s: float
@@ -142,10 +144,20 @@ class SimResult:
     peak_memory_bytes: dict
     feasible: bool
     infeasible_reason: Optional[str]
-    timeline: list
     critical_device: Optional[str]
     num_tasks: int = 0
     cost_model: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def timeline(self):
+        """Every simulated interval as a `SimEvent`, sorted by start time."""
+        cached = self.__dict__.get("_timeline")
+        if cached is None:
+            source = self.__dict__.get("_timeline_source")
+            cached = _build_timeline(*source) if source is not None else []
+            self.__dict__["_timeline"] = cached
+            self.__dict__.pop("_timeline_source", None)
+        return cached
 
     def to_prediction(self):
         """Returns the result as a `strategies.plan.Prediction` (labelled predicted)."""
@@ -522,18 +534,20 @@ class _Simulation:
         def rep(gi, ri):
             return alias[gi][ri]
 
+        same_group_pairs = []
+        for gi, group in enumerate(plan.groups):
+            reps = [ri for ri in range(len(group.replicas)) if alias[gi][ri] == ri]
+            pairs = [(ri, ri, group.replicas[ri].batch_share) for ri in reps]
+            same_group_pairs.append([p for p in pairs if p[2] > 0] or pairs)
+
         # Data dependencies and activation transfers.
         for src, dst, nbytes in graph.edges:
             gs, gd = layer_group[src], layer_group[dst]
             if gs == gd:
-                pairs = [(ri, ri, s) for ri, s in enumerate(plan.groups[gs].shares) if s > 0]
-                if not pairs:
-                    pairs = [(ri, ri, 0) for ri in range(len(plan.groups[gs].replicas))]
+                pairs = same_group_pairs[gs]
             else:
                 pairs = list(_overlaps(group_ranges[gs], group_ranges[gd]))
             for rs, rd, samples in pairs:
-                if gs == gd and rep(gs, rs) != rs:
-                    continue
                 ds, dd = group_devs[gs][rs], group_devs[gd][rd]
                 fs, fd = F[(src, rep(gs, rs))], F[(dst, rep(gd, rd))]
                 bs, bd = B[(src, rep(gs, rs))], B[(dst, rep(gd, rd))]
@@ -605,6 +619,7 @@ class _Simulation:
 
         comm_last = {}
         self.comm_tasks = []
+        self._done_barrier = {}
         for bi, bucket in enumerate(buckets):
             parts = {}
             for v in bucket:
@@ -706,21 +721,31 @@ class _Simulation:
                 self.cost.update_time(nbytes, self.devs[di], ntensors), di, None,
                 self.update_prio, (di,), "update",
             )
-            compute = self.dev_compute[di] or self._rep_compute(di)
-            for c in compute:
-                T.dep(c, t)
+            T.dep(self._compute_done(self._rep_device(di)), t)
             for c in update_deps[di]:
                 T.dep(c, t)
 
-    def _rep_compute(self, di):
-        """Compute tasks of the representative an aliased device copies."""
+    def _rep_device(self, di):
+        """The device whose compute timeline device `di` copies (itself if none)."""
+        if self.dev_compute[di] or len(self.plan.groups) != 1:
+            return di
         group = self.plan.groups[0]
         name = self.dev_names[di]
         for ri, r in enumerate(group.replicas):
             if r.device == name:
-                rep_dev = self.dev_index[group.replicas[self.alias[0][ri]].device]
-                return self.dev_compute[rep_dev]
-        return []
+                return self.dev_index[group.replicas[self.alias[0][ri]].device]
+        return di
+
+    def _compute_done(self, di):
+        """A zero-time barrier task that ends when device `di` has no compute left."""
+        done = self._done_barrier.get(di)
+        if done is None:
+            T = self.tasks
+            done = T.add(_BARRIER, "compute done", 0.0, -1, None, 0, (di,), "barrier")
+            for c in self.dev_compute[di]:
+                T.dep(c, done)
+            self._done_barrier[di] = done
+        return done
 
     # -------------------------------------------------------------- running
     def run(self):
@@ -813,12 +838,8 @@ class _Simulation:
     def _result(self):
         T = self.tasks
         n_dev = len(self.devs)
-        start, end = self.start, self.end
+        start, end, kinds = self.start, self.end, T.kind
         step = max(end) if end else 0.0
-        stream_name = {_COMPUTE: "compute", _UPDATE: "compute", _XFER: "comm", _COLLECTIVE: "comm"}
-        timeline = []
-        compute_iv = [[] for _ in range(n_dev)]
-        comm_iv = [[] for _ in range(n_dev)]
         # Aliased devices copy their representative's compute timeline.
         copies = {}
         if len(self.plan.groups) == 1:
@@ -828,50 +849,58 @@ class _Simulation:
                 if a != ri:
                     src = self.dev_index[group.replicas[a].device]
                     copies.setdefault(src, []).append(self.dev_index[r.device])
-        for t in range(len(T.kind)):
+        layer_iv = [[] for _ in range(n_dev)]  # forward/backward, shared by copies
+        own_iv = [[] for _ in range(n_dev)]  # updates on the device itself
+        comm_iv = [[] for _ in range(n_dev)]
+        for t in range(len(kinds)):
             s, e = start[t], end[t]
             if e <= s:
                 continue
-            where, evkind = T.where[t]
-            sname = stream_name[T.kind[t]]
-            name = T.name[t]
-            if sname == "compute":
-                di = where[0]
-                targets = [di] + (copies.get(di, []) if T.kind[t] == _COMPUTE else [])
-                for d in targets:
-                    compute_iv[d].append((s, e))
-                    timeline.append(SimEvent(self.dev_names[d], "compute", name, s, e, evkind))
-            else:
+            k = kinds[t]
+            where = T.where[t][0]
+            if k == _COMPUTE:
+                layer_iv[where[0]].append((s, e))
+            elif k == _UPDATE:
+                own_iv[where[0]].append((s, e))
+            elif k != _BARRIER:
                 for d in where:
                     comm_iv[d].append((s, e))
-                    timeline.append(SimEvent(self.dev_names[d], "comm", name, s, e, evkind))
-        timeline.sort(key=lambda ev: (ev.start, ev.device, ev.stream))
-
-        peak_live = list(self.peak_live)
+        source = list(range(n_dev))
         for src, targets in copies.items():
             for d in targets:
-                peak_live[d] = max(peak_live[d], peak_live[src])
+                source[d] = src
+
+        peak_live = list(self.peak_live)
         per_device, peaks, short = {}, {}, []
         last_end = [0.0] * n_dev
-        for d in range(n_dev):
-            for s, e in compute_iv[d] + comm_iv[d]:
-                last_end[d] = max(last_end[d], e)
+        merged_layers = {}
         for d, name in enumerate(self.dev_names):
-            busy = sum(e - s for s, e in compute_iv[d])
-            comm = _union_length(comm_iv[d])
-            exposed = _subtract_length(comm_iv[d], compute_iv[d])
+            src = source[d]
+            if src not in merged_layers:
+                merged_layers[src] = (
+                    _merge(layer_iv[src]), sum(e - s for s, e in layer_iv[src])
+                )
+            merged, layer_busy = merged_layers[src]
+            compute = merged + [list(iv) for iv in own_iv[d]] if own_iv[d] else merged
+            busy = layer_busy + sum(e - s for s, e in own_iv[d])
+            comm_len = _union_length(comm_iv[d])
+            exposed = _subtract_length(comm_iv[d], compute) if comm_iv[d] else 0.0
+            last_end[d] = max(
+                [e for _, e in compute[-1:]] + [e for _, e in own_iv[d]]
+                + [e for _, e in comm_iv[d]] + [0.0]
+            )
+            live = max(peak_live[d], peak_live[src])
             static = self.memory_static[d]
-            peak = int(sum(static.values()) + peak_live[d])
+            peak = int(sum(static.values()) + live)
             capacity = int(self.devs[d].memory_bytes)
-            breakdown = dict(static, activations_peak=int(peak_live[d]))
             per_device[name] = DeviceStats(
                 busy_s=busy,
                 exposed_comm_s=exposed,
                 idle_s=max(step - busy - exposed, 0.0),
-                comm_s=comm,
+                comm_s=comm_len,
                 peak_memory_bytes=peak,
                 memory_bytes=capacity,
-                memory_breakdown=breakdown,
+                memory_breakdown=dict(static, activations_peak=int(live)),
             )
             peaks[name] = peak
             if peak > capacity:
@@ -881,17 +910,43 @@ class _Simulation:
                 )
         critical = None
         if n_dev:
-            best = max(range(n_dev), key=lambda d: (last_end[d], per_device[self.dev_names[d]].busy_s))
+            best = max(
+                range(n_dev), key=lambda d: (last_end[d], per_device[self.dev_names[d]].busy_s)
+            )
             critical = self.dev_names[best]
-        config = self.cost.config() if hasattr(self.cost, "config") else {"type": type(self.cost).__name__}
-        return SimResult(
+        config = (
+            self.cost.config() if hasattr(self.cost, "config")
+            else {"type": type(self.cost).__name__}
+        )
+        result = SimResult(
             step_time_s=step,
             per_device=per_device,
             peak_memory_bytes=peaks,
             feasible=not short,
             infeasible_reason="; ".join(short) if short else None,
-            timeline=timeline,
             critical_device=critical,
-            num_tasks=len(T.kind),
+            num_tasks=len(kinds),
             cost_model=config,
         )
+        result._timeline_source = (T, start, end, copies, list(self.dev_names))
+        return result
+
+
+def _build_timeline(tasks, start, end, copies, dev_names):
+    events = []
+    for t in range(len(tasks.kind)):
+        s, e = start[t], end[t]
+        k = tasks.kind[t]
+        if e <= s or k == _BARRIER:
+            continue
+        where, evkind = tasks.where[t]
+        name = tasks.name[t]
+        if k == _COMPUTE or k == _UPDATE:
+            targets = [where[0]] + (copies.get(where[0], []) if k == _COMPUTE else [])
+            for d in targets:
+                events.append(SimEvent(dev_names[d], "compute", name, s, e, evkind))
+        else:
+            for d in where:
+                events.append(SimEvent(dev_names[d], "comm", name, s, e, evkind))
+    events.sort(key=lambda ev: (ev.start, ev.device, ev.stream))
+    return events
