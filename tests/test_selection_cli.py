@@ -1,0 +1,150 @@
+"""Plan selection, explain() rendering and the command line, on real graphs and clusters."""
+
+import json
+import os
+
+import keras
+import pytest
+
+from autodist_keras.devices import Cluster
+from autodist_keras.errors import StrategyError
+from autodist_keras.graph import ModelGraph
+from autodist_keras.strategies import selection
+from autodist_keras.strategies.explain import explanation
+from autodist_keras.strategies.explain import render_text
+from autodist_keras.strategies.plan import Plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HETERO = os.path.join(ROOT, "examples", "clusters", "hetero_testbed.yaml")
+
+
+def _cnn():
+    inputs = keras.Input((32, 32, 3))
+    x = keras.layers.Conv2D(32, 3, activation="relu")(inputs)
+    x = keras.layers.Conv2D(64, 3, activation="relu")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(10)(x))
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return ModelGraph.from_keras(_cnn())
+
+
+@pytest.fixture(scope="module")
+def hetero():
+    return Cluster.from_yaml(HETERO)
+
+
+def test_choose_plan_picks_fastest_feasible_and_records_alternatives(graph, hetero, tmp_path):
+    plan, candidates = selection.choose_plan(graph, hetero, 256, cache_dir=tmp_path)
+    scored = [c for c in candidates if c.feasible]
+    assert plan.prediction.step_time_s == min(c.step_time_s for c in scored)
+    assert {"single_device", "data_parallel_even", "proportional"} <= set(
+        plan.prediction.baselines
+    )
+    assert plan.validate(graph, hetero) == []
+    assert any(n.startswith("auto: chosen:") for n in plan.notes)
+
+
+def test_plan_cache_is_reused(graph, hetero, tmp_path):
+    first, candidates = selection.choose_plan(graph, hetero, 128, cache_dir=tmp_path)
+    assert candidates
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1
+    second, again = selection.choose_plan(graph, hetero, 128, cache_dir=tmp_path)
+    assert again == []  # nothing planned: read from the cache
+    assert second.groups == first.groups and second.buckets == first.buckets
+    assert any(n.startswith("cache: reused") for n in second.notes)
+    # another batch size is another key
+    selection.choose_plan(graph, hetero, 64, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_damaged_cache_entry_is_replanned(graph, hetero, tmp_path):
+    selection.choose_plan(graph, hetero, 96, cache_dir=tmp_path)
+    (path,) = tmp_path.glob("*.json")
+    path.write_text("{broken")
+    plan, candidates = selection.choose_plan(graph, hetero, 96, cache_dir=tmp_path)
+    assert candidates and Plan.from_json(path).global_batch_size == 96
+
+
+def test_executable_predicate_excludes_plans(graph, hetero, tmp_path):
+    def only_even(plan):
+        ok = plan.provenance.planner == "data_parallel_even"
+        return ok, None if ok else "this test's backend only runs even plans"
+
+    plan, candidates = selection.choose_plan(
+        graph, hetero, 256, use_cache=False, executable=only_even
+    )
+    assert plan.provenance.planner == "data_parallel_even"
+    with pytest.raises(StrategyError, match="No candidate plan"):
+        selection.pick([c for c in candidates if c.name == "single_device"])
+
+
+def test_explain_labels_predictions(graph, hetero):
+    plan, _ = selection.choose_plan(graph, hetero, 256, use_cache=False)
+    data = explanation(plan, hetero, measured={"step_time_s": 0.01, "steps": 30})
+    assert data["predicted"]["source"] == "simulator (predicted)"
+    assert len(data["devices"]) == len(plan.devices)
+    assert data["speedup_vs_even_predicted"] >= 1.0 - 1e-9
+    json.dumps(data)
+    plain = render_text(data, use_rich=False)
+    assert "predicted step time" in plain and "measured step time: 10.000 ms" in plain
+    fancy = render_text(data, use_rich=True)
+    assert "Candidates (predicted)" in fancy
+
+
+class _Run:
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch, tmp_path):
+    """Runs the real CLI entry point in this process (no framework re-import)."""
+    from autodist_keras import cli as cli_module
+
+    monkeypatch.setenv("AUTODIST_KERAS_CACHE", str(tmp_path / "cache"))
+
+    def run(*args):
+        capsys.readouterr()
+        code = cli_module.main(list(args))
+        captured = capsys.readouterr()
+        return _Run(code, captured.out, captured.err)
+
+    return run
+
+
+def test_cli_plan_and_simulate_round_trip(cli, tmp_path):
+    out = tmp_path / "plan.json"
+    trace = tmp_path / "trace.json"
+    run = cli("plan", "--model", "mlp", "--cluster", HETERO, "--json", "--out", str(out))
+    assert run.returncode == 0, run.stderr
+    data = json.loads(run.stdout)
+    for key in ("strategy", "predicted_step_time_s", "baselines", "speedup_vs_even",
+                "planning_time_s", "feasible", "memory_per_device"):
+        assert key in data
+    assert {"data_parallel_even", "proportional"} <= set(data["baselines"])
+    run = cli("simulate", "--model", "mlp", "--cluster", HETERO, "--plan", str(out),
+               "--trace", str(trace), "--json")
+    assert run.returncode == 0, run.stderr
+    sim = json.loads(run.stdout)
+    assert sim["predicted_step_time_s"] == pytest.approx(data["predicted_step_time_s"])
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e["ph"] == "X" for e in events)
+
+
+def test_cli_devices_graph_and_errors(cli):
+    run = cli("devices", "--cluster", "2xV100,4x1080Ti", "--json")
+    assert run.returncode == 0, run.stderr
+    assert len(json.loads(run.stdout)["devices"]) == 6
+    run = cli("graph", "--model", "mlp", "--json")
+    assert run.returncode == 0, run.stderr
+    data = json.loads(run.stdout)
+    for key in ("nodes", "edges", "forward_flops", "params", "param_bytes", "warnings"):
+        assert key in data
+    run = cli("devices", "--cluster", "3xV1OO")
+    assert run.returncode == 2 and "error" in run.stderr and "Traceback" not in run.stderr
+    run = cli("plan", "--model", "mlp", "--cluster", HETERO, "--strategy", "magic")
+    assert run.returncode == 2 and "Received" in run.stderr
