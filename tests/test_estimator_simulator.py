@@ -9,6 +9,7 @@ from autodist_keras.devices import Cluster
 from autodist_keras.errors import ClusterSpecError
 from autodist_keras.errors import PlanError
 from autodist_keras.estimator import AnalyticCostModel
+from autodist_keras.estimator import CostModel
 from autodist_keras.estimator import simulate
 from autodist_keras.estimator import comm
 from autodist_keras.graph import ModelGraph
@@ -367,6 +368,31 @@ def test_a_replacement_cost_model_is_used(chain):
         2 * _compute(chain, base, device, 64) + _update(chain, base, device), rel=1e-12
     )
     assert slow.cost_model["type"] == "TwiceAsSlow"
+
+    class Constant(CostModel):
+        """Not an AnalyticCostModel: 1 ms a layer call, 1 ms an update, 2 ms a reduce."""
+
+        def layer_time(self, node, device, batch, phase):
+            return 1e-3
+
+        def transfer_time(self, nbytes, src, dst):
+            return 0.0
+
+        def allreduce_time(self, nbytes, devices, algorithm="ring"):
+            return 2e-3
+
+        def update_time(self, nbytes, device, num_tensors=1):
+            return 1e-3
+
+        def aggregate_time(self, nbytes, num_inputs, device):
+            return 0.0
+
+    two = Cluster.from_string("2xV100")
+    plan = baselines.data_parallel_even(chain, two, 64, bucket_bytes=float("inf"))
+    result = simulate(chain, two, plan, cost_model=Constant())
+    # The reduce starts after the first layer's backward (the last gradient)
+    # and overlaps the input layer's backward; then the update.
+    assert result.step_time_s == pytest.approx((2 * len(chain.nodes) - 1) * 1e-3 + 2e-3 + 1e-3)
 
 
 def test_invalid_plan_is_rejected(chain):

@@ -51,6 +51,7 @@ t = cost.allreduce_time(100 * 2**20, cluster.names, "ring")
 ```
 """
 
+import copy
 import math
 
 from autodist_keras.errors import EstimatorError
@@ -120,8 +121,16 @@ class CostModel:
         self.cluster = cluster
 
     def with_cluster(self, cluster):
-        """Returns this model bound to `cluster` (itself when already bound)."""
-        raise NotImplementedError
+        """Returns this model bound to `cluster` (itself when already bound).
+
+        The default makes a shallow copy with `cluster` replaced; override it
+        when the model caches anything that depends on the cluster.
+        """
+        if cluster is self.cluster:
+            return self
+        clone = copy.copy(self)
+        clone.cluster = cluster
+        return clone
 
     def layer_time(self, node, device, batch, phase):
         """Time of one call of graph node `node` on `batch` samples.
@@ -223,12 +232,9 @@ class AnalyticCostModel(CostModel):
         }
 
     def with_cluster(self, cluster):
-        if cluster is self.cluster:
-            return self
-        clone = type(self).__new__(type(self))
-        clone.__dict__.update(self.__dict__)
-        clone.cluster = cluster
-        clone._comm = None
+        clone = super().with_cluster(cluster)
+        if clone is not self:
+            clone._comm = None
         return clone
 
     @property
