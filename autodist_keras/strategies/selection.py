@@ -138,7 +138,9 @@ def available_families():
 def _score(graph, cluster, candidate, cost_model):
     from autodist_keras.estimator import simulate
 
-    result = simulate(graph, cluster, candidate.plan, cost_model=cost_model)
+    # Baseline builders validate their plans already; planner plans are checked here.
+    result = simulate(graph, cluster, candidate.plan, cost_model=cost_model,
+                      validate=candidate.family != "baseline")
     prediction = result.to_prediction()
     candidate.plan.prediction = prediction
     candidate.step_time_s = prediction.step_time_s
