@@ -1,0 +1,131 @@
+"""Even vs proportional data parallelism on the heterogeneous CPU testbed (measured).
+
+Three devices on this machine: node0/cpu0 owns core 0; node0/cpu1 and
+node0/cpu2 share core 1. For a convolutional model and an MLP, under each
+Keras backend, it trains with the even and the proportional plan and reports
+the measured median step time over `--steps` steps after `--warmup` steps,
+and the ratio even / proportional measured in the same run. The ideal ratio on
+this testbed is 1.33x (the even split waits for the half-speed devices).
+
+Each (backend, model, plan) case runs in its own process, because the Keras
+backend is fixed per process and TensorFlow's logical devices must be set up
+before it initialises.
+
+Usage:
+    python benchmarks/hetero_testbed.py [--backends tensorflow,torch] [--steps 30]
+
+The last line of output is one JSON object.
+"""
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = {
+    # name: (builder kwargs, input shape, classes, batch size)
+    "cnn": ({"input_shape": (32, 32, 3), "filters": (32, 64)}, (32, 32, 3), 10, 96),
+    "mlp": ({"input_dim": 512, "hidden": (1024, 1024), "num_classes": 10}, (512,), 10, 384),
+}
+
+
+def run_case(model_name, strategy_name, steps, warmup):
+    """Trains one case in this process and returns its measured step times."""
+    import numpy as np
+
+    from autodist_keras import AutoStrategy
+    from autodist_keras import Cluster
+
+    strategy = AutoStrategy(strategy_name, cluster=Cluster.cpu_testbed())
+    import keras
+
+    from autodist_keras.graph import zoo
+    from autodist_keras.timing import StepTimer
+
+    kwargs, shape, classes, batch = MODELS[model_name]
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = zoo.small_cnn(**kwargs) if model_name == "cnn" else zoo.mlp(**kwargs)
+        model.compile(
+            optimizer="sgd",
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    n = batch * (steps + warmup)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, *shape)).astype("float32")
+    y = rng.integers(0, classes, size=(n,)).astype("int32")
+    timer = StepTimer(warmup=warmup)
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+    shares = [r.batch_share for r in strategy.plan.replicas]
+    return {
+        "median_step_s": timer.median_s,
+        "steps": len(timer.times_s),
+        "shares": shares,
+        "predicted_step_s": strategy.plan.prediction.step_time_s
+        if strategy.plan.prediction is not None else None,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", default="tensorflow,torch")
+    parser.add_argument("--models", default="cnn,mlp")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.case:
+        model_name, strategy_name = args.case.split(":")
+        print(json.dumps(run_case(model_name, strategy_name, args.steps, args.warmup)))
+        return
+    results = {}
+    print(f"hetero_testbed: {platform.node()}, {os.cpu_count()} cores, "
+          f"{args.steps} measured steps after {args.warmup} warm-up steps per case")
+    for backend in args.backends.split(","):
+        for model_name in args.models.split(","):
+            row = {}
+            for strategy_name in ("data_parallel", "proportional"):
+                env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
+                started = time.perf_counter()
+                out = subprocess.run(
+                    [sys.executable, __file__, "--case", f"{model_name}:{strategy_name}",
+                     "--steps", str(args.steps), "--warmup", str(args.warmup)],
+                    env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800,
+                )
+                if out.returncode != 0:
+                    print(out.stderr[-3000:], file=sys.stderr)
+                    row[strategy_name] = {"error": out.stderr.strip().splitlines()[-1:]}
+                    continue
+                row[strategy_name] = json.loads(out.stdout.strip().splitlines()[-1])
+                row[strategy_name]["wall_s"] = round(time.perf_counter() - started, 1)
+            even = row.get("data_parallel", {}).get("median_step_s")
+            prop = row.get("proportional", {}).get("median_step_s")
+            row["even_over_proportional"] = round(even / prop, 3) if even and prop else None
+            results[f"{backend}/{model_name}"] = row
+            print(
+                f"{backend:<10} {model_name:<4} even {_ms(even)} ms "
+                f"{row.get('data_parallel', {}).get('shares')}  proportional {_ms(prop)} ms "
+                f"{row.get('proportional', {}).get('shares')}  ratio "
+                f"{row['even_over_proportional']}x (measured, target >= 1.25x, ideal 1.33x)"
+            )
+    ratios = [r["even_over_proportional"] for r in results.values() if r["even_over_proportional"]]
+    print(json.dumps({
+        "benchmark": "hetero_testbed",
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "results": results,
+        "min_ratio": min(ratios) if ratios else None,
+        "target_ratio": 1.25,
+    }))
+
+
+def _ms(seconds):
+    return "n/a" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+if __name__ == "__main__":
+    main()
