@@ -377,6 +377,11 @@ def simulate(graph, cluster, plan, cost_model=None, validate=True, dedupe=True):
         cost_model = AnalyticCostModel(cluster)
     elif hasattr(cost_model, "with_cluster"):
         cost_model = cost_model.with_cluster(cluster)
+    if plan.op_fusion:
+        # Fused regions: absorbed layers lose launches and memory traffic (fusion/op_fusion.py).
+        from autodist_keras.fusion.op_fusion import fused_cost_model
+
+        cost_model = fused_cost_model(cost_model, graph, plan.op_fusion)
     return _Simulation(graph, cluster, plan, cost_model, dedupe).run()
 
 
@@ -596,6 +601,14 @@ class _Simulation:
             for v in node.variables:
                 var_layer.setdefault(v.name, layer)
                 var_bytes.setdefault(v.name, int(v.bytes))
+        heads = {}
+        if plan.op_fusion:
+            from autodist_keras.fusion.op_fusion import region_heads
+
+            heads = {
+                layer: head for layer, head in region_heads(graph, plan.op_fusion).items()
+                if self.layer_group[head] == self.layer_group[layer]
+            }
         buckets = [list(b) for b in (plan.buckets or [])]
         covered = {v for b in buckets for v in b}
         for layer in reversed(list(graph.nodes)):
@@ -637,7 +650,11 @@ class _Simulation:
                 group = plan.groups[gi]
                 members = group_devs[gi]
                 nbytes = sum(var_bytes[v] for v in names)
-                layers = sorted({var_layer[v] for v in names}, key=list(graph.nodes).index)
+                # A fused region's gradients are ready when its first layer's backward ends.
+                layers = sorted(
+                    {heads.get(var_layer[v], var_layer[v]) for v in names},
+                    key=list(graph.nodes).index,
+                )
                 ready = [
                     [B[(layer, self.alias[gi][ri])] for layer in layers]
                     for ri in range(len(members))

@@ -1,0 +1,426 @@
+"""Op fusion: which layers run as one compiled region, and what that saves (predicted).
+
+A plan's `op_fusion` lists regions: groups of layers compiled together. The
+backends realise a region as an XLA `jit_compile` region (TensorFlow) or a
+`torch.compile` region (PyTorch); this module says what a region is worth to
+the estimator and hands the regions to the adapters (`regions_for`).
+
+The fusion cost model (predicted, documented in `docs/disco.md`). A layer is
+*absorbed* by its region when it is memory-bound (roofline category `"other"`:
+BatchNormalization, activations, Add, LayerNormalization, pooling, ...) and at
+least one of its producers is in the same region: the compiler emits it as
+the epilogue of the producer's kernel (forward) and the prologue of the
+backward chain. For an absorbed layer:
+
+- no kernel launches, forward or backward (they were `launch_overhead_s`
+  each);
+- forward: its input is read from registers, not memory, for the inputs that
+  come from producers in the region (the edge bytes from those producers);
+- backward: the gradient of its output is not read from memory when every
+  consumer is an absorbed member of the same region (the gradient never
+  leaves the fused kernel), and the gradient of its input is not written for
+  the inputs whose producers are absorbed members of the region. Its input
+  activation is still read once (backward needs it).
+
+Everything else is unchanged: matmul-like layers (Dense, Conv, attention) in
+a region still run their library kernel with its launch and its memory
+traffic; the first layer of a region is never absorbed; activations are kept
+for backward as before (the simulator's memory model is unchanged). The
+price of fusion is in the simulator, not here: the gradients of every layer
+in a region are ready only when the whole region's backward has finished,
+which delays the all-reduce of the region's buckets.
+
+`FusionAwareCostModel` wraps any cost model: for an absorbed layer it scales
+the wrapped model's answer by `fused roofline / unfused roofline` (the
+analytic roofline of `estimator.cost_model`), so a learned correction keeps
+applying; wrapping `AnalyticCostModel` itself returns the fused roofline.
+
+Example:
+
+```python
+regions = [["conv1", "bn1", "relu1"], ["conv2", "bn2"]]
+cost = FusionAwareCostModel(AnalyticCostModel(cluster), graph, regions)
+t = cost.layer_time(graph.nodes["bn1"], "node0/gpu0", 32, "forward")
+```
+"""
+
+import dataclasses
+
+from autodist_keras.errors import PlanError
+from autodist_keras.estimator.cost_model import PHASES
+from autodist_keras.estimator.cost_model import AnalyticCostModel
+from autodist_keras.estimator.cost_model import CostModel
+from autodist_keras.estimator.cost_model import input_bytes_per_sample
+from autodist_keras.estimator.cost_model import op_category
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionContext:
+    """How a layer sits in its fusion region.
+
+    Args:
+        absorbed: True when the layer is fused into a producer's kernel (it is
+            memory-bound and a producer is in its region).
+        input_read_internal: Fraction of its input bytes that come from
+            producers in its region (not read from memory in forward).
+        input_grad_internal: Fraction of its input bytes whose producers are
+            absorbed members of its region (input gradient not written).
+        output_grad_internal: True when every consumer is an absorbed member
+            of its region (output gradient not read in backward).
+    """
+
+    absorbed: bool = False
+    input_read_internal: float = 0.0
+    input_grad_internal: float = 0.0
+    output_grad_internal: bool = False
+
+
+def is_fusible_follower(node):
+    """True when `node` can be absorbed into a producer's kernel (memory-bound type)."""
+    return node.kind != "input" and op_category(node.layer_type) == "other"
+
+
+def check_regions(graph, regions):
+    """Checks op-fusion regions against a graph.
+
+    Args:
+        graph: The `ModelGraph`.
+        regions: A list of lists of layer (node) names.
+
+    Returns:
+        The regions as a list of lists.
+
+    Raises:
+        PlanError: If a region is not a list, names an unknown layer, or a
+            layer is in two regions.
+    """
+    seen = {}
+    out = []
+    for ri, region in enumerate(regions or ()):
+        if isinstance(region, str) or not hasattr(region, "__iter__"):
+            raise PlanError(
+                f"op_fusion[{ri}] must be a list of layer names. Received: {region!r}"
+            )
+        region = list(region)
+        for layer in region:
+            if layer not in graph.nodes:
+                raise PlanError(
+                    f"op_fusion[{ri}]: unknown layer {layer!r}; fusion regions name graph "
+                    f"nodes such as {list(graph.nodes)[:4]}. Received: {layer!r}"
+                )
+            if layer in seen:
+                raise PlanError(
+                    f"op_fusion[{ri}]: layer {layer!r} is already in region {seen[layer]}; "
+                    f"each layer is in at most one region. Received: {layer!r}"
+                )
+            seen[layer] = ri
+        out.append(region)
+    return out
+
+
+def region_contexts(graph, regions):
+    """The `FusionContext` of every layer in a region.
+
+    Args:
+        graph: The `ModelGraph`.
+        regions: A list of lists of layer names (need not be contiguous).
+
+    Returns:
+        A dict from layer name to `FusionContext`; layers in no region, and
+        regions of a single layer, are left out.
+    """
+    regions = check_regions(graph, regions)
+    if not any(len(region) > 1 for region in regions):
+        return {}
+    producers, consumers = adjacency(graph)
+    contexts = {}
+    for ri, region in enumerate(regions):
+        if len(region) > 1:
+            contexts.update(
+                contexts_of_region(graph, region, producers, consumers, set(graph.outputs))
+            )
+    return contexts
+
+
+def adjacency(graph):
+    """`(producers, consumers)`: dicts from layer name to `[(src, bytes)]` and `[dst]`."""
+    producers, consumers = {}, {}
+    for src, dst, nbytes in graph.edges:
+        producers.setdefault(dst, []).append((src, nbytes))
+        consumers.setdefault(src, []).append(dst)
+    return producers, consumers
+
+
+def contexts_of_region(graph, region, producers, consumers, outputs):
+    """The `FusionContext` of each layer of one region (see `region_contexts`).
+
+    Args:
+        graph: The `ModelGraph`.
+        region: Layer names of the region.
+        producers, consumers: From `adjacency(graph)`.
+        outputs: Set of the graph's output layer names.
+
+    Returns:
+        A dict from layer name to `FusionContext`.
+    """
+    members = set(region)
+    absorbed = {
+        layer: is_fusible_follower(graph.nodes[layer])
+        and any(src in members for src, _ in producers.get(layer, ()))
+        for layer in region
+    }
+    contexts = {}
+    for layer in region:
+        ins = producers.get(layer, ())
+        total = float(sum(b for _, b in ins))
+        read = sum(b for s, b in ins if s in members)
+        grad = sum(b for s, b in ins if s in members and absorbed[s])
+        outs = consumers.get(layer, ())
+        out_internal = bool(outs) and layer not in outputs and all(
+            d in members and absorbed[d] for d in outs
+        )
+        contexts[layer] = FusionContext(
+            absorbed=absorbed[layer],
+            input_read_internal=read / total if total > 0 else 0.0,
+            input_grad_internal=grad / total if total > 0 else 0.0,
+            output_grad_internal=out_internal,
+        )
+    return contexts
+
+
+def roofline_time(analytic, node, device, batch, phase, context=None):
+    """The analytic roofline time of one layer call, fused or not (predicted).
+
+    With `context=None` (or a context that is not absorbed) this is exactly
+    `AnalyticCostModel.layer_time`; for an absorbed layer the memory traffic
+    and the launches listed in the module docs are removed.
+
+    Args:
+        analytic: An `AnalyticCostModel` (its constants are used).
+        node: The `graph.LayerNode`.
+        device: A `Device` or a device name.
+        batch: Samples.
+        phase: `"forward"` or `"backward"`.
+        context: The layer's `FusionContext`, or None.
+
+    Returns:
+        Seconds.
+    """
+    if context is None or not context.absorbed:
+        return analytic.layer_time(node, device, batch, phase)
+    if phase not in PHASES:
+        return analytic.layer_time(node, device, batch, phase)  # raises the usual error
+    category = op_category(node.layer_type)
+    if batch <= 0 or category == "free" or getattr(node, "kind", None) == "input":
+        return 0.0
+    device = analytic._device(device)
+    kind = analytic._kind(device)
+    weight_bytes = sum(v.bytes for v in node.variables) + int(node.non_trainable_bytes or 0)
+    in_bytes = input_bytes_per_sample(node, analytic.dtype_bytes)
+    out_bytes = node.output_bytes
+    if phase == "forward":
+        flops = node.forward_flops * batch
+        moved = weight_bytes + (in_bytes * (1.0 - context.input_read_internal) + out_bytes) * batch
+    else:
+        flops = node.backward_flops * batch
+        out_grad = 0.0 if context.output_grad_internal else out_bytes
+        moved = 2 * weight_bytes + (
+            in_bytes + in_bytes * (1.0 - context.input_grad_internal) + out_grad
+        ) * batch
+    peak = device.peak_flops_fp32
+    efficiency = analytic.compute_efficiency[kind].get(
+        category, analytic.compute_efficiency[kind]["other"]
+    )
+    compute = flops / (peak * efficiency) if flops else 0.0
+    memory = moved / (device.memory_bandwidth * analytic.memory_efficiency[kind])
+    return max(compute, memory)
+
+
+class FusionAwareCostModel(CostModel):
+    """A cost model that prices layers inside op-fusion regions as fused.
+
+    Layers outside regions, and transfers, collectives and updates, are
+    priced by the wrapped model unchanged.
+
+    Args:
+        base: The wrapped `CostModel` (analytic, profiled or learned).
+        graph: The `ModelGraph` the regions refer to.
+        regions: List of lists of layer names (a plan's `op_fusion`).
+        analytic: The `AnalyticCostModel` whose roofline gives the fused /
+            unfused ratio; default `base` when it is analytic, else a default
+            `AnalyticCostModel` on `base`'s cluster.
+
+    Example:
+
+    ```python
+    cost = FusionAwareCostModel(AnalyticCostModel(cluster), graph, plan.op_fusion)
+    result = simulate(graph, cluster, plan, cost_model=cost)
+    ```
+    """
+
+    def __init__(self, base, graph, regions, analytic=None):
+        if base is None:
+            raise PlanError(
+                "FusionAwareCostModel wraps a cost model; pass one (e.g. "
+                "AnalyticCostModel(cluster)). Received: base=None"
+            )
+        super().__init__(getattr(base, "cluster", None))
+        self.base = base
+        self.graph = graph
+        self.regions = check_regions(graph, regions)
+        self.contexts = region_contexts(graph, self.regions)
+        if analytic is None:
+            analytic = base if isinstance(base, AnalyticCostModel) else AnalyticCostModel(
+                self.cluster
+            )
+        self.analytic = analytic
+        self._exact = type(base) is AnalyticCostModel and analytic is base
+
+    def with_cluster(self, cluster):
+        if cluster is self.cluster:
+            return self
+        base = self.base.with_cluster(cluster) if hasattr(self.base, "with_cluster") else self.base
+        analytic = base if self.analytic is self.base else self.analytic.with_cluster(cluster)
+        return FusionAwareCostModel(base, self.graph, self.regions, analytic=analytic)
+
+    def config(self):
+        config = self.base.config() if hasattr(self.base, "config") else {
+            "type": type(self.base).__name__
+        }
+        return dict(
+            config,
+            op_fusion={
+                "regions": len(self.regions),
+                "absorbed_layers": sum(1 for c in self.contexts.values() if c.absorbed),
+            },
+        )
+
+    def context(self, layer):
+        """The `FusionContext` of a layer name, or None outside regions."""
+        return self.contexts.get(layer)
+
+    def layer_time(self, node, device, batch, phase):
+        return self.layer_time_in(node, device, batch, phase, self.contexts.get(node.name))
+
+    def layer_time_in(self, node, device, batch, phase, context):
+        """`layer_time` for a layer in the given `FusionContext` (None: unfused).
+
+        Lets a search price candidate regions without building a model per
+        candidate.
+        """
+        if context is None or not context.absorbed:
+            return self.base.layer_time(node, device, batch, phase)
+        fused = roofline_time(self.analytic, node, device, batch, phase, context)
+        if self._exact:
+            return fused
+        base = self.base.layer_time(node, device, batch, phase)
+        full = self.analytic.layer_time(node, device, batch, phase)
+        return base * fused / full if full > 0 else base
+
+    def transfer_time(self, nbytes, src, dst):
+        return self.base.transfer_time(nbytes, src, dst)
+
+    def allreduce_time(self, nbytes, devices, algorithm="ring"):
+        return self.base.allreduce_time(nbytes, devices, algorithm)
+
+    def update_time(self, nbytes, device, num_tensors=1):
+        return self.base.update_time(nbytes, device, num_tensors)
+
+    def aggregate_time(self, nbytes, num_inputs, device):
+        return self.base.aggregate_time(nbytes, num_inputs, device)
+
+    def __getattr__(self, name):
+        # Anything else (e.g. `link`, `comm`) is the wrapped model's.
+        if name == "base" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+
+def fused_cost_model(base, graph, regions):
+    """Returns `base` wrapped for `regions`, or `base` itself when there are none."""
+    if not regions or not any(len(r) > 1 for r in regions):
+        return base
+    if isinstance(base, FusionAwareCostModel):
+        base = base.base
+    return FusionAwareCostModel(base, graph, regions)
+
+
+def region_heads(graph, regions):
+    """Dict from layer name to the first layer (in graph order) of its region.
+
+    The backward of a region ends with its first layer, so that is when every
+    gradient of the region is ready.
+    """
+    index = {name: i for i, name in enumerate(graph.nodes)}
+    heads = {}
+    for region in regions or ():
+        members = [layer for layer in region if layer in index]
+        if len(members) < 2:
+            continue
+        head = min(members, key=index.__getitem__)
+        for layer in members:
+            heads[layer] = head
+    return heads
+
+
+def candidate_joins(graph):
+    """Positions where two adjacent layers may be fused.
+
+    Layer `i + 1` (in graph order) may join layer `i`'s region when it
+    consumes layer `i`'s output and is memory-bound (so the fusion model
+    can absorb it); input layers never join.
+
+    Args:
+        graph: The `ModelGraph`.
+
+    Returns:
+        A sorted list of indices `i`.
+    """
+    names = list(graph.nodes)
+    index = {name: i for i, name in enumerate(names)}
+    joins = set()
+    for src, dst, _ in graph.edges:
+        i = index.get(src)
+        if i is None or index.get(dst) != i + 1:
+            continue
+        if graph.nodes[src].kind == "input" or op_category(graph.nodes[src].layer_type) == "free":
+            continue
+        if is_fusible_follower(graph.nodes[dst]):
+            joins.add(i)
+    return sorted(joins)
+
+
+def regions_from_joins(layer_names, joins):
+    """Turns join positions into regions: maximal runs of joined adjacent layers.
+
+    Args:
+        layer_names: Layer names in graph order.
+        joins: Indices `i` meaning layers `i` and `i + 1` are in one region.
+
+    Returns:
+        A list of lists of layer names (regions of two or more layers).
+    """
+    regions, current = [], None
+    for i in sorted(set(joins)):
+        if current is not None and current[1] == i:
+            current[1] = i + 1
+        else:
+            if current is not None:
+                regions.append(current)
+            current = [i, i + 1]
+    if current is not None:
+        regions.append(current)
+    return [list(layer_names[a:b + 1]) for a, b in regions]
+
+
+def regions_for(plan):
+    """The op-fusion regions a backend should compile, as lists of layer names.
+
+    Args:
+        plan: A `Plan`.
+
+    Returns:
+        A list of lists of layer (graph node) names, one per region of two or
+        more layers, in the plan's order.
+    """
+    return [list(region) for region in plan.op_fusion if len(region) > 1]
