@@ -77,6 +77,22 @@ CASES = [
     # SimpleRNN over 4 steps of 3 features, 5 units: (3 + 5) x 5 per step; bias + tanh per unit.
     ("simple_rnn", lambda: L.SimpleRNN(5), [(4, 3)], 4 * 8 * 5, 2 * 160 + 4 * 5 * 5),
     ("lstm", lambda: L.LSTM(5), [(4, 3)], 4 * 4 * 8 * 5, 2 * 640 + 4 * 5 * 30),
+    ("gru", lambda: L.GRU(2), [(4, 6)], 4 * 3 * 8 * 2, 2 * 192 + 4 * 2 * 24),
+    # Both directions of an LSTM(3) over 4 steps of 5 features, concatenated.
+    ("bidirectional", lambda: L.Bidirectional(L.LSTM(3)), [(4, 5)],
+     2 * 4 * 4 * 8 * 3, 2 * (2 * 384 + 4 * 3 * 30)),
+    ("time_distributed", lambda: L.TimeDistributed(L.Dense(5)), [(4, 6)],
+     4 * 6 * 5, 4 * (2 * 30 + 5)),
+    ("conv1d_transpose", lambda: L.Conv1DTranspose(2, 3, use_bias=False), [(5, 4)],
+     5 * 4 * 3 * 2, 2 * 120),
+    ("upsampling_nearest", lambda: L.UpSampling2D(2), [(3, 3, 2)], 0, 0),
+    ("upsampling_bilinear", lambda: L.UpSampling2D(2, interpolation="bilinear"), [(3, 3, 2)],
+     0, 8 * 72),
+    # Dot-product attention, query 5x8, value 7x8: scores and weighted sum, softmax + scale.
+    ("attention", lambda: L.Attention(), [(5, 8), (7, 8)], 2 * 5 * 7 * 8, 2 * 560 + 6 * 35),
+    ("dot", lambda: L.Dot(axes=(2, 2)), [(5, 8), (7, 8)], 5 * 7 * 8, 2 * 280),
+    ("einsum_dense", lambda: L.EinsumDense("abc,cd->abd", output_shape=(5, 3), bias_axes="d"),
+     [(5, 8)], 5 * 8 * 3, 2 * 120 + 15),
 ]
 
 

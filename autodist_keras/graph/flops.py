@@ -322,6 +322,24 @@ def _layout_only(layer, call):
     return Cost()
 
 
+@register_formula("LayerScale")
+def _layer_scale(layer, call):
+    # keras.applications ConvNeXt: x * gamma.
+    return Cost(flops=float(elements(_out(call))))
+
+
+@register_formula("CustomScaleLayer")
+def _custom_scale(layer, call):
+    # keras.applications InceptionResNetV2: inputs[0] + inputs[1] * scale.
+    return Cost(flops=2.0 * elements(_out(call)))
+
+
+@register_formula("StochasticDepth")
+def _stochastic_depth(layer, call):
+    # keras.applications ConvNeXt drop-path: a per-sample mask times the input.
+    return Cost(flops=float(DROPOUT_FLOPS * elements(_out(call))))
+
+
 @register_formula("Masking")
 def _masking(layer, call):
     return Cost(flops=2.0 * elements(_out(call)))
@@ -428,8 +446,9 @@ def _upsampling2d(layer, call):
     if getattr(layer, "interpolation", "nearest") == "nearest":
         return Cost()
     # Bilinear: 4 multiplies and 3 adds per output element, plus index arithmetic.
-    return Cost(flops=8.0 * elements(_out(call)),
-                estimated=getattr(layer, "interpolation", "") != "bilinear",
+    if getattr(layer, "interpolation", "") == "bilinear":
+        return Cost(flops=8.0 * elements(_out(call)))
+    return Cost(flops=8.0 * elements(_out(call)), estimated=True,
                 note="UpSampling2D interpolation other than nearest/bilinear is estimated "
                 "as bilinear")
 

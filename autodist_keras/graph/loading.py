@@ -11,7 +11,9 @@ Specs, tried in this order:
   `"bert_large"` (see `autodist_keras.graph.zoo`);
 - a `keras.applications` name, case-insensitive and ignoring `_`/`-`
   (`"ResNet50"`, `"resnet152"`, `"mobilenet_v2"`), built with
-  `weights=None`: pretrained weights are never downloaded.
+  `weights=None`: pretrained weights are never downloaded. A builder that
+  leaves the image size open (MobileNetV3) is built at 224x224 unless
+  `input_shape` is given.
 
 Example:
 
@@ -104,7 +106,14 @@ def load_model(spec, **kwargs):
                 "(it never downloads). Load weights yourself after building. "
                 f"Received: weights={options['weights']!r}"
             )
-        return _call(getattr(keras.applications, match), spec, options)
+        model = _call(getattr(keras.applications, match), spec, options)
+        if "input_shape" not in kwargs and any(d is None for d in model.input_shape[1:]):
+            # Some builders (MobileNetV3) leave the spatial size open without
+            # weights; costs need it, so rebuild at the ImageNet default.
+            channels = model.input_shape[-1] or 3
+            options["input_shape"] = (224, 224, channels)
+            model = _call(getattr(keras.applications, match), spec, options)
+        return model
     close = difflib.get_close_matches(
         _normalise(spec), list(by_key) + [_normalise(z) for z in ZOO_NAMES], n=3, cutoff=0.6
     )

@@ -624,6 +624,10 @@ class _Builder:
             for t in node.outputs:
                 produced[id(t)] = name
         if top:
+            ordered = [produced.get(id(t)) for t in functional.inputs]
+            self.inputs = [n for n in ordered if n is not None] + [
+                n for n in self.inputs if n not in ordered
+            ]
             for t in functional.outputs:
                 producer = produced.get(id(t))
                 if producer is not None and producer not in self.outputs:
