@@ -206,10 +206,9 @@ def roofline_time(analytic, node, device, batch, phase, context=None):
     Returns:
         Seconds.
     """
-    if context is None or not context.absorbed:
-        return analytic.layer_time(node, device, batch, phase)
-    if phase not in PHASES:
-        return analytic.layer_time(node, device, batch, phase)  # raises the usual error
+    # The roofline itself, even when `analytic` is a subclass that corrects it.
+    if context is None or not context.absorbed or phase not in PHASES:
+        return AnalyticCostModel.layer_time(analytic, node, device, batch, phase)
     category = op_category(node.layer_type)
     if batch <= 0 or category == "free" or getattr(node, "kind", None) == "input":
         return 0.0
@@ -246,8 +245,9 @@ class FusionAwareCostModel(CostModel):
         base: The wrapped `CostModel` (analytic, profiled or learned).
         graph: The `ModelGraph` the regions refer to.
         regions: List of lists of layer names (a plan's `op_fusion`).
-        analytic: The `AnalyticCostModel` whose roofline gives the fused /
-            unfused ratio; default `base` when it is analytic, else a default
+        analytic: The `AnalyticCostModel` whose roofline (its constants,
+            without any subclass correction) gives the fused / unfused ratio;
+            default `base` when it is analytic, else a default
             `AnalyticCostModel` on `base`'s cluster.
 
     Example:
@@ -314,7 +314,7 @@ class FusionAwareCostModel(CostModel):
         if self._exact:
             return fused
         base = self.base.layer_time(node, device, batch, phase)
-        full = self.analytic.layer_time(node, device, batch, phase)
+        full = roofline_time(self.analytic, node, device, batch, phase)
         return base * fused / full if full > 0 else base
 
     def transfer_time(self, nbytes, src, dst):

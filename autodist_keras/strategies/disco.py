@@ -1,0 +1,704 @@
+"""Disco: joint op fusion and tensor fusion for data-parallel training.
+
+Disco (IEEE TPDS; arXiv 2209.12769) keeps plain data parallelism and
+chooses, together, which adjacent layers are compiled as one region (op
+fusion, `plan.op_fusion`) and which gradients are all-reduced as one buffer
+and in which order (tensor fusion, `plan.buckets`), by a backtracking search
+driven by a step-time estimator. The two interact: fusing layers removes
+launches and memory traffic (less compute), but a region's gradients are
+ready only when its whole backward ends, so fusing near the end of backward
+can delay the all-reduces that compute was hiding.
+
+This planner:
+
+1. takes the replicas and batch shares of the proportional baseline (so on
+   mixed GPUs Disco is never predicted slower than proportional shares with
+   DDP buckets, which is where its search starts);
+2. scores seed layouts (DDP 25 MiB, Horovod 64 MiB, no fusion, and the
+   chain-optimal layout of `fusion.tensor_fusion.chain_optimal_bounds`);
+3. searches, from the best seed: fuse every layer the fusion model can absorb
+   (one move), then toggle single fusions (fuse or un-fuse two adjacent
+   layers), merge or split adjacent buckets, and re-solve the bucket layout
+   for the current compute timeline; a move is kept only when the predicted
+   step time drops, otherwise it is undone (backtracking). Passes repeat
+   until none improves or `time_budget_s` is spent;
+4. picks each bucket's all-reduce algorithm (ring, tree, hierarchical) as
+   the one the cost model prices cheapest for its size;
+5. simulates the result with `estimator.simulate` (the one source of
+   predicted times) and keeps the proportional DDP plan instead should the
+   simulation ever disagree with the search.
+
+During the search candidates are scored by `_Timeline`, a closed-form
+replay of the simulator for data-parallel all-reduce plans (forward then
+backward on each device stream, the bucket chain on the links, the
+optimizer update last). Tests check it equals `simulate` to 1e-9; the final
+numbers come from `simulate`.
+
+Example:
+
+```python
+from autodist_keras.strategies import disco
+
+plan = disco.plan(graph, Cluster.from_string("8xV100"), batch_size=256)
+print(plan.summary())
+print(plan.op_fusion[:3], len(plan.buckets))
+```
+"""
+
+import bisect
+import time
+
+from autodist_keras.errors import StrategyError
+from autodist_keras.estimator.cost_model import AnalyticCostModel
+from autodist_keras.fusion import op_fusion as op_fusion_lib
+from autodist_keras.fusion import tensor_fusion
+from autodist_keras.strategies import baselines
+from autodist_keras.strategies.plan import LayerGroup
+from autodist_keras.strategies.plan import Plan
+from autodist_keras.strategies.plan import Provenance
+from autodist_keras.strategies.plan import Replica
+from autodist_keras.strategies.plan import SyncSpec
+
+DEFAULT_TIME_BUDGET_S = 2.0
+ALGORITHMS = ("ring", "tree", "hierarchical")
+OPTION_NAMES = ("algorithms", "speeds", "op_fusion", "tensor_fusion", "compare_baselines")
+_EPS = 1e-12
+
+
+class _State:
+    """One point of the search: op-fusion joins and the per-layer times they give."""
+
+    __slots__ = ("joins", "fwd", "bwd", "heads", "_pieces")
+
+    def __init__(self, joins, fwd, bwd, heads):
+        self.joins, self.fwd, self.bwd, self.heads = joins, fwd, bwd, heads
+        self._pieces = None
+
+
+class _Timeline:
+    """Predicted step time of a data-parallel all-reduce plan, in closed form.
+
+    Mirrors `estimator.simulate` for one data-parallel group with all-reduce
+    sync and default execution order: each device runs every forward in graph
+    order, then every backward in reverse graph order, back to back; a bucket
+    all-reduce starts when its last gradient is ready on every device (the end
+    of the backward of its layer, or of the first layer of its op-fusion
+    region) and the previous bucket is done; each device's optimizer update
+    starts after its compute and the last all-reduce.
+    """
+
+    def __init__(self, graph, cluster, replicas, cost, algorithms):
+        import numpy as np
+
+        self.np = np
+        self.graph = graph
+        self.names = list(graph.nodes)
+        self.index = {name: i for i, name in enumerate(self.names)}
+        self.cost = cost
+        self.fusion_cost = op_fusion_lib.FusionAwareCostModel(cost, graph, [])
+        self.members = [r.device for r in replicas]
+        self.algorithms = list(algorithms)
+        nodes = [graph.nodes[n] for n in self.names]
+        order = tensor_fusion.launch_order(graph)
+        total = sum(int(v.bytes) for v in order)
+        # Device classes: identical devices with identical shares run identical timelines.
+        classes = {}
+        for r in replicas:
+            d = cluster.device(r.device)
+            key = (d.kind, d.model, d.peak_flops_fp32, d.peak_flops_fp16,
+                   d.memory_bandwidth, r.batch_share)
+            classes.setdefault(key, []).append(r)
+        self.classes = []
+        for members in classes.values():
+            device = cluster.device(members[0].device)
+            share = members[0].batch_share
+            update = max(
+                cost.update_time(total, cluster.device(m.device), len(order)) if order else 0.0
+                for m in members
+            )
+            self.classes.append({
+                "device": device, "share": share, "devices": [m.device for m in members],
+                "fwd": np.array([cost.layer_time(n, device, share, "forward") for n in nodes]),
+                "bwd": np.array([cost.layer_time(n, device, share, "backward") for n in nodes]),
+                "update": update,
+            })
+        self.var_names = [v.name for v in order]
+        self.var_bytes = [int(v.bytes) for v in order]
+        owner = graph.variable_owner
+        self.var_layer = np.array([self.index[owner[v.name]] for v in order], dtype=int)
+        self.prefix = [0]
+        for b in self.var_bytes:
+            self.prefix.append(self.prefix[-1] + b)
+        self._allreduce = {}
+        self._allreduce_time = {}
+        self.affine, self.affine_exact = self._fit_allreduce() if len(self.members) > 1 else (
+            [(0.0, 0.0)] * len(self.algorithms), True
+        )
+        self._runs = {}
+        self._fused_times = {}
+        self.producers, self.consumers = op_fusion_lib.adjacency(graph)
+        self.outputs = set(graph.outputs)
+        self.evaluations = 0
+
+    # ------------------------------------------------------------ pricing
+    def _fit_allreduce(self):
+        """Affine fits `a + b * bytes` of each algorithm, and whether they are exact."""
+        s1, s2 = float(2**20), float(2**30)
+        fits = []
+        for a in self.algorithms:
+            t1 = self.cost.allreduce_time(s1, self.members, a)
+            t2 = self.cost.allreduce_time(s2, self.members, a)
+            slope = (t2 - t1) / (s2 - s1)
+            fits.append((t1 - slope * s1, slope))
+        exact = all(a >= 0 and b >= 0 for a, b in fits)
+        for size in (1, 4099, 3 * 2**22 + 7, 5 * 2**28):
+            for (a, b), name in zip(fits, self.algorithms):
+                t = self.cost.allreduce_time(size, self.members, name)
+                if abs(a + b * size - t) > 1e-9 * max(t, 1e-12):
+                    exact = False
+        return [(max(a, 0.0), max(b, 0.0)) for a, b in fits], exact
+
+    def allreduce(self, nbytes):
+        """`(seconds, algorithm)` of the cheapest all-reduce of `nbytes`."""
+        found = self._allreduce.get(nbytes)
+        if found is None:
+            best = None
+            for (a, b), name in zip(self.affine, self.algorithms):
+                if self.affine_exact:
+                    t = a + b * nbytes if nbytes > 0 else 0.0
+                else:
+                    t = self.cost.allreduce_time(nbytes, self.members, name)
+                if best is None or t < best[0]:
+                    best = (t, name)
+            found = self._allreduce[nbytes] = best
+            self._allreduce_time[nbytes] = best[0]
+        return found
+
+    def affine_costs(self):
+        """`(a, b)` per algorithm, fitted at two sizes (exact for alpha-beta models)."""
+        return list(self.affine)
+
+    # ------------------------------------------------------------ compute
+    def _run_contexts(self, lo, hi):
+        """Absorbed layers of the region made of layers `lo..hi` (inclusive)."""
+        key = (lo, hi)
+        found = self._runs.get(key)
+        if found is None:
+            contexts = op_fusion_lib.contexts_of_region(
+                self.graph, self.names[lo:hi + 1], self.producers, self.consumers, self.outputs
+            )
+            found = [(self.index[k], c) for k, c in contexts.items() if c.absorbed]
+            self._runs[key] = found
+        return found
+
+    def _fused_time(self, ci, i, context):
+        key = (ci, i, context)
+        found = self._fused_times.get(key)
+        if found is None:
+            c = self.classes[ci]
+            node = self.graph.nodes[self.names[i]]
+            found = self._fused_times[key] = tuple(
+                self.fusion_cost.layer_time_in(node, c["device"], c["share"], phase, context)
+                for phase in ("forward", "backward")
+            )
+        return found
+
+    def _apply_runs(self, state, lo, hi):
+        """Re-prices layers `lo..hi` for the runs `state.joins` makes there."""
+        joins = state.joins
+        for ci, c in enumerate(self.classes):
+            state.fwd[ci][lo:hi + 1] = c["fwd"][lo:hi + 1]
+            state.bwd[ci][lo:hi + 1] = c["bwd"][lo:hi + 1]
+        state.heads[lo:hi + 1] = self.np.arange(lo, hi + 1)
+        start = lo
+        for k in range(lo, hi + 1):
+            if k in joins and k < hi:
+                continue
+            if k > start:
+                state.heads[start:k + 1] = start
+                for i, context in self._run_contexts(start, k):
+                    for ci in range(len(self.classes)):
+                        state.fwd[ci][i], state.bwd[ci][i] = self._fused_time(ci, i, context)
+            start = k + 1
+
+    def state(self, joins):
+        """The `_State` of a set of joins, priced from scratch."""
+        np = self.np
+        state = _State(
+            frozenset(joins),
+            [c["fwd"].copy() for c in self.classes],
+            [c["bwd"].copy() for c in self.classes],
+            np.arange(len(self.names)),
+        )
+        if state.joins and self.names:
+            self._apply_runs(state, 0, len(self.names) - 1)
+        return state
+
+    def toggled(self, state, j):
+        """`state` with join `j` (layers `j` and `j + 1` in one region) flipped."""
+        old = state.joins
+        lo = j
+        while lo - 1 in old:
+            lo -= 1
+        hi = j + 1
+        while hi in old:
+            hi += 1
+        new = _State(
+            old ^ {j}, [a.copy() for a in state.fwd], [a.copy() for a in state.bwd],
+            state.heads.copy(),
+        )
+        self._apply_runs(new, lo, hi)
+        return new
+
+    def pieces(self, state):
+        """`(compute end per class, gradient ready times in launch order)` of a state."""
+        if state._pieces is None:
+            np = self.np
+            compute, ready_layer = [], None
+            for fwd, bwd in zip(state.fwd, state.bwd):
+                f_total = float(fwd.sum())
+                if len(bwd):
+                    ends = f_total + np.cumsum(bwd[::-1])[::-1]
+                    compute.append(float(ends[0]))
+                    at_head = ends[state.heads]
+                    ready_layer = at_head if ready_layer is None else np.maximum(
+                        ready_layer, at_head
+                    )
+                else:
+                    compute.append(f_total)
+            if len(self.var_layer):
+                # Launch order is reverse graph order, so ready times never decrease.
+                ready = np.maximum.accumulate(ready_layer[self.var_layer]).tolist()
+            else:
+                ready = []
+            state._pieces = (compute, ready)
+        return state._pieces
+
+    def step(self, state, bounds):
+        """Predicted step time of `state` (op fusion) with buckets ending at `bounds`."""
+        self.evaluations += 1
+        compute, ready = self.pieces(state)
+        prefix, cache = self.prefix, self._allreduce_time
+        comm_end = 0.0
+        start = 0
+        for end in bounds:
+            r = ready[end - 1]
+            nbytes = prefix[end] - prefix[start]
+            t = cache.get(nbytes)
+            if t is None:
+                t = self.allreduce(nbytes)[0]
+            comm_end = (comm_end if comm_end > r else r) + t
+            start = end
+        step = 0.0
+        for ci, c in enumerate(self.classes):
+            t = (compute[ci] if compute[ci] > comm_end else comm_end) + c["update"]
+            if t > step:
+                step = t
+        return step
+
+    def optimal_bounds(self, state):
+        """The chain-optimal bucket layout for a state's compute timeline."""
+        _, ready = self.pieces(state)
+        bounds, _ = tensor_fusion.chain_optimal_bounds(
+            self.var_bytes, ready, self.affine_costs()
+        )
+        return tuple(bounds)
+
+    def bound(self, state):
+        """The fully-overlapped bound (`tensor_fusion.overlapped_bound`) of a state."""
+        compute, ready = self.pieces(state)
+        per_device, update = {}, {}
+        for ci, c in enumerate(self.classes):
+            for name in c["devices"]:
+                per_device[name] = compute[ci]
+                update[name] = c["update"]
+        return tensor_fusion.overlapped_bound(
+            per_device, update, list(zip(ready, self.var_bytes)),
+            lambda nbytes: self.allreduce(nbytes)[0],
+        )
+
+    def compute_saving(self, state):
+        """Forward+backward time fusion saves on the first class's device (seconds)."""
+        c = self.classes[0]
+        return float(c["fwd"].sum() + c["bwd"].sum() - state.fwd[0].sum() - state.bwd[0].sum())
+
+
+class _Search:
+    """Disco's backtracking search over (op-fusion joins, bucket bounds)."""
+
+    def __init__(self, timeline, joins_allowed, deadline, progress, use_op, use_tensor):
+        self.tl = timeline
+        self.candidates = list(joins_allowed) if use_op else []
+        self.deadline = deadline
+        self.progress = progress
+        self.use_tensor = use_tensor
+        self.budget_exhausted = False
+        self.passes = 0
+        self.accepted = {"op_fusion": 0, "tensor_fusion": 0}
+
+    def _time_left(self):
+        if time.perf_counter() >= self.deadline:
+            self.budget_exhausted = True
+            return False
+        return True
+
+    def run(self, state, bounds):
+        tl = self.tl
+        bounds = tuple(bounds)
+        best = tl.step(state, bounds)
+
+        def consider(new_state, new_bounds, allow_equal=False):
+            # Keep the move when the predicted step time drops; else undo it (backtrack).
+            nonlocal state, bounds, best
+            t = tl.step(new_state, new_bounds)
+            if t < best * (1.0 - 1e-12) or (allow_equal and t <= best):
+                state, bounds, best = new_state, tuple(new_bounds), t
+                return True
+            return False
+
+        if self.use_tensor:
+            consider(state, tl.optimal_bounds(state))
+        # Big move first: fuse everything the model can absorb, and re-bucket.
+        if self.candidates and self._time_left():
+            fused = tl.state(self.candidates)
+            if consider(fused, tl.optimal_bounds(fused) if self.use_tensor else bounds):
+                self.accepted["op_fusion"] += 1
+        improved = True
+        while improved and self._time_left():
+            improved = False
+            self.passes += 1
+            # Op fusion: flip each adjacent pair (fuse, or un-fuse).
+            for j in self.candidates:
+                if not self._time_left():
+                    break
+                if consider(tl.toggled(state, j), bounds):
+                    self.accepted["op_fusion"] += 1
+                    improved = True
+            if not self.use_tensor:
+                continue
+            # Tensor fusion: re-solve for the current timeline, then split / merge.
+            if self._time_left() and consider(state, tl.optimal_bounds(state)):
+                self.accepted["tensor_fusion"] += 1
+                improved = True
+            k = 0
+            while k < len(bounds) and self._time_left():
+                lo = bounds[k - 1] if k else 0
+                hi = bounds[k]
+                if hi - lo > 1:
+                    cut = bisect.bisect_left(tl.prefix, (tl.prefix[lo] + tl.prefix[hi]) / 2.0)
+                    cut = min(max(cut, lo + 1), hi - 1)
+                    if consider(state, bounds[:k] + (cut,) + bounds[k:]):
+                        self.accepted["tensor_fusion"] += 1
+                        improved = True
+                k += 1
+            # Merging is kept when it costs nothing: fewer, larger buckets.
+            k = 0
+            while k < len(bounds) - 1 and self._time_left():
+                before = best
+                if consider(state, bounds[:k] + bounds[k + 1:], allow_equal=True):
+                    self.accepted["tensor_fusion"] += 1
+                    improved = improved or best < before * (1.0 - 1e-12)
+                    continue
+                k += 1
+            if self.progress is not None:
+                self.progress.set_postfix(best_ms=f"{best * 1e3:.2f}", refresh=False)
+        return state, bounds, best
+
+
+def _check_options(options):
+    unknown = sorted(set(options) - set(OPTION_NAMES))
+    if unknown:
+        raise StrategyError(
+            f"Unknown Disco option(s) {unknown}. Valid options: {', '.join(OPTION_NAMES)}. "
+            f"Received: {unknown}"
+        )
+    algorithms = options.get("algorithms", ALGORITHMS)
+    if isinstance(algorithms, str):
+        algorithms = (algorithms,)
+    algorithms = tuple(algorithms)
+    bad = [a for a in algorithms if a not in ALGORITHMS]
+    if not algorithms or bad:
+        raise StrategyError(
+            f"Disco option `algorithms` must list all-reduce algorithms from {ALGORITHMS}. "
+            f"Received: algorithms={options.get('algorithms')!r}"
+        )
+    return algorithms
+
+
+def _with_layout(base, graph, buckets, bucket_algorithm, regions):
+    """A copy of the proportional plan `base` with other buckets, algorithms and regions."""
+    group = base.groups[0]
+    sync = {}
+    for bucket, algorithm in zip(buckets, bucket_algorithm):
+        for name in bucket:
+            sync[name] = SyncSpec(method="allreduce", algorithm=algorithm, server=None)
+    for v in graph.variables:
+        sync.setdefault(v.name, SyncSpec(method="allreduce", algorithm="ring", server=None))
+    return Plan(
+        global_batch_size=base.global_batch_size,
+        groups=[
+            LayerGroup(
+                name=group.name,
+                layers=list(group.layers),
+                replicas=[Replica(r.device, r.batch_share) for r in group.replicas],
+            )
+        ],
+        sync=sync,
+        buckets=[list(b) for b in buckets],
+        op_fusion=[list(r) for r in regions],
+        provenance=Provenance(
+            planner="disco",
+            graph_fingerprint=base.provenance.graph_fingerprint,
+            cluster_fingerprint=base.provenance.cluster_fingerprint,
+        ),
+    )
+
+
+def plan(
+    graph,
+    cluster,
+    batch_size,
+    cost_model=None,
+    devices=None,
+    time_budget_s=None,
+    progress=None,
+    **options,
+):
+    """Plans data-parallel training with Disco's joint op and tensor fusion.
+
+    Args:
+        graph: The `ModelGraph`.
+        cluster: The `Cluster`.
+        batch_size: Global batch size.
+        cost_model: Cost model for the estimator (default
+            `AnalyticCostModel(cluster)`).
+        devices: Device names to use (default: all).
+        time_budget_s: Wall-time budget for the whole call (default 2 s).
+            The search stops when it is spent (then the result may depend on
+            the machine's speed; the plan's notes say so).
+        progress: Optional tqdm bar; advanced once per search phase.
+        **options: `algorithms` (all-reduce algorithms a bucket may use,
+            default `("ring", "tree", "hierarchical")`), `speeds` (measured
+            device speeds for the proportional shares), `op_fusion` and
+            `tensor_fusion` (False to search only the other), and
+            `compare_baselines` (True to also simulate the no-fusion,
+            DDP 25 MiB and Horovod 64 MiB layouts and the fully-overlapped
+            bound into `plan.prediction.baselines`).
+
+    Returns:
+        A validated `Plan` with `planner="disco"`, `buckets`, `op_fusion`,
+        per-bucket all-reduce algorithms and the simulator's prediction.
+
+    Raises:
+        StrategyError: For unknown options.
+        PlanError: If the batch or devices cannot form a data-parallel plan
+            (as `baselines.proportional`).
+
+    Example:
+
+    ```python
+    plan = disco.plan(graph, cluster, 512, time_budget_s=1.0)
+    print(plan.prediction.step_time_s, len(plan.op_fusion), len(plan.buckets))
+    ```
+    """
+    from autodist_keras.estimator import simulate
+
+    started = time.perf_counter()
+    algorithms = _check_options(options)
+    budget = DEFAULT_TIME_BUDGET_S if time_budget_s is None else time_budget_s
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+        raise StrategyError(
+            f"time_budget_s must be a positive number of seconds. Received: {time_budget_s!r}"
+        )
+    budget = float(budget)
+    use_op = bool(options.get("op_fusion", True))
+    use_tensor = bool(options.get("tensor_fusion", True))
+    compare = bool(options.get("compare_baselines", False))
+
+    # Replicas and shares: the proportional baseline (memory-capped, speed-weighted).
+    base = baselines.proportional(
+        graph, cluster, batch_size, devices=devices, speeds=options.get("speeds")
+    )
+    cost = cost_model if cost_model is not None else AnalyticCostModel(cluster)
+    if isinstance(cost, op_fusion_lib.FusionAwareCostModel):
+        cost = cost.base
+    if hasattr(cost, "with_cluster"):
+        cost = cost.with_cluster(cluster)
+    if len(base.replicas) == 1:
+        algorithms = algorithms[:1]
+
+    timeline = _Timeline(graph, cluster, base.replicas, cost, algorithms)
+    names = timeline.var_names
+    unfused = timeline.state(())
+    seeds = {}
+    for name, layout in tensor_fusion.BASELINE_LAYOUTS.items():
+        bounds = tensor_fusion.bounds_of(names, layout(graph))
+        if bounds is not None:
+            seeds[name] = tuple(bounds)
+    ddp_bounds = tensor_fusion.bounds_of(names, base.buckets)
+    # The start: proportional shares with DDP buckets, ring all-reduce (the baseline plan).
+    ring = _Timeline.__new__(_Timeline)
+    ring.__dict__.update(timeline.__dict__)
+    if "ring" in timeline.algorithms:
+        k = timeline.algorithms.index("ring")
+        ring.algorithms, ring.affine = ["ring"], [timeline.affine[k]]
+    else:
+        ring.algorithms = ["ring"]
+        ring.affine, ring.affine_exact = ring._fit_allreduce()
+    ring._allreduce, ring._allreduce_time = {}, {}
+    start_time = ring.step(unfused, ddp_bounds) if ddp_bounds is not None else None
+    seed_times = {name: timeline.step(unfused, b) for name, b in seeds.items()}
+    seed = "ddp_25mb"
+    if use_tensor and seed_times:
+        seed = min(sorted(seed_times), key=lambda n: (seed_times[n], n))
+    start_bounds = seeds.get(seed) or ddp_bounds or ((len(names),) if names else ())
+    if progress is not None:
+        progress.update(1)
+
+    # Leave time for the final simulation (about as long as pricing the layers took).
+    setup = time.perf_counter() - started
+    deadline = started + max(budget - max(2.0 * setup, 0.02), 0.25 * budget)
+    search = _Search(
+        timeline, op_fusion_lib.candidate_joins(graph), deadline, progress, use_op, use_tensor
+    )
+    state, bounds, predicted = search.run(unfused, start_bounds)
+    if progress is not None:
+        progress.update(1)
+
+    result, bucket_algorithm = _plan_from(base, graph, timeline, state, bounds)
+    result.validate(graph, cluster)
+    sim = simulate(graph, cluster, result, cost_model=cost, validate=False)
+    notes = []
+    base_result = None
+    if start_time is not None and sim.step_time_s > start_time * (1.0 + 1e-9):
+        # The search's closed form and the simulator disagree: trust the simulator.
+        base_result = simulate(graph, cluster, base, cost_model=cost, validate=False)
+        if sim.step_time_s > base_result.step_time_s:
+            notes.append(
+                "Disco's search result was predicted slower by the simulator "
+                f"({sim.step_time_s * 1e3:.3f} ms) than proportional shares with DDP "
+                f"buckets ({base_result.step_time_s * 1e3:.3f} ms); kept the latter."
+            )
+            state, bounds = unfused, ddp_bounds
+            result, bucket_algorithm = _plan_from(base, graph, ring, state, bounds)
+            sim = base_result
+
+    prediction = sim.to_prediction()
+    bound = timeline.bound(state)
+    if compare:
+        if base_result is None:
+            base_result = simulate(graph, cluster, base, cost_model=cost, validate=False)
+        prediction.baselines["ddp_25mb"] = _figures(base_result.to_prediction())
+        for name, layout in tensor_fusion.BASELINE_LAYOUTS.items():
+            if name == "ddp_25mb":
+                continue
+            buckets = layout(graph)
+            other = _with_layout(base, graph, buckets, ["ring"] * len(buckets), [])
+            prediction.baselines[name] = _figures(
+                simulate(graph, cluster, other, cost_model=cost, validate=False).to_prediction()
+            )
+        prediction.baselines["overlapped_bound"] = bound.to_dict()
+        prediction.baselines["overlapped_bound_no_op_fusion"] = timeline.bound(unfused).to_dict()
+    result.prediction = prediction
+
+    notes += _notes(timeline, state, bounds, bucket_algorithm, result, sim, bound, start_time,
+                    use_op)
+    if not sim.feasible:
+        notes.append(
+            f"Predicted not to fit in memory ({sim.infeasible_reason}). Disco changes neither "
+            "the batch shares nor memory use; use a smaller batch, more devices, or a "
+            "placement planner (FastT, HeteroG)."
+        )
+    if search.budget_exhausted:
+        notes.append(
+            f"The search stopped at its time budget ({budget:.2f} s) after "
+            f"{timeline.evaluations} evaluations, so the result can depend on the machine's "
+            "speed; a larger time_budget_s may find a faster plan."
+        )
+    result.notes = notes
+    result.provenance.planner = "disco"
+    result.provenance.options = {
+        "algorithms": list(algorithms),
+        "time_budget_s": budget,
+        "op_fusion": use_op,
+        "tensor_fusion": use_tensor,
+        "speeds": options.get("speeds"),
+        "devices": list(devices) if devices is not None else None,
+        "search": {
+            "seed": seed,
+            "evaluations": timeline.evaluations,
+            "passes": search.passes,
+            "accepted_moves": dict(search.accepted),
+            "budget_exhausted": search.budget_exhausted,
+        },
+    }
+    result.provenance.graph_fingerprint = base.provenance.graph_fingerprint
+    result.provenance.cluster_fingerprint = base.provenance.cluster_fingerprint
+    result.provenance.planning_time_s = time.perf_counter() - started
+    return result
+
+
+def _plan_from(base, graph, timeline, state, bounds):
+    """The plan of a search state: buckets, per-bucket algorithms and op-fusion regions."""
+    names = timeline.var_names
+    buckets = tensor_fusion.buckets_from_bounds(names, bounds)
+    prefix = timeline.prefix
+    bucket_algorithm = [
+        timeline.allreduce(prefix[hi] - prefix[lo])[1]
+        for lo, hi in zip((0,) + tuple(bounds[:-1]), bounds)
+    ]
+    regions = op_fusion_lib.regions_from_joins(timeline.names, state.joins)
+    return _with_layout(base, graph, buckets, bucket_algorithm, regions), bucket_algorithm
+
+
+def _notes(timeline, state, bounds, bucket_algorithm, plan, sim, bound, start_time, use_op):
+    notes = []
+    prefix = timeline.prefix
+    sizes = [(prefix[hi] - prefix[lo]) / 2**20 for lo, hi in zip((0,) + tuple(bounds[:-1]), bounds)]
+    counts = {}
+    for a in bucket_algorithm:
+        counts[a] = counts.get(a, 0) + 1
+    notes.append(
+        f"Tensor fusion: {len(bounds)} gradient bucket(s)"
+        + (f" of {min(sizes):.2f} to {max(sizes):.2f} MiB" if sizes else "")
+        + (f", all-reduce by {', '.join(f'{a} x{n}' for a, n in sorted(counts.items()))}"
+           if counts else "")
+        + "."
+    )
+    if plan.op_fusion:
+        absorbed = sum(
+            len(timeline._run_contexts(timeline.index[r[0]], timeline.index[r[-1]]))
+            for r in plan.op_fusion
+        )
+        notes.append(
+            f"Op fusion: {len(plan.op_fusion)} region(s) absorbing {absorbed} memory-bound "
+            "layer(s) into their producers' kernels; predicted compute saving "
+            f"{timeline.compute_saving(state) * 1e3:.3f} ms per step on "
+            f"{timeline.classes[0]['devices'][0]}."
+        )
+    elif use_op:
+        notes.append("Op fusion: none kept (no fusion lowered the predicted step time).")
+    step = sim.step_time_s
+    text = f"Predicted step {step * 1e3:.3f} ms"
+    if start_time:
+        text += (
+            f" vs {start_time * 1e3:.3f} ms for proportional shares with DDP 25 MiB buckets "
+            f"({(start_time / step - 1) * 100:.1f}% faster)"
+        )
+    if bound.step_time_s > 0:
+        text += (
+            f"; fully-overlapped bound {bound.step_time_s * 1e3:.3f} ms ({bound.binding}-bound)"
+            f", Disco {(step / bound.step_time_s - 1) * 100:.1f}% above it"
+        )
+    notes.append(text + ".")
+    return notes
+
+
+def _figures(prediction):
+    return {
+        "step_time_s": prediction.step_time_s,
+        "compute_s": prediction.compute_s,
+        "exposed_comm_s": prediction.exposed_comm_s,
+        "idle_s": prediction.idle_s,
+        "feasible": prediction.feasible,
+    }

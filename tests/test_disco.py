@@ -1,0 +1,238 @@
+"""Disco: joint op and tensor fusion, scored by the simulator, on real graphs and clusters."""
+
+import keras
+import pytest
+
+from autodist_keras.devices import Cluster
+from autodist_keras.errors import PlanError
+from autodist_keras.errors import StrategyError
+from autodist_keras.estimator import AnalyticCostModel
+from autodist_keras.estimator import simulate
+from autodist_keras.fusion import op_fusion
+from autodist_keras.fusion import tensor_fusion
+from autodist_keras.graph import ModelGraph
+from autodist_keras.graph import zoo
+from autodist_keras.strategies import baselines
+from autodist_keras.strategies import disco
+
+MIXED = "node0:2xV100;node1:2xT4@10"
+
+
+def _residual(blocks=2, filters=16, size=16, name="res"):
+    inputs = keras.Input((size, size, 3), name=f"{name}_x")
+    x = keras.layers.Conv2D(filters, 3, padding="same", name=f"{name}_stem")(inputs)
+    for b in range(blocks):
+        p = f"{name}_b{b}"
+        h = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False, name=f"{p}_conv1")(x)
+        h = keras.layers.BatchNormalization(name=f"{p}_bn1")(h)
+        h = keras.layers.ReLU(name=f"{p}_relu1")(h)
+        h = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False, name=f"{p}_conv2")(h)
+        h = keras.layers.BatchNormalization(name=f"{p}_bn2")(h)
+        x = keras.layers.Add(name=f"{p}_add")([x, h])
+        x = keras.layers.ReLU(name=f"{p}_relu2")(x)
+    x = keras.layers.GlobalAveragePooling2D(name=f"{name}_gap")(x)
+    outputs = keras.layers.Dense(10, name=f"{name}_head")(x)
+    return keras.Model(inputs, outputs, name=name)
+
+
+def _launch_bound(depth=24, width=16):
+    """Many tiny Dense + BatchNormalization + ReLU layers: launch overhead dominates."""
+    inputs = keras.Input((width,), name="x")
+    x = inputs
+    for i in range(depth):
+        x = keras.layers.Dense(width, name=f"d{i}")(x)
+        x = keras.layers.BatchNormalization(name=f"bn{i}")(x)
+        x = keras.layers.ReLU(name=f"relu{i}")(x)
+    outputs = keras.layers.Dense(4, name="head")(x)
+    return keras.Model(inputs, outputs, name="launch_bound")
+
+
+@pytest.fixture(scope="module")
+def res():
+    return ModelGraph.from_keras(_residual())
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return ModelGraph.from_keras(
+        zoo.transformer_encoder(num_layers=2, d_model=64, heads=4, seq_len=32, vocab=1000)
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return ModelGraph.from_keras(_launch_bound())
+
+
+@pytest.fixture(scope="module")
+def clusters():
+    return {
+        "homogeneous": Cluster.from_string("4xV100"),
+        "mixed": Cluster.from_string(MIXED),
+        "testbed": Cluster.from_yaml("examples/clusters/hetero_testbed.yaml"),
+    }
+
+
+def test_plan_is_valid_and_carries_the_simulators_prediction(res, clusters):
+    cluster = clusters["mixed"]
+    plan = disco.plan(res, cluster, 64)
+    assert plan.validate(res, cluster) == []
+    assert plan.is_data_parallel
+    assert plan.provenance.planner == "disco"
+    assert plan.provenance.graph_fingerprint == res.fingerprint()
+    assert plan.provenance.cluster_fingerprint == cluster.fingerprint()
+    assert 0 < plan.provenance.planning_time_s < 30
+    result = simulate(res, cluster, plan)
+    assert plan.prediction.step_time_s == result.step_time_s
+    assert plan.prediction.source == "simulator (predicted)"
+    assert all(spec.method == "allreduce" for spec in plan.sync.values())
+    assert tensor_fusion.check_layout(res, plan.buckets) == plan.buckets
+    assert op_fusion.regions_for(plan) == plan.op_fusion
+    assert any("Tensor fusion" in note for note in plan.notes)
+    # Replica shares are the proportional baseline's.
+    prop = baselines.proportional(res, cluster, 64)
+    assert [(r.device, r.batch_share) for r in plan.replicas] == [
+        (r.device, r.batch_share) for r in prop.replicas
+    ]
+    again = type(plan).from_json(plan.to_json())
+    assert again.op_fusion == plan.op_fusion and again.buckets == plan.buckets
+
+
+@pytest.mark.parametrize("name", ["homogeneous", "mixed", "testbed"])
+def test_never_slower_than_the_layouts_it_starts_from(name, res, encoder, clusters):
+    cluster = clusters[name]
+    for graph in (res, encoder):
+        plan = disco.plan(graph, cluster, 8 * len(cluster))
+        base = baselines.proportional(graph, cluster, 8 * len(cluster))
+        t = plan.prediction.step_time_s
+        for layout in tensor_fusion.BASELINE_LAYOUTS.values():
+            other = baselines.proportional(graph, cluster, 8 * len(cluster), buckets=layout(graph))
+            assert t <= simulate(graph, cluster, other).step_time_s * (1 + 1e-12)
+        assert t <= simulate(graph, cluster, base).step_time_s * (1 + 1e-12)
+        bound = tensor_fusion.overlapped_bound_of(
+            graph, cluster, plan, algorithms=disco.ALGORITHMS
+        )
+        assert bound.step_time_s <= t * (1 + 1e-12)
+
+
+def test_closed_form_replay_equals_the_simulator(res, encoder, clusters):
+    for cluster in (clusters["mixed"], clusters["testbed"]):
+        for graph in (res, encoder):
+            base = baselines.proportional(graph, cluster, 48)
+            timeline = disco._Timeline(
+                graph, cluster, base.replicas, AnalyticCostModel(cluster), disco.ALGORITHMS
+            )
+            candidates = op_fusion.candidate_joins(graph)
+            names = timeline.var_names
+            states = [
+                timeline.state(()),
+                timeline.state(candidates),
+                timeline.toggled(timeline.state(candidates), candidates[0]),
+                timeline.toggled(timeline.state(()), candidates[-1]),
+            ]
+            layouts = [fn(graph) for fn in tensor_fusion.BASELINE_LAYOUTS.values()]
+            for state in states:
+                bounds = timeline.optimal_bounds(state)
+                layouts_here = layouts + [tensor_fusion.buckets_from_bounds(names, bounds)]
+                for buckets in layouts_here:
+                    b = tuple(tensor_fusion.bounds_of(names, buckets))
+                    plan, _ = disco._plan_from(base, graph, timeline, state, b)
+                    result = simulate(graph, cluster, plan)
+                    assert timeline.step(state, b) == pytest.approx(result.step_time_s, rel=1e-9)
+                    bound = tensor_fusion.overlapped_bound_of(
+                        graph, cluster, plan, result=result, algorithms=disco.ALGORITHMS
+                    )
+                    assert timeline.bound(state).step_time_s == pytest.approx(
+                        bound.step_time_s, rel=1e-9
+                    )
+                    assert bound.step_time_s <= result.step_time_s * (1 + 1e-12)
+
+
+def test_op_fusion_speeds_up_a_launch_bound_model(tiny):
+    cluster = Cluster.from_string("2xV100")
+    plan = disco.plan(tiny, cluster, 64)
+    assert plan.op_fusion, plan.notes
+    absorbed = {layer for region in plan.op_fusion for layer in region[1:]}
+    assert any(layer.startswith("bn") for layer in absorbed)
+    assert any("Op fusion" in note for note in plan.notes)
+    unfused = type(plan).from_dict(plan.to_dict())
+    unfused.op_fusion = []
+    with_fusion = simulate(tiny, cluster, plan).step_time_s
+    without = simulate(tiny, cluster, unfused).step_time_s
+    assert with_fusion < 0.9 * without
+    no_op = disco.plan(tiny, cluster, 64, op_fusion=False)
+    assert no_op.op_fusion == []
+    assert plan.prediction.step_time_s < no_op.prediction.step_time_s
+
+
+def test_deterministic(encoder, clusters):
+    cluster = clusters["testbed"]
+    first = disco.plan(encoder, cluster, 64, time_budget_s=30)
+    second = disco.plan(encoder, cluster, 64, time_budget_s=30)
+    assert not first.provenance.options["search"]["budget_exhausted"]
+    a, b = first.to_dict(), second.to_dict()
+    for d in (a, b):
+        d["provenance"].pop("planning_time_s")
+    assert a == b
+
+
+def test_memory_feasibility_follows_the_proportional_shares():
+    big = ModelGraph.from_keras(
+        zoo.transformer_encoder(num_layers=2, d_model=256, heads=4, seq_len=512, vocab=1000)
+    )
+    small = Cluster.from_string("2xT4")
+    capacity = baselines.memory_capacity_samples(big, small, small.names[0])
+    # Close to what the devices hold: still predicted to fit, peak within every device.
+    batch = 2 * capacity - 2
+    plan = disco.plan(big, small, batch)
+    assert plan.prediction.feasible, plan.prediction.infeasible_reason
+    for name, peak in plan.prediction.peak_memory_bytes.items():
+        assert 0.5 * small.device(name).memory_bytes < peak <= small.device(name).memory_bytes
+    # Beyond it: the proportional shares cannot be formed, and Disco says why.
+    with pytest.raises(PlanError, match="does not fit in the devices' memory"):
+        disco.plan(big, small, 2 * capacity + 2)
+
+
+def test_single_device_and_restricted_algorithms(res):
+    single = Cluster.from_string("1xV100")
+    plan = disco.plan(res, single, 16)
+    assert plan.validate(res, single) == []
+    bound = tensor_fusion.overlapped_bound_of(res, single, plan)
+    assert bound.step_time_s == pytest.approx(plan.prediction.step_time_s, rel=1e-12)
+    cluster = Cluster.from_string(MIXED)
+    ring = disco.plan(res, cluster, 32, algorithms=("ring",))
+    assert {spec.algorithm for spec in ring.sync.values()} == {"ring"}
+    any_algo = disco.plan(res, cluster, 32)
+    assert any_algo.prediction.step_time_s <= ring.prediction.step_time_s * (1 + 1e-12)
+
+
+def test_tiny_budget_still_returns_a_valid_plan_no_slower_than_ddp(encoder, clusters):
+    cluster = clusters["mixed"]
+    plan = disco.plan(encoder, cluster, 32, time_budget_s=1e-3)
+    assert plan.validate(encoder, cluster) == []
+    base = baselines.proportional(encoder, cluster, 32)
+    assert plan.prediction.step_time_s <= simulate(encoder, cluster, base).step_time_s * (
+        1 + 1e-12
+    )
+
+
+def test_compare_baselines_fills_the_prediction(res, clusters):
+    cluster = clusters["mixed"]
+    plan = disco.plan(res, cluster, 32, compare_baselines=True)
+    figures = plan.prediction.baselines
+    assert set(figures) >= {"ddp_25mb", "no_fusion", "horovod_64mb", "overlapped_bound"}
+    for name in ("ddp_25mb", "no_fusion", "horovod_64mb"):
+        assert plan.prediction.step_time_s <= figures[name]["step_time_s"] * (1 + 1e-12)
+    assert figures["overlapped_bound"]["step_time_s"] <= plan.prediction.step_time_s
+
+
+def test_user_errors(res, clusters):
+    cluster = clusters["homogeneous"]
+    with pytest.raises(StrategyError, match="Unknown Disco option.*Received"):
+        disco.plan(res, cluster, 32, bucket_size=3)
+    with pytest.raises(StrategyError, match="algorithms.*Received"):
+        disco.plan(res, cluster, 32, algorithms=("butterfly",))
+    with pytest.raises(StrategyError, match="time_budget_s.*Received"):
+        disco.plan(res, cluster, 32, time_budget_s=0)
+    with pytest.raises(PlanError, match="smaller than the number of devices.*Received"):
+        disco.plan(res, cluster, 2)
