@@ -1,0 +1,728 @@
+"""HeteroG: per-group replication, batch shares and gradient sync, by search.
+
+After HeteroG (Yi et al., CoNEXT 2020). The model's layers are cut into `k`
+groups of consecutive layers with about equal compute (HeteroG groups ops
+around the costliest ones). Each group gets a strategy: the devices that
+replicate it (all of them, one node's, the fastest ones, the ones with the
+most memory, or a single device) and how its gradients are synchronised
+(ring or hierarchical all-reduce, or a parameter server on a chosen device).
+Several replicas of a group on one device in HeteroG's encoding are a larger
+batch share here, so uneven shares on mixed GPUs fall out of the search.
+
+- Batch shares: a linear program (`scipy.optimize.linprog`, HiGHS) over all
+  groups at once minimises the slowest device's compute time. Each device's
+  time for a group is the group's summed layer times, a convex piecewise-linear
+  function of its share (sampled on a grid of batch sizes); constraints: the
+  shares of a replica set add up to the batch, every replica gets a sample,
+  and parameters, gradients, optimizer slots and activations fit in each
+  device's memory. Groups with the same replica set share their shares (no
+  activation traffic between them). The LP's shares are rounded to whole
+  samples.
+- Strategies: local search over groups (costliest gradients first), scored
+  by the simulator on a coarse graph whose nodes are the groups (same
+  semantics, a fraction of the tasks), seeded with the even and proportional
+  data-parallel baselines and their hierarchical and parameter-server variants
+  and with the LP-balanced data-parallel plan.
+- Execution order: HEFT upward rank.
+- The final plan and every seed are scored by `estimator.simulate` on the
+  real graph; the result is never predicted slower than its seeds (when a
+  seed wins, it is returned under the heterog name and a note says so).
+
+Example:
+
+```python
+from autodist_keras.strategies import heterog
+
+plan = heterog.plan(graph, Cluster.from_yaml("examples/clusters/hetero_testbed.yaml"), 256)
+print(plan.summary())
+```
+"""
+
+import math
+import time
+
+import numpy as np
+
+from autodist_keras.errors import PlanError
+from autodist_keras.errors import StrategyError
+from autodist_keras.strategies import _common
+from autodist_keras.strategies import baselines
+from autodist_keras.strategies._coarse import CoarseCostModel
+from autodist_keras.strategies._coarse import CoarseGraph
+from autodist_keras.strategies._coarse import contiguous_partition
+from autodist_keras.strategies._listsched import MEMORY_MARGIN
+from autodist_keras.strategies._listsched import CostTables
+from autodist_keras.strategies._listsched import rank_order
+from autodist_keras.strategies._listsched import resolve_cost_model
+from autodist_keras.strategies._listsched import static_bytes
+from autodist_keras.strategies.plan import Plan
+from autodist_keras.strategies.plan import Provenance
+from autodist_keras.strategies.plan import SyncSpec
+from autodist_keras.strategies.plan import split_batch
+
+PLANNER = "heterog"
+DEFAULT_BUDGET_S = 4.0
+DEFAULT_MAX_WORK = 2.0e6  # estimated microseconds of search (LPs and coarse simulations)
+LP_COST_US = 6000.0  # one share LP, measured (process time) on the development machine
+SIM_TASK_COST_US = 45.0  # one simulated task of a coarse plan, same
+MAX_HEAVY_GROUPS = 6  # groups whose replica sets are searched (largest gradients)
+MIN_GAIN = 0.002  # a move must shorten the coarse step by at least 0.2%
+OPTION_NAMES = (
+    "groups",  # number of layer groups k (default: 8-16 by model size)
+    "max_work",  # deterministic search cap, estimated microseconds (2e6)
+    "passes",  # local-search passes over the groups (default 2)
+    "seeds",  # include the baseline seeds (default True)
+    "bucket_bytes",  # gradient bucket threshold (default 25 MiB)
+    "baselines",  # dict name -> known baseline step time (s); only for notes
+)
+
+
+def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_s=None,
+         progress=None, **options):
+    """Plans per-group replication, batch shares and gradient sync with HeteroG.
+
+    Args:
+        graph: The `ModelGraph`.
+        cluster: The `Cluster`.
+        batch_size: Global batch size.
+        cost_model: A `CostModel` (default `AnalyticCostModel(cluster)`).
+        devices: Device names to use (default: all).
+        time_budget_s: Safety stop in seconds (default 4); the search is
+            otherwise bounded by `max_work`, so results are deterministic
+            unless the budget is hit (a note then says so).
+        progress: Optional tqdm instance, advanced once per search stage.
+        **options: `groups`, `max_work`, `passes`, `seeds`, `bucket_bytes`,
+            `baselines` (see `OPTION_NAMES`).
+
+    Returns:
+        A validated `Plan` with `provenance.planner == "heterog"` and the
+        simulator's prediction.
+
+    Raises:
+        StrategyError: For unknown or invalid options.
+        PlanError: For an invalid batch size or unknown devices.
+
+    Example:
+
+    ```python
+    plan = heterog.plan(graph, cluster, 256, groups=12)
+    print(plan.notes)
+    ```
+    """
+    from autodist_keras.estimator import simulate
+
+    started = time.perf_counter()
+    names = _common.check_request(
+        PLANNER, graph, cluster, batch_size, devices, options, OPTION_NAMES
+    )
+    if batch_size < len(names):
+        names = _fastest(cluster, names, batch_size)
+    k = options.get("groups")
+    if k is None:
+        k = int(min(16, max(8, round(math.sqrt(len(graph.nodes))))))
+    _check_int("groups", k, 1)
+    max_work = options.get("max_work", DEFAULT_MAX_WORK)
+    if not isinstance(max_work, (int, float)) or isinstance(max_work, bool) or max_work < 0:
+        raise StrategyError(
+            f"heterog: option max_work must be a non-negative number. Received: {max_work!r}"
+        )
+    passes = options.get("passes", 2)
+    _check_int("passes", passes, 0)
+    use_seeds = bool(options.get("seeds", True))
+    bucket_bytes = options.get("bucket_bytes", baselines.DDP_BUCKET_BYTES)
+    budget = _common.Budget(time_budget_s, DEFAULT_BUDGET_S, started)
+    cost = resolve_cost_model(cluster, cost_model)
+    record = {"groups": k, "max_work": max_work, "passes": passes, "seeds": use_seeds,
+              "bucket_bytes": bucket_bytes}
+
+    space = _Space(graph, cluster, cost, names, batch_size, k, bucket_bytes)
+    _tick(progress, f"{len(space.chunks)} groups")
+    notes = []
+    if graph.data_parallel_only:
+        notes.append(
+            "The model has no functional graph (subclassed); it is one group, so the "
+            "search chooses devices, shares and sync for the whole model."
+        )
+
+    # Seeds: the baselines, simulated on the real graph.
+    seed_started = time.perf_counter()
+    seeds = _seeds(graph, cluster, cost, names, batch_size, bucket_bytes) if use_seeds else []
+    per_sim = (time.perf_counter() - seed_started) / max(len(seeds), 1)
+    _tick(progress, f"{len(seeds)} seeds")
+
+    # Local search over group strategies, scored on the coarse graph. Leave
+    # time to simulate the result on the real graph.
+    reserve = 2.0 * per_sim if seeds else budget.seconds / 4
+    state, score, log = space.search(max_work, passes, budget, reserve)
+    _tick(progress, f"{space.evals} evaluations")
+    found = None
+    if state is not None:
+        found = space.fine_plan(state, record)
+        found_result = simulate(graph, cluster, found, cost_model=cost, validate=False)
+        found = (found, found_result)
+
+    candidates = []
+    if found is not None:
+        candidates.append(("search", found[0], found[1]))
+    candidates += [(name, p, r) for name, p, r in seeds]
+    if not candidates:
+        raise PlanError(
+            "heterog found no plan: no group strategy fits the devices' memory and no "
+            f"baseline could be built. Use more devices or a smaller batch. "
+            f"Received: batch_size={batch_size}, devices={names}"
+        )
+    ranked = sorted(
+        enumerate(candidates), key=lambda x: (not x[1][2].feasible, x[1][2].step_time_s, x[0])
+    )
+    _, (label, chosen, result) = ranked[0]
+
+    if label == "search":
+        notes.extend(space.describe(state))
+    else:
+        chosen = _as_heterog(chosen, record)
+        notes.append(
+            f"The best candidate was the seed {label!r}: no group strategy found by the "
+            "search was predicted faster."
+        )
+    figures = {name: {"step_time_s": r.step_time_s, "feasible": r.feasible}
+               for name, _, r in seeds}
+    for name, value in (options.get("baselines") or {}).items():
+        step = getattr(value, "step_time_s", value)
+        figures.setdefault(name, {"step_time_s": float(step),
+                                  "feasible": bool(getattr(value, "feasible", True))})
+    if found is not None:
+        figures["heterog_search"] = {"step_time_s": found[1].step_time_s,
+                                     "feasible": found[1].feasible}
+    best_seed = min((r.step_time_s for _, _, r in seeds if r.feasible), default=None)
+    if best_seed is not None and label == "search":
+        notes.append(
+            f"Search result {_common.ms(result.step_time_s)} vs best seed "
+            f"{_common.ms(best_seed)} ({best_seed / result.step_time_s:.2f}x)."
+        )
+    compare = {n: f for n, f in figures.items() if n in ("data_parallel_even", "proportional")}
+    if compare:
+        notes.append(_common.comparison_note(result.step_time_s, compare))
+    if not result.feasible:
+        notes.append(f"The plan does not fit in memory (predicted): {result.infeasible_reason}.")
+    if budget.hit:
+        notes.append(
+            f"The planning budget of {budget.seconds:.1f} s was reached; the search stopped "
+            "early, so the result may differ between runs."
+        )
+    _common.finish(chosen, graph, cluster, cost, started, result)
+    chosen.prediction.baselines = figures
+    chosen.notes = notes
+    chosen.provenance.options = dict(record, chosen=label, evaluations=space.evals,
+                                     search_work_us=round(space.work),
+                                     search_log=log[:40])
+    chosen.provenance.planning_time_s = time.perf_counter() - started
+    _tick(progress, "done")
+    return chosen
+
+
+def _check_int(name, value, minimum):
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise StrategyError(
+            f"heterog: option {name} must be an integer >= {minimum}. Received: {value!r}"
+        )
+
+
+def _tick(progress, text):
+    if progress is not None:
+        progress.update(1)
+        progress.set_postfix_str(f"heterog {text}", refresh=False)
+
+
+def _fastest(cluster, names, batch_size):
+    speeds = baselines.device_speeds(cluster, names)
+    keep = sorted(names, key=lambda d: (-speeds[d], names.index(d)))[:batch_size]
+    return [d for d in names if d in keep]
+
+
+def _as_heterog(plan, record):
+    plan.provenance = Provenance(planner=PLANNER, options=dict(record))
+    return plan
+
+
+def _seeds(graph, cluster, cost, names, batch_size, bucket_bytes):
+    """The baseline plans HeteroG starts from, simulated on the real graph."""
+    from autodist_keras.estimator import simulate
+
+    nodes = {cluster.device(d).node for d in names}
+    speeds = baselines.device_speeds(cluster, names)
+    fastest = max(names, key=lambda d: (speeds[d], -names.index(d)))
+    specs = [
+        ("data_parallel_even", baselines.data_parallel_even, {}),
+        ("proportional", baselines.proportional, {}),
+        ("proportional_ps", baselines.proportional, {"sync": "ps", "ps_server": fastest}),
+    ]
+    if len(nodes) > 1:
+        specs.insert(2, ("proportional_hierarchical", baselines.proportional,
+                         {"algorithm": "hierarchical"}))
+    out = []
+    for name, builder, kwargs in specs:
+        try:
+            p = builder(graph, cluster, batch_size, devices=names, bucket_bytes=bucket_bytes,
+                        **kwargs)
+        except PlanError:
+            continue
+        out.append((name, p, simulate(graph, cluster, p, cost_model=cost, validate=False)))
+    return out
+
+
+def _grid(batch):
+    pts = {1, batch}
+    g = 2
+    while g < batch:
+        pts.add(g)
+        pts.add(g + g // 2)
+        g *= 2
+    return sorted(p for p in pts if p <= batch)
+
+
+class _Space:
+    """The search space: groups, replica sets, sync options, LP and evaluation."""
+
+    def __init__(self, graph, cluster, cost, names, batch, k, bucket_bytes):
+        self.graph, self.cluster, self.cost = graph, cluster, cost
+        self.names = list(names)
+        self.batch = batch
+        self.evals = 0
+        self.n = len(names)
+        fine_tables = CostTables(graph, cluster, cost, names)
+        fastest = fine_tables.speed_order(max(batch // self.n, 1))[0]
+        per = max(batch // self.n, 1)
+        layer_cost = {
+            name: fine_tables.layer_total(i, fastest, per)
+            for i, name in enumerate(fine_tables.layers)
+        }
+        self.chunks = contiguous_partition(graph, k, lambda node: layer_cost[node.name])
+        self.coarse = CoarseGraph(graph, self.chunks)
+        self.grid = _grid(batch)
+        self.ccost = CoarseCostModel(cost, self.coarse, grid=self.grid)
+        self.tables = CostTables(self.coarse.graph, cluster, self.ccost, names)
+        self.fine_tables = fine_tables
+        self.units = list(self.coarse.graph.nodes)
+        self.buckets = baselines.gradient_buckets(graph, bucket_bytes)
+        t = self.tables
+        self.static = [static_bytes(self.coarse.graph.nodes[u]) for u in self.units]
+        incoming = [0] * len(self.units)
+        for i, preds in enumerate(t.preds):
+            incoming[i] = sum(b for _, b in preds)
+        self.act = [t.act[i] + incoming[i] for i in range(len(self.units))]
+        self.grad_bytes = [t.param_bytes[i] for i in range(len(self.units))]
+        self.capacity = [int(d.memory_bytes * MEMORY_MARGIN) for d in t.dev]
+        # Time of each unit on each device class, sampled on the grid.
+        self.f = {}
+        for i, unit in enumerate(self.units):
+            for c in range(t.n_class):
+                d = t.class_rep[c]
+                self.f[(i, c)] = np.array([
+                    self.ccost.unit_time(unit, t.dev[d], s, "forward")
+                    + self.ccost.unit_time(unit, t.dev[d], s, "backward")
+                    for s in self.grid
+                ])
+        self._sets()
+        self._cache = {}
+        self._piece_cache = {}
+        self._grid_array = np.array(self.grid, dtype=float)
+        self.work = 0.0
+
+    # ----------------------------------------------------------- the space
+    def _sets(self):
+        t = self.tables
+        n = self.n
+        order = t.speed_order(max(self.batch // n, 1))
+        sets = [tuple(range(n))]
+        nodes = {}
+        for d in range(n):
+            nodes.setdefault(t.dev_node[d], []).append(d)
+        if len(nodes) > 1:
+            sets += [tuple(v) for v in nodes.values()]
+        for m in sorted({1, max(n // 2, 1)}):
+            sets.append(tuple(sorted(order[:m])))
+        by_memory = sorted(range(n), key=lambda d: (-t.capacity[d], order.index(d)))
+        big = [d for d in by_memory if t.capacity[d] >= t.capacity[by_memory[0]] * 0.999]
+        if len(big) < n:
+            sets.append(tuple(sorted(big)))
+        self.sets = []
+        for s in sets:
+            if s not in self.sets and len(s) <= self.batch:
+                self.sets.append(s)
+        self.fastest = order[0]
+        self.speed_rank = {d: order.index(d) for d in range(n)}
+
+    def sync_options(self, set_id):
+        members = self.sets[set_id]
+        if len(members) == 1:
+            return [("ring", None)]
+        t = self.tables
+        opts = [("ring", None)]
+        if len({t.dev_node[d] for d in members}) > 1:
+            opts.append(("hierarchical", None))
+        fastest = min(members, key=lambda d: self.speed_rank[d])
+        roomy = max(members, key=lambda d: (t.capacity[d], -self.speed_rank[d]))
+        for server in dict.fromkeys([fastest, roomy]):
+            opts.append(("ps", server))
+        return opts
+
+    # ------------------------------------------------------------- the LP
+    def _pieces(self, chunk_ids, dev_class):
+        """Slopes and offsets (y - slope * x) of a replica set's time function."""
+        key = (chunk_ids, dev_class)
+        found = self._piece_cache.get(key)
+        if found is None:
+            grid = self._grid_array
+            ys = sum(self.f[(i, dev_class)] for i in chunk_ids)
+            slopes = np.diff(ys) / np.diff(grid)
+            offsets = ys[:-1] - slopes * grid[:-1]
+            found = self._piece_cache[key] = (slopes.tolist(), offsets.tolist())
+        return found
+
+    def solve_shares(self, state):
+        """Batch shares per replica set by the LP; None when nothing fits."""
+        from scipy.optimize import linprog
+
+        t = self.tables
+        n = self.n
+        B = self.batch
+        load = np.zeros(n)
+        static = np.zeros(n)
+        for i, (set_id, sync) in enumerate(state):
+            members = self.sets[set_id]
+            nbytes, ntensors = self.grad_bytes[i], t.n_tensors[i]
+            for d in members:
+                static[d] += self.static[i]
+            if sync[0] == "ps" and len(members) > 1:
+                server = sync[1]
+                if server not in members:
+                    static[server] += self.static[i]
+                load[server] += t.cost.aggregate_time(nbytes, len(members), t.dev[server])
+                load[server] += t.update(server, nbytes, ntensors)
+            else:
+                for d in members:
+                    load[d] += t.update(d, nbytes, ntensors)
+        classes = sorted({s for s, _ in state})
+        fixed_time = np.zeros(n)
+        fixed_act = np.zeros(n)
+        var_classes = []
+        for c in classes:
+            members = self.sets[c]
+            chunk_ids = [i for i, (s, _) in enumerate(state) if s == c]
+            if len(members) == 1:
+                d = members[0]
+                fixed_time[d] += sum(self.f[(i, t.dev_class[d])][-1] for i in chunk_ids)
+                fixed_act[d] += sum(self.act[i] for i in chunk_ids) * B
+            else:
+                var_classes.append((c, members, chunk_ids))
+        room = np.array(self.capacity, dtype=float) - static - fixed_act
+        if (room < 0).any():
+            return None
+        if not var_classes:
+            return {c: [(self.sets[c][0], B)] for c in classes}
+        # Variables: T, then per (class, member): share s and time tau.
+        from scipy.sparse import coo_matrix
+
+        index = {}
+        nvar = 1
+        for c, members, _ in var_classes:
+            for d in members:
+                index[(c, d)] = (nvar, nvar + 1)
+                nvar += 2
+        rows, cols, vals, b_ub = [], [], [], []
+        eq_rows, eq_cols = [], []
+        per_device = [[] for _ in range(n)]
+        for ci, (c, members, chunk_ids) in enumerate(var_classes):
+            act = float(sum(self.act[i] for i in chunk_ids))
+            for d in members:
+                si, ti = index[(c, d)]
+                eq_rows.append(ci)
+                eq_cols.append(si)
+                slopes, offsets = self._pieces(tuple(chunk_ids), t.dev_class[d])
+                # tau >= y_j + slope_j * (s - x_j): slope_j * s - tau <= -offset_j
+                for slope, offset in zip(slopes, offsets):
+                    r = len(b_ub)
+                    rows += [r, r]
+                    cols += [si, ti]
+                    vals += [slope, -1.0]
+                    b_ub.append(-offset)
+                per_device[d].append((ti, si, act))
+        for d in range(n):
+            if not per_device[d]:
+                continue
+            r = len(b_ub)
+            rows.append(r)
+            cols.append(0)
+            vals.append(-1.0)
+            for ti, _, _ in per_device[d]:
+                rows.append(r)
+                cols.append(ti)
+                vals.append(1.0)
+            b_ub.append(-(load[d] + fixed_time[d]))
+            mem = [(si, act) for _, si, act in per_device[d] if act > 0]
+            if mem:
+                r = len(b_ub)
+                for si, act in mem:
+                    rows.append(r)
+                    cols.append(si)
+                    vals.append(act)
+                b_ub.append(room[d])
+        a_ub = coo_matrix((vals, (rows, cols)), shape=(len(b_ub), nvar)).tocsr()
+        a_eq = coo_matrix(
+            ([1.0] * len(eq_rows), (eq_rows, eq_cols)), shape=(len(var_classes), nvar)
+        ).tocsr()
+        bounds = [(0, None)] + [
+            b for _ in range(len(index)) for b in ((1.0, float(B)), (0, None))
+        ]
+        objective = np.zeros(nvar)
+        objective[0] = 1.0
+        self.work += LP_COST_US
+        res = linprog(
+            objective, A_ub=a_ub, b_ub=np.array(b_ub), A_eq=a_eq,
+            b_eq=np.full(len(var_classes), float(B)), bounds=bounds, method="highs",
+        )
+        if res.status != 0:
+            return None
+        shares = {}
+        for c in classes:
+            members = self.sets[c]
+            if len(members) == 1:
+                shares[c] = [(members[0], B)]
+                continue
+            x = [max(res.x[index[(c, d)][0]], 1.0) for d in members]
+            whole = split_batch(x, B)
+            for j, s in enumerate(whole):
+                if s == 0:
+                    donor = max(range(len(whole)), key=lambda q: (whole[q], -q))
+                    whole[donor] -= 1
+                    whole[j] = 1
+            shares[c] = list(zip(members, whole))
+        return shares
+
+    # ------------------------------------------------------- evaluation
+    def coarse_plan(self, state, shares):
+        """Per-unit replicas `[(device name, share)]` and per-variable `SyncSpec`."""
+        per_unit = {}
+        sync = {}
+        for i, (set_id, (method, server)) in enumerate(state):
+            unit = self.units[i]
+            per_unit[unit] = [(self.names[d], s) for d, s in shares[set_id]]
+            ps = method == "ps" and len(self.sets[set_id]) > 1
+            for v in self.coarse.graph.nodes[unit].variables:
+                if ps:
+                    sync[v.name] = SyncSpec(method="ps", algorithm=None, server=self.names[server])
+                else:
+                    sync[v.name] = SyncSpec(method="allreduce", algorithm=method, server=None)
+        return per_unit, sync
+
+    def evaluate(self, state):
+        """Coarse simulated step time of a state: (infeasible, seconds)."""
+        from autodist_keras.estimator import simulate
+
+        found = self._cache.get(state)
+        if found is not None:
+            return found
+        self.evals += 1
+        shares = self.solve_shares(state)
+        if shares is None:
+            self._cache[state] = (True, math.inf)
+            return self._cache[state]
+        per_unit, sync = self.coarse_plan(state, shares)
+        units = self.units
+        p = Plan(
+            global_batch_size=self.batch,
+            groups=_common.group_layers(units, [per_unit[u] for u in units]),
+            sync=sync,
+            buckets=self.buckets,
+        )
+        result = simulate(self.coarse.graph, self.cluster, p, cost_model=self.ccost,
+                          validate=False)
+        self.work += SIM_TASK_COST_US * result.num_tasks
+        score = (not result.feasible, result.step_time_s)
+        self._cache[state] = score
+        return score
+
+    # ----------------------------------------------------------- search
+    def initial_states(self):
+        """Uniform starting points: every group replicated on all devices."""
+        states = []
+        for sync in self.sync_options(0):
+            states.append(tuple((0, sync) for _ in self.units))
+        return states
+
+    def search(self, max_work, passes, budget, reserve):
+        """Local search; returns (best state, its score, log lines).
+
+        Starts from the best uniform state (every group on all devices, each
+        sync option) or, when nothing fits, from a memory-aware state. Then,
+        group by group (largest gradients first), tries the other sync
+        options and, for the groups holding most of the gradient bytes or
+        too much state for the smallest device, the other replica sets;
+        keeps the best improving move. Stops after `passes` passes, at
+        `max_work` estimated microseconds, or when the budget (less
+        `reserve` seconds) is spent.
+        """
+        log = []
+        best, best_score = None, (True, math.inf)
+        for state in self.initial_states():
+            score = self.evaluate(state)
+            if score < best_score:
+                best, best_score = state, score
+        if best_score[0]:
+            state = self.memory_state()
+            if state is not None:
+                score = self.evaluate(state)
+                if score < best_score:
+                    best, best_score = state, score
+                    log.append("memory-aware start: groups replicated where they fit")
+        if best is None or best_score[1] == math.inf:
+            return None, best_score, log
+        start = best_score[1]
+        order = sorted(
+            range(len(self.units)),
+            key=lambda i: (-self.grad_bytes[i], -self.f[(i, 0)][-1], i),
+        )
+        heavy = set()
+        total = sum(self.grad_bytes) or 1
+        acc = 0
+        for i in order:
+            if acc >= 0.9 * total or len(heavy) >= MAX_HEAVY_GROUPS:
+                break
+            heavy.add(i)
+            acc += self.grad_bytes[i]
+        smallest = min(self.capacity)
+        heavy |= {i for i in range(len(self.units)) if self.static[i] > smallest / 4}
+        for _ in range(passes):
+            improved = False
+            for i in order:
+                if self.work >= max_work or budget.exhausted(reserve=reserve):
+                    break
+                state, score, line = self._improve_group(
+                    best, best_score, i, max_work, i in heavy
+                )
+                if line:
+                    best, best_score = state, score
+                    log.append(line)
+                    improved = True
+            if not improved or self.work >= max_work or budget.hit:
+                break
+        log.insert(0, f"coarse step {_common.ms(start)} -> {_common.ms(best_score[1])}")
+        return best, best_score, log
+
+    def _improve_group(self, state, score, i, max_work, with_sets):
+        set_id, sync = state[i]
+        candidates = []
+        for option in self.sync_options(set_id):
+            if option != sync:
+                candidates.append((set_id, option))
+        if with_sets:
+            for other in range(len(self.sets)):
+                if other == set_id:
+                    continue
+                opts = self.sync_options(other)
+                keep = [
+                    o for o in opts
+                    if o[0] == sync[0] and (o[0] != "ps" or o[1] in self.sets[other])
+                ]
+                candidates.append((other, keep[0] if keep else opts[0]))
+        best_state, best_score, line = state, score, None
+        for cand in candidates:
+            if self.work >= max_work:
+                break
+            trial = state[:i] + (cand,) + state[i + 1:]
+            s = self.evaluate(trial)
+            if s[0] < best_score[0] or (
+                s[0] == best_score[0] and s[1] < best_score[1] * (1 - MIN_GAIN)
+            ):
+                best_state, best_score = trial, s
+                line = (
+                    f"group {i} ({self.units[i]}): {self._label(state[i])} -> "
+                    f"{self._label(cand)}: {_common.ms(score[1])} -> {_common.ms(s[1])}"
+                )
+        return best_state, best_score, line
+
+    def memory_state(self):
+        """Groups on the largest candidate set whose devices still have room."""
+        room = list(self.capacity)
+        state = []
+        for i in range(len(self.units)):
+            choice = None
+            for set_id in sorted(range(len(self.sets)), key=lambda s: -len(self.sets[s])):
+                members = self.sets[set_id]
+                per = max(self.batch // len(members), 1)
+                need = self.static[i] + self.act[i] * per
+                if all(room[d] >= need for d in members):
+                    choice = set_id
+                    break
+            if choice is None:
+                return None
+            members = self.sets[choice]
+            per = max(self.batch // len(members), 1)
+            for d in members:
+                room[d] -= self.static[i] + self.act[i] * per
+            state.append((choice, ("ring", None)))
+        return tuple(state)
+
+    def _label(self, option):
+        set_id, (method, server) = option
+        members = self.sets[set_id]
+        where = "all devices" if len(members) == self.n else (
+            self.names[members[0]] if len(members) == 1
+            else "[" + ", ".join(self.names[d] for d in members) + "]"
+        )
+        if len(members) == 1:
+            return where
+        how = f"ps@{self.names[server]}" if method == "ps" else f"allreduce/{method}"
+        return f"{where} {how}"
+
+    # ------------------------------------------------------- final plan
+    def fine_plan(self, state, record):
+        shares = self.solve_shares(state)
+        per_unit, sync = self.coarse_plan(state, shares)
+        layer_replicas = self.coarse.expand(per_unit)
+        entries = rank_order(self.fine_tables, self.batch)
+        names = list(self.graph.nodes)
+        by_device = {}
+        for layer in names:
+            for d, _ in layer_replicas[layer]:
+                by_device.setdefault(d, set()).add(layer)
+        order = {
+            d: [e for e in entries if e[0] in layers] for d, layers in by_device.items()
+        }
+        plan = _common.placement_plan(
+            self.graph, layer_replicas, self.batch, PLANNER, order=order, sync=sync,
+            options=record,
+        )
+        plan.buckets = [list(b) for b in self.buckets]
+        return plan
+
+    def describe(self, state):
+        """Human-readable notes on the chosen strategies."""
+        shares = self.solve_shares(state)
+        notes = []
+        distinct = []
+        for i, option in enumerate(state):
+            label = self._label(option)
+            if distinct and distinct[-1][0] == label:
+                distinct[-1][2] = i
+            else:
+                distinct.append([label, i, i])
+        parts = []
+        for label, a, b in distinct:
+            span = f"group {a}" if a == b else f"groups {a}-{b}"
+            parts.append(f"{span}: {label}")
+        notes.append(
+            f"{len(self.units)} layer groups of about equal compute; strategies: "
+            + "; ".join(parts) + "."
+        )
+        full = [s for s in shares if len(self.sets[s]) == self.n]
+        if full:
+            text = ", ".join(f"{self.names[d]}={s}" for d, s in shares[full[0]])
+            notes.append(f"Batch shares from the LP (all devices): {text}.")
+        partial = [i for i, (s, _) in enumerate(state) if len(self.sets[s]) < self.n]
+        if partial:
+            notes.append(
+                f"{len(partial)} group(s) run on a subset of the devices (partial "
+                "replication or placement)."
+            )
+        return notes

@@ -1,0 +1,224 @@
+"""FastT: list scheduling (HEFT, CPOP), memory-aware placement and op splitting.
+
+Real Keras graphs, real clusters, the real simulator. Planning is
+backend-agnostic and cheap, so these tests run under both Keras backends.
+"""
+
+import json
+
+import keras
+import pytest
+
+from autodist_keras.devices import Cluster
+from autodist_keras.errors import PlanError
+from autodist_keras.errors import StrategyError
+from autodist_keras.estimator import AnalyticCostModel
+from autodist_keras.estimator import simulate
+from autodist_keras.graph import ModelGraph
+from autodist_keras.graph import zoo
+from autodist_keras.strategies import fastt
+from autodist_keras.strategies._coarse import CoarseCostModel
+from autodist_keras.strategies._coarse import CoarseGraph
+from autodist_keras.strategies._coarse import chain_partition
+from autodist_keras.strategies._listsched import CostTables
+from autodist_keras.strategies._listsched import list_schedule
+
+BIG = 10**9  # no budget stop in tests: results depend only on the work caps
+
+
+def _gpus(name, count, memory_gb, tflops=10.0, link_gbs=20.0, bandwidth_gbps=500.0):
+    return Cluster.from_dict({
+        "nodes": [{
+            "name": "node0",
+            "gpus": [{"name": name, "memory_gb": memory_gb, "fp32_tflops": tflops,
+                      "bandwidth_gbps": bandwidth_gbps, "count": count}],
+            "intra_link": link_gbs,
+        }]
+    })
+
+
+def _mlp(width=2048, depth=4, name="wide"):
+    inputs = keras.Input((width,), name=f"{name}_x")
+    x = inputs
+    for i in range(depth):
+        x = keras.layers.Dense(width, activation="relu", name=f"{name}_d{i}")(x)
+    return keras.Model(inputs, keras.layers.Dense(10, name=f"{name}_head")(x), name=name)
+
+
+def _branches(width=1024):
+    inputs = keras.Input((width,), name="x")
+    a = keras.layers.Dense(width, name="left1")(inputs)
+    a = keras.layers.Dense(width, name="left2")(a)
+    b = keras.layers.Dense(width, name="right1")(inputs)
+    b = keras.layers.Dense(width, name="right2")(b)
+    outputs = keras.layers.Add(name="join")([a, b])
+    return keras.Model(inputs, outputs, name="branches")
+
+
+@pytest.fixture(scope="module")
+def cnn():
+    return ModelGraph.from_keras(zoo.small_cnn(input_shape=(32, 32, 3), filters=(16, 32)))
+
+
+@pytest.fixture(scope="module")
+def wide():
+    return ModelGraph.from_keras(_mlp())
+
+
+@pytest.fixture(scope="module")
+def branches():
+    return ModelGraph.from_keras(_branches())
+
+
+@pytest.fixture(scope="module")
+def hetero():
+    return Cluster.from_yaml("examples/clusters/hetero_testbed.yaml")
+
+
+def _strip(plan):
+    data = plan.to_dict()
+    data["provenance"]["planning_time_s"] = 0.0
+    return json.dumps(data, sort_keys=True)
+
+
+def test_plan_is_valid_and_carries_the_simulators_prediction(cnn, hetero):
+    plan = fastt.plan(cnn, hetero, 128, time_budget_s=BIG)
+    assert plan.validate(cnn, hetero) == []
+    assert plan.provenance.planner == "fastt"
+    assert plan.provenance.graph_fingerprint == cnn.fingerprint()
+    assert plan.provenance.cluster_fingerprint == hetero.fingerprint()
+    assert plan.provenance.planning_time_s > 0
+    again = simulate(cnn, hetero, plan)
+    assert plan.prediction.step_time_s == pytest.approx(again.step_time_s, rel=1e-12)
+    assert plan.prediction.feasible
+    assert set(plan.prediction.baselines) == {"data_parallel_even", "proportional"}
+    assert any("data_parallel_even" in note for note in plan.notes)
+    # Round trip through JSON keeps a runnable plan.
+    restored = type(plan).from_json(plan.to_json())
+    assert simulate(cnn, hetero, restored).step_time_s == pytest.approx(again.step_time_s)
+
+
+def test_order_lists_each_devices_layers_forward_before_backward(cnn, hetero):
+    plan = fastt.plan(cnn, hetero, 128, time_budget_s=BIG)
+    for group in plan.groups:
+        for replica in group.replicas:
+            entries = plan.order[replica.device]
+            for layer in group.layers:
+                fwd = entries.index((layer, "forward"))
+                bwd = entries.index((layer, "backward"))
+                assert fwd < bwd
+    # Producers run before their consumers on every device.
+    for device, entries in plan.order.items():
+        position = {e: k for k, e in enumerate(entries)}
+        for src, dst, _ in cnn.edges:
+            if (src, "forward") in position and (dst, "forward") in position:
+                assert position[(src, "forward")] < position[(dst, "forward")]
+
+
+def test_heft_keeps_a_chain_on_one_device_when_links_are_slow(wide):
+    # Two identical devices over a very slow link: moving activations costs
+    # more than any parallelism a chain offers, so HEFT keeps the chain on
+    # one device and the makespan is the serial sum (closed form).
+    cluster = _gpus("Slow", 2, memory_gb=16, link_gbs=0.01)
+    cost = AnalyticCostModel(cluster)
+    tables = CostTables(wide, cluster, cost)
+    schedule = list_schedule(tables, 64, "heft")
+    devices = {reps[0][0] for reps in schedule.replicas}
+    assert len(devices) == 1
+    d = devices.pop()
+    serial = sum(tables.layer_total(i, d, 64) for i in range(len(tables.layers)))
+    update = tables.update(d, wide.param_bytes, len(wide.variables))
+    assert schedule.makespan == pytest.approx(serial + update, rel=1e-9)
+    # On one device a chain is serial: every layer is on the critical path.
+    assert sorted(schedule.critical_layers) == list(range(len(tables.layers)))
+
+
+def test_heft_runs_independent_branches_in_parallel(branches):
+    cluster = _gpus("Fast", 2, memory_gb=16, link_gbs=300.0)
+    tables = CostTables(branches, cluster, AnalyticCostModel(cluster))
+    schedule = list_schedule(tables, 256, "heft")
+    place = schedule.placement()
+    left = {d for d, _ in place["left1"]} | {d for d, _ in place["left2"]}
+    right = {d for d, _ in place["right1"]} | {d for d, _ in place["right2"]}
+    assert left.isdisjoint(right)
+    serial = sum(tables.layer_total(i, 0, 256) for i in range(len(tables.layers)))
+    assert schedule.makespan < 0.8 * serial
+
+
+def test_cpop_puts_the_critical_path_on_the_fastest_device(wide):
+    cluster = Cluster.from_string("1xV100,1xT4")
+    tables = CostTables(wide, cluster, AnalyticCostModel(cluster))
+    schedule = list_schedule(tables, 64, "cpop")
+    v100 = cluster.names.index("node0/gpu0")
+    assert cluster.device("node0/gpu0").model.startswith("V100")
+    assert all(reps == [(v100, 64)] for reps in schedule.replicas)
+
+
+def test_placement_is_memory_aware_when_no_device_holds_the_model(wide):
+    # 4 x 16 MiB kernels: parameters, gradients and Adam slots need 4 x 64 MiB,
+    # more than one 0.2 GiB device, so the model must be spread over several.
+    cluster = _gpus("Tiny", 4, memory_gb=0.2)
+    plan = fastt.plan(wide, cluster, 64, time_budget_s=BIG)
+    assert plan.prediction.feasible, plan.prediction.infeasible_reason
+    assert len(plan.devices) >= 2
+    for device, peak in plan.prediction.peak_memory_bytes.items():
+        assert peak <= cluster.device(device).memory_bytes
+    assert any("does not fit on one device" in note for note in plan.notes)
+    # Without memory awareness HEFT ignores capacity and the plan overflows.
+    blind = fastt.plan(wide, cluster, 64, memory_aware=False, split=False, time_budget_s=BIG)
+    assert not blind.prediction.feasible
+
+
+def test_op_splitting_is_kept_only_when_it_shortens_the_step(wide):
+    # Fast links, compute-heavy layers, a large batch: splitting pays off.
+    cluster = Cluster.from_string("4xV100")
+    plain = fastt.plan(wide, cluster, 1024, split=False, time_budget_s=BIG)
+    split = fastt.plan(wide, cluster, 1024, time_budget_s=BIG)
+    assert any(len(g.replicas) > 1 for g in split.groups)
+    assert all(len(g.replicas) == 1 for g in plain.groups)
+    assert split.prediction.step_time_s < plain.prediction.step_time_s
+    assert any(note.startswith("Split") for note in split.notes)
+    # Shares of a split follow device speed and add up to the batch.
+    for group in split.groups:
+        assert sum(group.shares) == 1024
+
+
+def test_splits_never_make_the_predicted_step_slower(cnn, hetero):
+    plain = fastt.plan(cnn, hetero, 64, split=False, time_budget_s=BIG)
+    split = fastt.plan(cnn, hetero, 64, time_budget_s=BIG)
+    assert split.prediction.step_time_s <= plain.prediction.step_time_s * (1 + 1e-9)
+
+
+def test_deterministic(cnn, hetero):
+    a = fastt.plan(cnn, hetero, 96, time_budget_s=BIG)
+    b = fastt.plan(cnn, hetero, 96, time_budget_s=BIG)
+    assert _strip(a) == _strip(b)
+
+
+def test_chain_units_price_like_their_layers(cnn):
+    # The fused graph FastT schedules has the same compute as the real one.
+    cluster = Cluster.from_string("1xV100")
+    cost = AnalyticCostModel(cluster)
+    units = chain_partition(cnn, cost_of=lambda n: n.forward_flops)
+    assert sorted(layer for unit in units for layer in unit) == sorted(cnn.nodes)
+    coarse = CoarseGraph(cnn, units)
+    fused = CoarseCostModel(cost, coarse)
+    device = cluster.devices[0]
+    for phase in ("forward", "backward"):
+        fine = sum(cost.layer_time(n, device, 32, phase) for n in cnn.nodes.values())
+        total = sum(fused.layer_time(n, device, 32, phase) for n in coarse.graph.nodes.values())
+        assert total == pytest.approx(fine, rel=1e-12)
+    assert len(coarse.graph.nodes) < len(cnn.nodes)
+
+
+def test_errors_name_the_problem(cnn, hetero):
+    with pytest.raises(StrategyError, match="Received"):
+        fastt.plan(cnn, hetero, 64, unknown_option=1)
+    with pytest.raises(StrategyError, match="methods"):
+        fastt.plan(cnn, hetero, 64, methods=("random",))
+    with pytest.raises(PlanError, match="Received"):
+        fastt.plan(cnn, hetero, 0)
+    with pytest.raises(PlanError, match="Unknown device"):
+        fastt.plan(cnn, hetero, 64, devices=["node9/gpu0"])
+    with pytest.raises(StrategyError, match="time_budget_s"):
+        fastt.plan(cnn, hetero, 64, time_budget_s=-1)

@@ -1,0 +1,198 @@
+"""HeteroG: layer groups, LP batch shares, sync choice, memory-aware replication.
+
+Real Keras graphs, real clusters, the real simulator. Planning is
+backend-agnostic and cheap, so these tests run under both Keras backends.
+"""
+
+import json
+
+import keras
+import pytest
+
+from autodist_keras.devices import Cluster
+from autodist_keras.errors import PlanError
+from autodist_keras.errors import StrategyError
+from autodist_keras.estimator import AnalyticCostModel
+from autodist_keras.estimator import simulate
+from autodist_keras.graph import ModelGraph
+from autodist_keras.graph import zoo
+from autodist_keras.strategies import baselines
+from autodist_keras.strategies import heterog
+from autodist_keras.strategies._coarse import CoarseCostModel
+from autodist_keras.strategies._coarse import CoarseGraph
+from autodist_keras.strategies._coarse import contiguous_partition
+
+BIG = 10**9  # no budget stop in tests: results depend only on the work caps
+
+
+def _mlp(width=2048, depth=4, name="wide"):
+    inputs = keras.Input((width,), name=f"{name}_x")
+    x = inputs
+    for i in range(depth):
+        x = keras.layers.Dense(width, activation="relu", name=f"{name}_d{i}")(x)
+    return keras.Model(inputs, keras.layers.Dense(10, name=f"{name}_head")(x), name=name)
+
+
+@pytest.fixture(scope="module")
+def cnn():
+    return ModelGraph.from_keras(zoo.small_cnn(input_shape=(32, 32, 3), filters=(16, 32)))
+
+
+@pytest.fixture(scope="module")
+def wide():
+    return ModelGraph.from_keras(_mlp())
+
+
+@pytest.fixture(scope="module")
+def hetero():
+    return Cluster.from_yaml("examples/clusters/hetero_testbed.yaml")
+
+
+def _seed_times(graph, cluster, batch):
+    """Every baseline HeteroG is seeded with, simulated here independently."""
+    speeds = baselines.device_speeds(cluster)
+    fastest = max(cluster.names, key=lambda d: (speeds[d], -cluster.names.index(d)))
+    plans = [
+        baselines.data_parallel_even(graph, cluster, batch),
+        baselines.proportional(graph, cluster, batch),
+        baselines.proportional(graph, cluster, batch, algorithm="hierarchical"),
+        baselines.proportional(graph, cluster, batch, sync="ps", ps_server=fastest),
+    ]
+    return [simulate(graph, cluster, p) for p in plans]
+
+
+def _strip(plan):
+    data = plan.to_dict()
+    data["provenance"]["planning_time_s"] = 0.0
+    return json.dumps(data, sort_keys=True)
+
+
+def test_plan_is_valid_and_carries_the_simulators_prediction(cnn, hetero):
+    plan = heterog.plan(cnn, hetero, 256, time_budget_s=BIG)
+    assert plan.validate(cnn, hetero) == []
+    assert plan.provenance.planner == "heterog"
+    assert plan.provenance.graph_fingerprint == cnn.fingerprint()
+    assert plan.provenance.cluster_fingerprint == hetero.fingerprint()
+    assert plan.provenance.planning_time_s > 0
+    again = simulate(cnn, hetero, plan)
+    assert plan.prediction.step_time_s == pytest.approx(again.step_time_s, rel=1e-12)
+    assert plan.prediction.feasible
+    assert {"data_parallel_even", "proportional"} <= set(plan.prediction.baselines)
+    assert plan.order and all(plan.order.values())
+
+
+def test_never_predicted_slower_than_its_seeds(cnn, wide, hetero):
+    for graph, batch in ((cnn, 256), (wide, 128)):
+        plan = heterog.plan(graph, hetero, batch, time_budget_s=BIG)
+        seeds = _seed_times(graph, hetero, batch)
+        best = min(r.step_time_s for r in seeds if r.feasible)
+        assert plan.prediction.step_time_s <= best * (1 + 1e-9)
+
+
+def test_shares_are_uneven_on_mixed_gpus(cnn, hetero):
+    plan = heterog.plan(cnn, hetero, 256, time_budget_s=BIG)
+    everywhere = [g for g in plan.groups if len(g.replicas) == len(hetero)]
+    assert everywhere
+    shares = dict(zip(everywhere[0].devices, everywhere[0].shares))
+    # The V100s (node0) get more samples than the P100s (node3).
+    assert shares["node0/gpu0"] > shares["node3/gpu0"]
+    assert sum(shares.values()) == 256
+
+
+def test_lp_shares_balance_device_times_in_closed_form(wide):
+    # Big Dense layers at these batch sizes are compute-bound, so each
+    # device's step time is affine in its share: t_d(s) = c_d * s + u_d (u_d
+    # includes the optimizer update, slow on the T4's memory). Equal finish
+    # times give s_d = (T - u_d) / c_d with T = (B + sum u_d / c_d) / sum 1 / c_d.
+    cluster = Cluster.from_string("2xV100,2xT4")
+    cost = AnalyticCostModel(cluster)
+    batch = 512
+    space = heterog._Space(
+        wide, cluster, cost, cluster.names, batch, 4, baselines.DDP_BUCKET_BYTES,
+    )
+    state = tuple((0, ("ring", None)) for _ in space.units)
+    shares = dict(space.solve_shares(state)[0])
+
+    def step(device, s):
+        compute = sum(
+            cost.layer_time(n, device, s, phase)
+            for n in wide.nodes.values() for phase in ("forward", "backward")
+        )
+        return compute + cost.update_time(wide.param_bytes, device, len(wide.variables))
+
+    devices = [cluster.device(d) for d in cluster.names]
+    slope = [(step(d, 300) - step(d, 100)) / 200 for d in devices]
+    offset = [step(d, 100) - 100 * c for d, c in zip(devices, slope)]
+    finish = (batch + sum(u / c for u, c in zip(offset, slope))) / sum(1 / c for c in slope)
+    for i, name in enumerate(cluster.names):
+        expected = (finish - offset[i]) / slope[i]
+        assert shares[i] == pytest.approx(expected, abs=0.01 * batch), name
+    assert sum(shares.values()) == batch
+    assert shares[0] > shares[2]  # V100 over T4
+
+
+def test_memory_aware_when_the_model_does_not_fit_on_the_smallest_gpu(wide):
+    # 64 MiB of kernels need 256 MiB with gradients and Adam slots: more than
+    # the two 0.2 GiB cards hold, so full replication does not fit.
+    cluster = Cluster.from_dict({
+        "nodes": [{
+            "name": "node0",
+            "gpus": [
+                {"name": "Big", "memory_gb": 2, "fp32_tflops": 10, "bandwidth_gbps": 500,
+                 "count": 2},
+                {"name": "Small", "memory_gb": 0.2, "fp32_tflops": 10, "bandwidth_gbps": 500,
+                 "count": 2},
+            ],
+            "intra_link": 20,
+        }]
+    })
+    with pytest.raises(PlanError):
+        baselines.proportional(wide, cluster, 64)
+    even = simulate(wide, cluster, baselines.data_parallel_even(wide, cluster, 64))
+    assert not even.feasible
+    plan = heterog.plan(wide, cluster, 64, time_budget_s=BIG)
+    assert plan.prediction.feasible, plan.prediction.infeasible_reason
+    for device, peak in plan.prediction.peak_memory_bytes.items():
+        assert peak <= cluster.device(device).memory_bytes
+    small = {"node0/gpu2", "node0/gpu3"}
+    assert any(not small <= set(g.devices) for g in plan.groups)
+
+
+def test_groups_hold_about_equal_compute(cnn):
+    runs = contiguous_partition(cnn, 4, lambda n: n.forward_flops + n.backward_flops)
+    assert [layer for run in runs for layer in run] == list(cnn.nodes)
+    assert 1 <= len(runs) <= 4
+    equal = contiguous_partition(cnn, 3, lambda n: 1.0)
+    sizes = [len(r) for r in equal]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_coarse_simulation_matches_the_real_graph_on_one_device(cnn):
+    # The group-level graph HeteroG searches on prices compute exactly: on one
+    # device (no communication) its simulated step equals the real graph's.
+    cluster = Cluster.from_string("1xV100")
+    cost = AnalyticCostModel(cluster)
+    coarse = CoarseGraph(cnn, contiguous_partition(cnn, 4, lambda n: n.forward_flops))
+    fused = CoarseCostModel(cost, coarse)
+    fine_plan = baselines.single_device(cnn, cluster, 64)
+    coarse_plan = baselines.single_device(coarse.graph, cluster, 64)
+    fine = simulate(cnn, cluster, fine_plan, cost_model=cost)
+    approx = simulate(coarse.graph, cluster, coarse_plan, cost_model=fused)
+    assert approx.step_time_s == pytest.approx(fine.step_time_s, rel=1e-9)
+
+
+def test_deterministic(cnn, hetero):
+    a = heterog.plan(cnn, hetero, 128, time_budget_s=BIG)
+    b = heterog.plan(cnn, hetero, 128, time_budget_s=BIG)
+    assert _strip(a) == _strip(b)
+
+
+def test_errors_name_the_problem(cnn, hetero):
+    with pytest.raises(StrategyError, match="Received"):
+        heterog.plan(cnn, hetero, 64, nonsense=True)
+    with pytest.raises(StrategyError, match="groups"):
+        heterog.plan(cnn, hetero, 64, groups=0)
+    with pytest.raises(PlanError, match="Received"):
+        heterog.plan(cnn, hetero, -4)
+    with pytest.raises(PlanError, match="twice"):
+        heterog.plan(cnn, hetero, 64, devices=["node0/gpu0", "node0/gpu0"])
