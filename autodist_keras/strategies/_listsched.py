@@ -225,15 +225,34 @@ class CostTables:
         candidates = range(self.n_dev) if candidates is None else candidates
         return sorted(candidates, key=lambda d: (self.per_sample_time(d, batch, layers), d))
 
-    def speed_shares(self, devices, batch, layers=None):
+    def speed_shares(self, devices, batch, layers=None, caps=None):
         """Whole-sample shares of `batch` over `devices`, proportional to speed.
 
         Every device gets at least one sample (requires `batch >= len(devices)`).
+        With `caps` (max samples per device), a device keeps at most its cap
+        and the excess goes to the others in proportion to speed; returns
+        None when the caps cannot hold the batch.
         """
         m = len(devices)
         per = max(batch // max(m, 1), 1)
         weights = [1.0 / self.per_sample_time(d, per, layers) for d in devices]
+        if caps is not None:
+            caps = [max(int(c), 0) for c in caps]
+            if sum(caps) < batch or min(caps) < 1:
+                return None
         shares = split_batch(weights, batch)
+        if caps is not None:
+            for _ in range(m):
+                excess = sum(max(s - c, 0) for s, c in zip(shares, caps))
+                if not excess:
+                    break
+                shares = [min(s, c) for s, c in zip(shares, caps)]
+                room = [i for i in range(m) if shares[i] < caps[i]]
+                extra = split_batch([weights[i] for i in room], excess)
+                for i, e in zip(room, extra):
+                    shares[i] += e
+            if any(s > c for s, c in zip(shares, caps)):
+                return None
         for i, s in enumerate(shares):
             if s == 0:
                 donor = max(range(m), key=lambda j: (shares[j], -j))
@@ -434,7 +453,9 @@ def list_schedule(tables, batch, method="heft", fixed=None, memory=True):
     # received from another device), so free layers avoid it.
     for k, (i, ri, phase) in enumerate(meta):
         if phase == FORWARD and reps[i] is not None:
-            mem[dev[k]] += t.static[i] + t.act[i] * share[k] + sum(x for _, x in preds[k])
+            d = dev[k]
+            received = sum(x for p, x in preds[k] if dev[p] != d)
+            mem[d] += t.static[i] + t.act[i] * share[k] + received
     fixed_layer = [r is not None for r in reps]
     # Link ports, as in the simulator: a send and a receive port per device
     # and per node NIC; transfers through one port are serialised.

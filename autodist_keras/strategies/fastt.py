@@ -312,10 +312,12 @@ def _split_search(tables, batch, schedule, rounds, per_round, work, budget, memo
     """Greedy op splitting on the critical path; returns (schedule, descriptions).
 
     Each round walks the critical path's layers, costliest first. For a layer
-    it tries the layer alone, its run of consecutive co-located layers, and
-    every layer sharing its devices, each split over 2, 4, ... n of the
-    fastest devices with room. The best candidate of the first layer that
-    has an improving one is kept, then a new round starts.
+    it tries every layer sharing its devices, its run of consecutive
+    co-located layers, the layer alone, and every layer not split yet, each
+    split over n, ..., 4, 2 of the fastest devices with room (a region's
+    sweep stops at the first size worse than its best). The best candidate
+    of the first layer that has an improving one is kept, then a new round
+    starts.
     """
     fixed = {}
     current = schedule
@@ -328,19 +330,35 @@ def _split_search(tables, batch, schedule, rounds, per_round, work, budget, memo
         best = None
         for layer in critical[:per_round]:
             regions = []
-            for region in (_colocated(current, layer), _segment(current, layer), [layer]):
-                if region not in regions:
+            rest = [i for i, reps in enumerate(current.replicas) if len(reps) == 1]
+            for region in (_colocated(current, layer), _segment(current, layer), [layer],
+                           rest if layer in rest else []):
+                if region and region not in regions:
                     regions.append(region)
             now = len(current.replicas[layer])
             for region in regions:
-                # All split sizes of the first region that improves; keep the best.
+                inside = set(region)
                 static = sum(tables.static[i] for i in region)
-                room = [d for d in range(tables.n_dev) if tables.capacity[d] >= static]
+                per_sample = sum(
+                    tables.act[i] + sum(b for p, b in tables.preds[i] if p not in inside)
+                    for i in region
+                )
+                reserved = [0] * tables.n_dev
+                for j, reps in fixed.items():
+                    if j not in inside:
+                        for d, share in reps:
+                            reserved[d] += tables.static[j] + tables.act[j] * share
+                free = [tables.capacity[d] - reserved[d] - static for d in range(tables.n_dev)]
+                room = [d for d in range(tables.n_dev) if free[d] >= per_sample]
+                region_best = None
                 for m in reversed(sizes):
                     if m <= now or len(room) < m:
                         continue
                     devs = sorted(tables.speed_order(batch // m, None, room)[:m])
-                    shares = tables.speed_shares(devs, batch)
+                    caps = [free[d] // max(per_sample, 1) for d in devs]
+                    shares = tables.speed_shares(devs, batch, caps=caps)
+                    if shares is None:
+                        continue
                     reps = list(zip(devs, shares))
                     key = (tuple(region), tuple(reps))
                     if key in tried:
@@ -351,11 +369,15 @@ def _split_search(tables, batch, schedule, rounds, per_round, work, budget, memo
                         trial[i] = reps
                     sched = list_schedule(tables, batch, current.method, trial, memory_aware)
                     work.add(sched)
-                    if _better(sched, best[0] if best is not None else current):
-                        best = (sched, trial, region, m)
+                    if _better(sched, region_best or current):
+                        region_best = sched
+                        if _better(sched, best[0] if best is not None else current):
+                            best = (sched, trial, region, m)
+                    elif region_best is not None:
+                        break  # sizes past the best one only get worse
                     if work.exhausted() or budget.exhausted(reserve=_reserve(budget)):
                         break
-                if best is not None or work.hit or budget.hit:
+                if work.hit or budget.hit:
                     break
             if best is not None or work.hit or budget.hit:
                 break

@@ -42,6 +42,8 @@ import math
 import time
 
 import numpy as np
+from scipy.optimize import linprog
+from scipy.sparse import coo_matrix
 
 from autodist_keras.errors import PlanError
 from autodist_keras.errors import StrategyError
@@ -63,7 +65,7 @@ from autodist_keras.strategies.plan import split_batch
 PLANNER = "heterog"
 DEFAULT_BUDGET_S = 4.0
 DEFAULT_MAX_WORK = 2.0e6  # estimated microseconds of search (LPs and coarse simulations)
-LP_COST_US = 6000.0  # one share LP, measured (process time) on the development machine
+LP_COST_US = 8500.0  # one share LP, measured (process time) on the development machine
 SIM_TASK_COST_US = 45.0  # one simulated task of a coarse plan, same
 MAX_HEAVY_GROUPS = 6  # groups whose replica sets are searched (largest gradients)
 MIN_GAIN = 0.002  # a move must shorten the coarse step by at least 0.2%
@@ -381,8 +383,6 @@ class _Space:
 
     def solve_shares(self, state):
         """Batch shares per replica set by the LP; None when nothing fits."""
-        from scipy.optimize import linprog
-
         t = self.tables
         n = self.n
         B = self.batch
@@ -421,8 +421,6 @@ class _Space:
         if not var_classes:
             return {c: [(self.sets[c][0], B)] for c in classes}
         # Variables: T, then per (class, member): share s and time tau.
-        from scipy.sparse import coo_matrix
-
         index = {}
         nvar = 1
         for c, members, _ in var_classes:

@@ -1,0 +1,345 @@
+"""Benchmark: predicted step time of every planner family vs the baselines, and planning time.
+
+For each model and cluster it plans with the baselines (even and
+speed-proportional data parallelism, ring all-reduce, 25 MiB buckets), every
+planner family present (`strategies.fastt`, `strategies.heterog`,
+`strategies.disco`: each module's `plan()`, with its default time budget),
+and the auto search when one is exposed (`strategies.auto.choose_plan`, else
+`strategies.selection.choose_plan`; plan cache off). It reports each plan's
+predicted step time, which is the simulator's prediction on the analytic
+cost model (catalog GPU figures: predictions, not measurements), and each
+planner's planning time, which is measured wall time on this machine (one
+run per planner and case; planners stop at their time budgets, so a loaded
+machine gets less search).
+
+Models (built from Keras layers, no downloads): VGG19, ResNet50, ResNet152,
+InceptionV3, MobileNetV2, DenseNet121 (`keras.applications`, weights=None,
+224x224 or 299x299 inputs), a Transformer encoder (12 blocks, d_model 512,
+8 heads, sequence 128, vocabulary 30000) and a BERT-large sized encoder (24
+blocks, d_model 1024, 16 heads, sequence 512).
+
+Clusters: `examples/clusters/hetero_testbed.yaml` (HeteroG's 2xV100 +
+4x1080Ti + 2xP100), `v100x8_nvlink.yaml`, `a100x4_t4x4.yaml`, and `mixed16`,
+a 16-GPU mixed string cluster (`node0:4xV100;node1:4x1080Ti;node2:4xP100;
+node3:4xT4`) for the planning-time figure.
+
+Global batch: 32 samples per device (`--batch-per-device`), except
+BERT-large at sequence 512, whose activations leave room for about 10
+samples on an 11 GB card: 8 per device.
+
+Summary: on the HeteroG testbed, the geometric-mean speedup of the best
+family (and of auto) over even and over proportional data parallelism, and
+whether it is never slower than either; on 8xV100, whether it is never slower
+than data parallelism; on mixed16, each planner's planning time.
+
+Usage: `python benchmarks/plan_quality.py [--models ResNet50,VGG19]
+[--clusters hetero_testbed,mixed16] [--batch-per-device 32] [--no-auto]`.
+The last line of output is one JSON object.
+"""
+
+import argparse
+import importlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = ("VGG19", "ResNet50", "ResNet152", "InceptionV3", "MobileNetV2", "DenseNet121",
+          "Transformer", "BERT-large")
+CLUSTERS = {
+    "hetero_testbed": os.path.join(ROOT, "examples", "clusters", "hetero_testbed.yaml"),
+    "v100x8_nvlink": os.path.join(ROOT, "examples", "clusters", "v100x8_nvlink.yaml"),
+    "a100x4_t4x4": os.path.join(ROOT, "examples", "clusters", "a100x4_t4x4.yaml"),
+    "mixed16": "node0:4xV100;node1:4x1080Ti;node2:4xP100;node3:4xT4",
+}
+FAMILIES = ("fastt", "heterog", "disco")
+BASELINES = ("data_parallel_even", "proportional")
+PER_DEVICE = {"BERT-large": 8}
+TRANSFORMER = dict(num_layers=12, d_model=512, heads=8, seq_len=128, vocab=30000)
+
+
+def build_graph(name):
+    """The model's `ModelGraph` (the Keras model itself is dropped)."""
+    import keras
+
+    from autodist_keras.graph import ModelGraph
+    from autodist_keras.graph import load_model
+    from autodist_keras.graph import zoo
+
+    if name == "Transformer":
+        model = zoo.transformer_encoder(**TRANSFORMER, name="transformer")
+    elif name == "BERT-large":
+        model = zoo.bert_large()
+    else:
+        model = load_model(name)
+    graph = ModelGraph.from_keras(model)
+    del model
+    keras.backend.clear_session()
+    return graph
+
+
+def families():
+    """Planner modules exposing `plan()`, and the auto search if exposed."""
+    found, missing = {}, []
+    for name in FAMILIES:
+        try:
+            module = importlib.import_module(f"autodist_keras.strategies.{name}")
+        except ImportError:
+            module = None
+        if module is not None and hasattr(module, "plan"):
+            found[name] = module.plan
+        else:
+            missing.append(name)
+    auto = None
+    for where in ("auto", "selection"):
+        module = importlib.import_module(f"autodist_keras.strategies.{where}")
+        if hasattr(module, "choose_plan"):
+            auto = (f"strategies.{where}.choose_plan", module.choose_plan)
+            break
+    return found, missing, auto
+
+
+def run_case(graph, cluster, batch, planners, auto):
+    """Plans one model on one cluster with everything; returns a record."""
+    from autodist_keras.errors import AutodistError
+    from autodist_keras.estimator import simulate
+    from autodist_keras.strategies import baselines
+
+    record = {"global_batch": batch, "devices": len(cluster), "plans": {}}
+    builders = {
+        "data_parallel_even": baselines.data_parallel_even,
+        "proportional": baselines.proportional,
+    }
+    for name in BASELINES:
+        started = time.perf_counter()
+        try:
+            plan = builders[name](graph, cluster, batch)
+            result = simulate(graph, cluster, plan)
+            entry = {"step_time_s": result.step_time_s, "feasible": result.feasible}
+        except AutodistError as e:
+            entry = {"step_time_s": None, "feasible": False, "error": str(e)[:200]}
+        entry["planning_time_s"] = time.perf_counter() - started
+        record["plans"][name] = entry
+    for name, plan_fn in planners.items():
+        started = time.perf_counter()
+        try:
+            plan = plan_fn(graph, cluster, batch)
+            elapsed = time.perf_counter() - started
+            entry = {
+                "step_time_s": plan.prediction.step_time_s,
+                "feasible": plan.prediction.feasible,
+                "groups": len(plan.groups),
+                "notes": list(plan.notes),
+            }
+        except AutodistError as e:
+            elapsed = time.perf_counter() - started
+            entry = {"step_time_s": None, "feasible": False, "error": str(e)[:200]}
+        entry["planning_time_s"] = elapsed
+        record["plans"][name] = entry
+    if auto is not None:
+        started = time.perf_counter()
+        try:
+            plan, _ = auto[1](graph, cluster, batch, use_cache=False)
+            entry = {
+                "step_time_s": plan.prediction.step_time_s,
+                "feasible": plan.prediction.feasible,
+                "chosen": plan.provenance.planner,
+            }
+        except AutodistError as e:
+            entry = {"step_time_s": None, "feasible": False, "error": str(e)[:200]}
+        entry["planning_time_s"] = time.perf_counter() - started
+        record["plans"]["auto"] = entry
+    usable = {
+        k: v["step_time_s"] for k, v in record["plans"].items()
+        if k in planners and v.get("feasible") and v.get("step_time_s")
+    }
+    if usable:
+        best = min(usable, key=usable.get)
+        record["best_family"] = best
+        record["best_family_step_time_s"] = usable[best]
+    return record
+
+
+def _speedups(records, cluster, column, against):
+    ratios = []
+    for (model, name), rec in records.items():
+        if name != cluster:
+            continue
+        mine = rec.get("best_family_step_time_s") if column == "best_family" else (
+            rec["plans"].get(column, {}).get("step_time_s")
+        )
+        other = rec["plans"].get(against, {})
+        if mine and other.get("step_time_s") and other.get("feasible"):
+            ratios.append((model, other["step_time_s"] / mine))
+    return ratios
+
+
+def _geomean(values):
+    values = [v for v in values if v and v > 0]
+    if not values:
+        return None
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def summarise(records, have_auto):
+    summary = {}
+    columns = ["best_family"] + (["auto"] if have_auto else [])
+    for column in columns:
+        for against in BASELINES:
+            ratios = _speedups(records, "hetero_testbed", column, against)
+            if ratios:
+                summary[f"hetero_testbed_{column}_geomean_speedup_over_{against}"] = _geomean(
+                    [r for _, r in ratios]
+                )
+                summary[f"hetero_testbed_{column}_never_slower_than_{against}"] = all(
+                    r >= 1 - 1e-9 for _, r in ratios
+                )
+        ratios = _speedups(records, "v100x8_nvlink", column, "data_parallel_even")
+        if ratios:
+            summary[f"v100x8_{column}_never_slower_than_data_parallel"] = all(
+                r >= 1 - 1e-9 for _, r in ratios
+            )
+    times = {}
+    for (model, name), rec in records.items():
+        if name != "mixed16":
+            continue
+        for planner, entry in rec["plans"].items():
+            if planner in BASELINES:
+                continue
+            times.setdefault(planner, {})[model] = entry["planning_time_s"]
+    if times:
+        summary["mixed16_planning_time_s"] = times
+        summary["mixed16_max_planning_time_s"] = {p: max(v.values()) for p, v in times.items()}
+    return summary
+
+
+def print_table(records, columns):
+    header = ["model", "cluster", "batch"] + [f"{c} ms" for c in columns] + ["best", "plan s"]
+    rows = []
+    for (model, cluster), rec in records.items():
+        row = [model, cluster, str(rec["global_batch"])]
+        for c in columns:
+            e = rec["plans"].get(c)
+            if e is None or e.get("step_time_s") is None:
+                row.append("-")
+            else:
+                row.append(f"{e['step_time_s'] * 1e3:.1f}" + ("" if e["feasible"] else " (OOM)"))
+        row.append(rec.get("best_family", "-"))
+        row.append(" ".join(
+            f"{c[:1]}{rec['plans'][c]['planning_time_s']:.1f}" for c in columns
+            if c in rec["plans"] and c not in BASELINES
+        ))
+        rows.append(row)
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="Predicted step time (simulator) and planning time (measured)")
+        for h in header:
+            table.add_column(h)
+        for row in rows:
+            table.add_row(*row)
+        Console(width=160).print(table)
+    except ImportError:
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+        print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+        for row in rows:
+            print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--clusters", default=",".join(CLUSTERS))
+    parser.add_argument("--batch-per-device", type=int, default=None,
+                        help="samples per device for every model (default 32; BERT-large 8)")
+    parser.add_argument("--no-auto", action="store_true", help="skip the auto search column")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    import keras
+
+    from autodist_keras.devices import Cluster
+
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in MODELS]
+    clusters = [c for c in args.clusters.split(",") if c]
+    unknown += [c for c in clusters if c not in CLUSTERS]
+    if unknown:
+        parser.error(f"unknown model or cluster {unknown}; models: {MODELS}; "
+                     f"clusters: {list(CLUSTERS)}")
+    planners, missing, auto = families()
+    if args.no_auto:
+        auto = None
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    print(
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPU(s), load average "
+        f"{load[0]:.1f} at start, Python {platform.python_version()}, Keras "
+        f"{keras.__version__} ({keras.backend.backend()} backend, used only to build graphs)."
+    )
+    print(f"Planner families: {', '.join(planners) or 'none'}"
+          + (f"; missing (skipped): {', '.join(missing)}" if missing else ""))
+    print(f"Auto search: {auto[0] if auto else 'not run (skipped or not exposed)'}")
+    print("Step times are predictions of the simulator (analytic cost model, catalog GPU "
+          "figures); planning times are measured wall time, one run each.")
+    cluster_objs = {name: Cluster.resolve(CLUSTERS[name]) for name in clusters}
+    records = {}
+    started = time.perf_counter()
+    for model in models:
+        t0 = time.perf_counter()
+        graph = build_graph(model)
+        print(f"{model}: {len(graph.nodes)} layers, {graph.param_bytes / 2**20:.0f} MiB of "
+              f"parameters; graph built in {time.perf_counter() - t0:.1f} s (not timed below).",
+              flush=True)
+        for name in clusters:
+            cluster = cluster_objs[name]
+            per = args.batch_per_device or PER_DEVICE.get(model, 32)
+            rec = run_case(graph, cluster, per * len(cluster), planners, auto)
+            records[(model, name)] = rec
+            line = ", ".join(
+                f"{k} {v['step_time_s'] * 1e3:.1f} ms" + ("" if v["feasible"] else " (OOM)")
+                if v.get("step_time_s") else f"{k} -"
+                for k, v in rec["plans"].items()
+            )
+            print(f"  {name} (batch {rec['global_batch']}): {line}", flush=True)
+    columns = list(BASELINES) + list(planners) + (["auto"] if auto else [])
+    print_table(records, columns)
+    summary = summarise(records, auto is not None)
+    for key, value in summary.items():
+        if isinstance(value, float):
+            print(f"{key}: {value:.3f}")
+        elif not isinstance(value, dict):
+            print(f"{key}: {value}")
+    for planner, value in summary.get("mixed16_max_planning_time_s", {}).items():
+        print(f"max planning time on mixed16 ({planner}): {value:.2f} s")
+    out = {
+        "benchmark": "plan_quality",
+        "measured": "planning wall time (s); step times are simulator predictions",
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "load_average_at_start": load[0] if load else None},
+        "families": list(planners),
+        "missing_families": missing,
+        "auto": auto[0] if auto else None,
+        "batch_rule": "32 x devices (BERT-large: 8 x devices)" if not args.batch_per_device
+        else f"{args.batch_per_device} x devices",
+        "repetitions": 1,
+        "total_time_s": time.perf_counter() - started,
+        "cases": [
+            dict(model=m, cluster=c, **{k: v for k, v in rec.items()})
+            for (m, c), rec in records.items()
+        ],
+        "summary": summary,
+    }
+    for case in out["cases"]:
+        for entry in case["plans"].values():
+            entry.pop("notes", None)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
