@@ -1,0 +1,96 @@
+"""Collective profiler: real torch.distributed (gloo) processes on loopback.
+
+The measurement runs in spawned PyTorch processes whatever the Keras backend,
+so the multi-process tests run once, under KERAS_BACKEND=torch.
+"""
+
+import math
+import multiprocessing
+
+import keras
+import pytest
+
+from autodist_keras.devices import Cluster
+from autodist_keras.errors import EstimatorError
+from autodist_keras.estimator.comm import CommModel
+from autodist_keras.estimator.profiler import CollectiveProfile
+from autodist_keras.estimator.profiler import fit_alpha_beta
+from autodist_keras.estimator.profiler import profile_collectives
+
+pytest.importorskip("torch.distributed")
+torch_only = pytest.mark.skipif(
+    keras.backend.backend() != "torch",
+    reason="backend-independent (spawned torch.distributed processes); run under torch only",
+)
+
+SIZES = (1 << 10, 1 << 15, 1 << 19)
+
+
+def test_alpha_beta_fit_recovers_latency_and_bandwidth():
+    sizes = [1e3, 1e4, 1e5, 1e6, 1e7]
+    times = [20e-6 + s / 2e9 for s in sizes]
+    fit = fit_alpha_beta(sizes, times)
+    assert fit["latency_s"] == pytest.approx(20e-6, rel=1e-6)
+    assert fit["bandwidth"] == pytest.approx(2e9, rel=1e-6)
+    assert fit["max_rel_error"] < 1e-9
+    flat = fit_alpha_beta([1e3, 1e6], [5e-5, 5e-5])
+    assert flat["bandwidth"] == math.inf and flat["latency_s"] == pytest.approx(5e-5)
+    with pytest.raises(EstimatorError, match="at least two distinct message sizes"):
+        fit_alpha_beta([1e3], [1e-5])
+    with pytest.raises(EstimatorError, match="positive and finite"):
+        fit_alpha_beta([1e3, 1e4], [1e-5, 0.0])
+
+
+@torch_only
+def test_gloo_collectives_between_testbed_devices(tmp_path):
+    cluster = Cluster.cpu_testbed()
+    devices = ["node0/cpu0", "node0/cpu1"]
+    links = profile_collectives(cluster, devices=devices, sizes=SIZES, warmup=1, repeats=3,
+                                timeout_s=120, cache_dir=tmp_path)
+    assert links.backend == "gloo" and links.devices == devices and not links.cached
+    assert multiprocessing.active_children() == []
+    assert set(links.samples) == {"allreduce", "broadcast", "p2p"}
+    for op, by_label in links.samples.items():
+        for per_size in by_label.values():
+            assert sorted(int(s) for s in per_size) == list(SIZES)
+            assert all(t > 0 and math.isfinite(t) for t in per_size.values())
+    assert {f["op"] for f in links.fits} == {"allreduce", "broadcast", "p2p"}
+    for fit in links.fits:
+        assert fit["latency_s"] >= 0 and fit["bandwidth"] > 0
+        assert math.isfinite(fit["max_rel_error"])
+    p2p = links.fit("p2p", "node0/cpu1", "node0/cpu0")
+    assert p2p["devices"] == devices
+    ring = links.fit("allreduce")
+    assert ring["ring_link_latency_s"] == pytest.approx(ring["latency_s"] / 2)
+    # Measured links price transfers in the communication model.
+    comm = CommModel(links.topology(cluster.topology))
+    expected = p2p["latency_s"] + (1 << 20) / p2p["bandwidth"]
+    assert comm.transfer_time(1 << 20, *devices) == pytest.approx(expected)
+    # Pairs not measured fall back to the cluster's topology.
+    assert comm.link("node0/cpu0", "node0/cpu2") == (
+        cluster.topology.latency("node0/cpu0", "node0/cpu2"),
+        cluster.topology.bandwidth("node0/cpu0", "node0/cpu2"),
+    )
+    again = profile_collectives(cluster, devices=devices, sizes=SIZES, warmup=1, repeats=3,
+                                timeout_s=120, cache_dir=tmp_path)
+    assert again.cached and again.fits == links.fits
+    assert CollectiveProfile.from_dict(links.to_dict()).fits == links.fits
+    assert "p2p" in links.summary()
+
+
+@torch_only
+def test_overrun_kills_the_workers_and_says_so(tmp_path):
+    with pytest.raises(EstimatorError, match="did not finish within 0.2 s"):
+        profile_collectives(Cluster.cpu_testbed(), devices=["node0/cpu0", "node0/cpu1"],
+                            sizes=SIZES, timeout_s=0.2, use_cache=False)
+    assert multiprocessing.active_children() == []
+
+
+def test_invalid_collective_requests():
+    cluster = Cluster.cpu_testbed()
+    with pytest.raises(EstimatorError, match="at least two distinct message sizes"):
+        profile_collectives(cluster, sizes=(1024,), use_cache=False)
+    with pytest.raises(EstimatorError, match="ops must be a non-empty subset"):
+        profile_collectives(cluster, ops=("gather",), use_cache=False)
+    with pytest.raises(EstimatorError, match="Unknown device 'node0/cpu9'"):
+        profile_collectives(cluster, devices=["node0/cpu9"], use_cache=False)
