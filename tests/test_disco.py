@@ -94,6 +94,8 @@ def test_plan_is_valid_and_carries_the_simulators_prediction(res, clusters):
     assert [(r.device, r.batch_share) for r in plan.replicas] == [
         (r.device, r.batch_share) for r in prop.replicas
     ]
+    subset = disco.plan(res, cluster, 64, devices=cluster.names[:3])
+    assert [r.device for r in subset.replicas] == cluster.names[:3]
     again = type(plan).from_json(plan.to_json())
     assert again.op_fusion == plan.op_fusion and again.buckets == plan.buckets
 

@@ -292,6 +292,20 @@ def test_chain_optimal_bounds_match_brute_force():
         assert end == pytest.approx(best, rel=1e-12)
 
 
+def test_chain_optimal_bounds_keep_ties_together_at_no_cost():
+    rng = random.Random(1)
+    for _ in range(30):
+        n = rng.randint(2, 8)
+        sizes = [rng.randint(1, 50) * 1000 for _ in range(n)]
+        ready = sorted(rng.choice([0.0, 2e-4, 5e-4, 9e-4]) for _ in range(n))
+        costs = [(rng.uniform(0, 1e-4), rng.uniform(1e-10, 1e-8))]
+        bounds, end = tensor_fusion.chain_optimal_bounds(sizes, ready, costs)
+        cuts = set(bounds[:-1])
+        assert all(ready[c - 1] != ready[c] for c in cuts)
+        _, free = tensor_fusion.chain_optimal_bounds(sizes, ready, costs, split_ties=True)
+        assert end == pytest.approx(free, rel=1e-12)
+
+
 def test_overlapped_bound_is_below_every_layout_and_exact_on_one_device(encoder, res):
     for graph in (encoder, res):
         cluster = Cluster.from_string("node0:2xV100;node1:2xT4@10")

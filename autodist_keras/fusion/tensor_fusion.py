@@ -184,7 +184,7 @@ def bounds_of(names, buckets):
     return bounds if expected == len(names) else None
 
 
-def chain_optimal_bounds(sizes, ready, affine_costs, start=0.0):
+def chain_optimal_bounds(sizes, ready, affine_costs, start=0.0, split_ties=False):
     """The contiguous bucket layout that finishes the all-reduce chain first.
 
     Buckets are contiguous runs of the launch-ordered gradients; bucket `k`
@@ -201,11 +201,18 @@ def chain_optimal_bounds(sizes, ready, affine_costs, start=0.0):
     With `ready` non-decreasing (launch order) this is the exact optimum of
     the chain model for such costs.
 
+    By default a bucket boundary only falls where the ready time changes:
+    gradients ready at the same moment (one layer's, or one fused region's)
+    stay together. With one algorithm this loses nothing (moving the rest of
+    a tie group into the earlier bucket never ends the chain later) and it
+    makes `n` the number of distinct ready times.
+
     Args:
         sizes: Bytes of each gradient, in launch order.
         ready: Ready time of each gradient (seconds), same order.
         affine_costs: List of `(a, b)` pairs, one per all-reduce algorithm.
         start: Time before which no all-reduce may start.
+        split_ties: Allow boundaries between gradients with equal ready times.
 
     Returns:
         `(bounds, end)`: the end indices of the buckets and the chain's end.
@@ -220,6 +227,16 @@ def chain_optimal_bounds(sizes, ready, affine_costs, start=0.0):
             f"sizes and ready must have one entry per gradient. Received: {n} sizes, "
             f"{len(ready)} ready times"
         )
+    if not split_ties:
+        ends = [i + 1 for i in range(n) if i == n - 1 or ready[i + 1] != ready[i]]
+        if len(ends) < n:
+            starts = [0] + ends[:-1]
+            unit_sizes = [sum(sizes[a:b]) for a, b in zip(starts, ends)]
+            unit_ready = [ready[b - 1] for b in ends]
+            unit_bounds, end = chain_optimal_bounds(
+                unit_sizes, unit_ready, affine_costs, start=start, split_ties=True
+            )
+            return [ends[k - 1] for k in unit_bounds], end
     prefix = np.concatenate([[0.0], np.cumsum(np.asarray(sizes, dtype=float))])
     ready = np.asarray(ready, dtype=float)
     a = np.asarray([c[0] for c in affine_costs], dtype=float)[:, None]

@@ -324,7 +324,12 @@ class _Timeline:
 
 
 class _Search:
-    """Disco's backtracking search over (op-fusion joins, bucket bounds)."""
+    """Disco's backtracking search over (op-fusion joins, bucket bounds).
+
+    Every move is scored by `_Timeline.step`; a move is kept when the
+    predicted step time drops (merging buckets also when it stays equal),
+    otherwise it is undone.
+    """
 
     def __init__(self, timeline, joins_allowed, deadline, progress, use_op, use_tensor):
         self.tl = timeline
@@ -335,6 +340,7 @@ class _Search:
         self.budget_exhausted = False
         self.passes = 0
         self.accepted = {"op_fusion": 0, "tensor_fusion": 0}
+        self.state = self.bounds = self.best = None
 
     def _time_left(self):
         if time.perf_counter() >= self.deadline:
@@ -342,67 +348,68 @@ class _Search:
             return False
         return True
 
+    def consider(self, state, bounds, allow_equal=False):
+        """Moves to `(state, bounds)` if it is predicted faster; returns whether it did."""
+        t = self.tl.step(state, bounds)
+        if t < self.best * (1.0 - 1e-12) or (allow_equal and t <= self.best):
+            self.state, self.bounds, self.best = state, tuple(bounds), t
+            return True
+        return False
+
+    def _tensor_moves(self):
+        """Re-solve the buckets for the current timeline, then split and merge them."""
+        tl = self.tl
+        before = self.best
+        if self._time_left() and self.consider(self.state, tl.optimal_bounds(self.state)):
+            self.accepted["tensor_fusion"] += 1
+        k = 0
+        while k < len(self.bounds) and self._time_left():
+            bounds = self.bounds
+            lo = bounds[k - 1] if k else 0
+            hi = bounds[k]
+            if hi - lo > 1:
+                cut = bisect.bisect_left(tl.prefix, (tl.prefix[lo] + tl.prefix[hi]) / 2.0)
+                cut = min(max(cut, lo + 1), hi - 1)
+                if self.consider(self.state, bounds[:k] + (cut,) + bounds[k:]):
+                    self.accepted["tensor_fusion"] += 1
+            k += 1
+        # Merging is kept when it costs nothing: fewer, larger buckets.
+        k = 0
+        while k < len(self.bounds) - 1 and self._time_left():
+            bounds = self.bounds
+            if self.consider(self.state, bounds[:k] + bounds[k + 1:], allow_equal=True):
+                self.accepted["tensor_fusion"] += 1
+                continue
+            k += 1
+        return self.best < before * (1.0 - 1e-12)
+
     def run(self, state, bounds):
         tl = self.tl
-        bounds = tuple(bounds)
-        best = tl.step(state, bounds)
-
-        def consider(new_state, new_bounds, allow_equal=False):
-            # Keep the move when the predicted step time drops; else undo it (backtrack).
-            nonlocal state, bounds, best
-            t = tl.step(new_state, new_bounds)
-            if t < best * (1.0 - 1e-12) or (allow_equal and t <= best):
-                state, bounds, best = new_state, tuple(new_bounds), t
-                return True
-            return False
-
+        self.state, self.bounds = state, tuple(bounds)
+        self.best = tl.step(state, self.bounds)
         if self.use_tensor:
-            consider(state, tl.optimal_bounds(state))
+            self.consider(state, tl.optimal_bounds(state))
         # Big move first: fuse everything the model can absorb, and re-bucket.
         if self.candidates and self._time_left():
             fused = tl.state(self.candidates)
-            if consider(fused, tl.optimal_bounds(fused) if self.use_tensor else bounds):
+            if self.consider(fused, tl.optimal_bounds(fused) if self.use_tensor else self.bounds):
                 self.accepted["op_fusion"] += 1
         improved = True
         while improved and self._time_left():
             improved = False
             self.passes += 1
+            if self.use_tensor:
+                improved = self._tensor_moves()
             # Op fusion: flip each adjacent pair (fuse, or un-fuse).
             for j in self.candidates:
                 if not self._time_left():
                     break
-                if consider(tl.toggled(state, j), bounds):
+                if self.consider(tl.toggled(self.state, j), self.bounds):
                     self.accepted["op_fusion"] += 1
                     improved = True
-            if not self.use_tensor:
-                continue
-            # Tensor fusion: re-solve for the current timeline, then split / merge.
-            if self._time_left() and consider(state, tl.optimal_bounds(state)):
-                self.accepted["tensor_fusion"] += 1
-                improved = True
-            k = 0
-            while k < len(bounds) and self._time_left():
-                lo = bounds[k - 1] if k else 0
-                hi = bounds[k]
-                if hi - lo > 1:
-                    cut = bisect.bisect_left(tl.prefix, (tl.prefix[lo] + tl.prefix[hi]) / 2.0)
-                    cut = min(max(cut, lo + 1), hi - 1)
-                    if consider(state, bounds[:k] + (cut,) + bounds[k:]):
-                        self.accepted["tensor_fusion"] += 1
-                        improved = True
-                k += 1
-            # Merging is kept when it costs nothing: fewer, larger buckets.
-            k = 0
-            while k < len(bounds) - 1 and self._time_left():
-                before = best
-                if consider(state, bounds[:k] + bounds[k + 1:], allow_equal=True):
-                    self.accepted["tensor_fusion"] += 1
-                    improved = improved or best < before * (1.0 - 1e-12)
-                    continue
-                k += 1
             if self.progress is not None:
-                self.progress.set_postfix(best_ms=f"{best * 1e3:.2f}", refresh=False)
-        return state, bounds, best
+                self.progress.set_postfix(best_ms=f"{self.best * 1e3:.2f}", refresh=False)
+        return self.state, self.bounds, self.best
 
 
 def _check_options(options):
