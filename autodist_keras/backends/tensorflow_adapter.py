@@ -1,0 +1,920 @@
+"""Runs data-parallel plans inside `model.fit` on the TensorFlow backend.
+
+One process drives every local device: GPUs, or logical CPU devices that the
+adapter creates with `tf.config.set_logical_device_configuration` on a
+CPU-only machine. The adapter replaces the model's train, test and predict
+functions; each step takes the global batch Keras' data pipeline produced,
+slices it by the plan's batch shares, runs every replica's forward and
+backward pass under `tf.device` inside one `tf.function`, weights each
+replica's loss by `share / global batch`, fuses each planned gradient bucket
+into one flat buffer per replica, sums the buffers the way the plan's sync
+method says (ring, tree, hierarchical or parameter server), splits the sum
+back, and applies it once with the model's optimizer. Metrics and the logged
+loss are computed over the whole global batch.
+
+When `TF_CONFIG` names two or more tasks, each process is one worker that
+runs one replica (its share of each global batch) and sums gradient buckets
+across workers with `tf.distribute.MultiWorkerMirroredStrategy` collectives
+(one all-reduce per bucket).
+
+See `docs/runtime_tensorflow.md` for what is and is not supported.
+
+Example:
+
+```python
+strategy = AutoStrategy(strategy="proportional", cluster=Cluster.cpu_testbed())
+with strategy.scope():
+    model = keras.Sequential([...])
+    model.compile(optimizer="adam", loss="mse")
+model.fit(x, y, batch_size=48, shuffle=False)
+```
+"""
+
+import time
+
+from autodist_keras.backends import tf_multiworker
+from autodist_keras.backends import tf_reduce
+from autodist_keras.backends.base import BackendAdapter
+from autodist_keras.errors import BackendError
+
+SUPPORTED_LOSS_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+
+class _RecordingScope:
+    """A Keras `StatelessScope` that also remembers which variables were assigned."""
+
+    def __init__(self):
+        from keras.src.backend.common.stateless_scope import StatelessScope
+
+        class Scope(StatelessScope):
+            def __init__(self):
+                super().__init__(initialize_variables=False)
+                self.assigned = []
+
+            def add_update(self, update):
+                variable, _ = update
+                if all(v is not variable for v in self.assigned):
+                    self.assigned.append(variable)
+                super().add_update(update)
+
+        self.scope = Scope()
+
+    def __enter__(self):
+        return self.scope.__enter__()
+
+    def __exit__(self, *args):
+        return self.scope.__exit__(*args)
+
+
+class _Replica:
+    def __init__(self, name, device, share, node):
+        self.name = name  # plan device name
+        self.device = device  # TF device string
+        self.share = share
+        self.node = node
+
+
+class TensorFlowAdapter(BackendAdapter):
+    """Backend adapter for `KERAS_BACKEND=tensorflow`.
+
+    Created by `AutoStrategy` (at `scope()`); creating it configures the
+    local devices, so it must happen before TensorFlow runs its first op.
+
+    Args:
+        strategy: The `AutoStrategy` this adapter serves.
+
+    Raises:
+        BackendError: If TensorFlow already started with fewer logical CPU
+            devices than the cluster has CPU devices, or `TF_CONFIG` is
+            malformed.
+    """
+
+    name = "tensorflow"
+
+    def __init__(self, strategy):
+        super().__init__(strategy)
+        import tensorflow as tf  # noqa: F401  (loaded here, lazily)
+
+        self.cluster = strategy.cluster
+        self.worker = tf_multiworker.parse_tf_config()
+        self.collective = None
+        if self.worker is not None:
+            self._setup_worker()
+        else:
+            self._setup_local_devices()
+        self.home = self._home_device()
+        self.runtimes = {}
+        self.runtime_info = {}
+
+    # -------------------------------------------------------------- devices
+    def _local_cpu_devices(self):
+        return [d for d in self.cluster.devices if d.kind != "gpu"]
+
+    def _setup_local_devices(self):
+        """Creates one logical CPU device per CPU device of the cluster."""
+        import tensorflow as tf
+
+        needed = len(self._local_cpu_devices())
+        if needed <= 1:
+            return
+        physical = tf.config.list_physical_devices("CPU")[0]
+        try:
+            existing = tf.config.get_logical_device_configuration(physical) or []
+            if len(existing) < needed:
+                tf.config.set_logical_device_configuration(
+                    physical, [tf.config.LogicalDeviceConfiguration() for _ in range(needed)]
+                )
+        except RuntimeError:
+            pass  # TensorFlow is already initialised: check what it has.
+        have = len(tf.config.list_logical_devices("CPU"))
+        if have < needed:
+            raise BackendError(
+                f"The cluster has {needed} CPU devices ({[d.name for d in self._local_cpu_devices()]}), "
+                f"but TensorFlow already started with {have} logical CPU device(s), and logical "
+                "devices can only be created before TensorFlow runs its first operation. Create "
+                "the AutoStrategy (or call strategy.scope()) before building models or running "
+                "any TensorFlow op, or configure the devices yourself first with "
+                "tf.config.set_logical_device_configuration(tf.config.list_physical_devices('CPU')[0], "
+                f"[tf.config.LogicalDeviceConfiguration()] * {needed}). "
+                f"Received: {have} logical CPU device(s)"
+            )
+
+    def _setup_worker(self):
+        """Pins this worker to its testbed device and starts the collectives."""
+        worker = self.worker
+        names = list(self.strategy.devices)
+        if worker.num_workers != len(names):
+            raise BackendError(
+                f"TF_CONFIG describes {worker.num_workers} worker tasks but the strategy uses "
+                f"{len(names)} devices ({names}); run one worker process per device, in the "
+                "order of the strategy's devices. "
+                f"Received: {worker.num_workers} tasks for {len(names)} devices"
+            )
+        device = self.cluster.device(names[worker.rank])
+        self.worker_device = device
+        if device.cpu_affinity is not None:
+            tf_multiworker.pin_process(device.cpu_affinity, device.threads)
+        timeout = self.strategy.options.get("timeout_s", 300)
+        self.collective = tf_multiworker.make_collective_strategy(timeout)
+        replica_id = tf_multiworker.replica_id(self.collective)
+        if replica_id != worker.rank:
+            raise BackendError(
+                f"This worker ({worker.task_type} {worker.task_index}) has collective replica "
+                f"id {replica_id}, not the rank {worker.rank} autodist_keras derived from "
+                "TF_CONFIG (chief first, then workers by index). Use a TF_CONFIG with only "
+                f"'worker' tasks. Received: {worker}"
+            )
+
+    def tf_device(self, name):
+        """Maps a plan device name to a local TensorFlow device string.
+
+        GPUs map to `/GPU:<index within the node>`; CPU and testbed devices
+        map to logical CPU devices in the order the cluster lists them.
+
+        Raises:
+            BackendError: If the device does not exist on this machine.
+        """
+        import tensorflow as tf
+
+        device = self.cluster.device(name)
+        if self.worker is not None:
+            return self.collective.extended.worker_devices[0]
+        if device.kind == "gpu":
+            gpus = tf.config.list_logical_devices("GPU")
+            if device.index >= len(gpus):
+                raise BackendError(
+                    f"The plan places a replica on {name!r} (GPU {device.index} of its node), "
+                    f"but this machine has {len(gpus)} GPU(s) visible to TensorFlow. Plan for "
+                    "the local devices (Cluster.detect()) or run on the machine the plan was "
+                    f"made for. Received: {name!r}"
+                )
+            return f"/GPU:{device.index}"
+        cpus = [d.name for d in self._local_cpu_devices()]
+        k = cpus.index(name)
+        have = len(tf.config.list_logical_devices("CPU"))
+        if k >= have:
+            raise BackendError(
+                f"The plan places a replica on {name!r} (CPU device {k}), but TensorFlow has "
+                f"{have} logical CPU device(s). Create the AutoStrategy before any TensorFlow op "
+                f"runs so the adapter can create them. Received: {name!r}"
+            )
+        return f"/CPU:{k}"
+
+    def _home_device(self):
+        """Where the variables live: the PS server if there is one, else the first device."""
+        if self.worker is not None:
+            return self.collective.extended.worker_devices[0]
+        plan = self.strategy._fixed_plan
+        if plan is not None:
+            servers = {s.server for s in plan.sync.values() if s.method == "ps"}
+            if len(servers) == 1 and all(s.method == "ps" for s in plan.sync.values()):
+                return self.tf_device(servers.pop())
+            return self.tf_device(plan.devices[0])
+        options = self.strategy.options
+        if options.get("sync") == "ps" and self.strategy.name != "single_device":
+            return self.tf_device(options.get("ps_server") or self.strategy.devices[0])
+        return self.tf_device(self.strategy.devices[0])
+
+    def can_execute(self, plan):
+        """Whether this adapter can run `plan` here.
+
+        Returns:
+            `(True, "")`, or `(False, reason)` for placement plans, plans
+            spanning nodes in one process, devices missing on this machine,
+            or (multi-worker) replicas that are not one per worker.
+        """
+        if not plan.is_data_parallel:
+            return False, (
+                "the TensorFlow runtime runs data-parallel plans (one layer group); this plan "
+                f"has {len(plan.groups)} groups"
+            )
+        if self.worker is not None:
+            if sorted(plan.devices) != sorted(self.strategy.devices):
+                return False, (
+                    f"multi-worker mode runs one replica per worker on {self.strategy.devices}; "
+                    f"the plan uses {plan.devices}"
+                )
+            return True, ""
+        names = list(plan.devices) + sorted(
+            {s.server for s in plan.sync.values() if s.method == "ps" and s.server}
+        )
+        nodes = {self.cluster.device(n).node for n in names if n in self.cluster.names}
+        if len(nodes) > 1:
+            return False, f"the plan spans nodes {sorted(nodes)}; one process drives one node"
+        for name in names:
+            try:
+                self.tf_device(name)
+            except (BackendError, KeyError, ValueError) as e:
+                return False, str(e)
+        return True, ""
+
+    # ------------------------------------------------------------ interface
+    def variable_scope(self):
+        """Places the model's variables on the home device (PS server or first device)."""
+        import tensorflow as tf
+
+        return tf.device(self.home)
+
+    def attach(self, model):
+        """Installs plan-running train, test and predict functions on `model`."""
+        runtime = _Runtime(self, model)
+        self.runtimes[id(model)] = runtime
+        model.train_function = None
+        model.test_function = None
+        model.predict_function = None
+
+        def make_train_function(force=False):
+            if model.train_function is None or force:
+                model.train_function = runtime.make_function("train")
+            return model.train_function
+
+        def make_test_function(force=False):
+            if model.test_function is None or force:
+                model.test_function = runtime.make_function("test")
+            return model.test_function
+
+        def make_predict_function(force=False):
+            if model.predict_function is None or force:
+                model.predict_function = runtime.make_function("predict")
+            return model.predict_function
+
+        model.make_train_function = make_train_function
+        model.make_test_function = make_test_function
+        model.make_predict_function = make_predict_function
+        model._autodist_runtime = runtime
+
+    @property
+    def rank(self):
+        """This process's worker rank (0 when not running multi-worker)."""
+        return 0 if self.worker is None else self.worker.rank
+
+
+class _Runtime:
+    """Per-model state: the plan, its replicas, buckets and traced step functions."""
+
+    def __init__(self, adapter, model):
+        self.adapter = adapter
+        self.model = model
+        self.plan = None
+        self.replicas = None
+        self.layout = None
+        self.fns = {}
+        self.local_index = None
+
+    # ------------------------------------------------------------ preparing
+    def prepare(self, data, batch_size):
+        import tensorflow as tf
+
+        model = self.model
+        with tf.device(self.adapter.home):
+            model._symbolic_build(data_batch=data)
+        strategy = self.adapter.strategy
+        plan = strategy.plan_for(model, batch_size)
+        if not plan.is_data_parallel:
+            raise BackendError(
+                "The TensorFlow adapter runs data-parallel plans (one layer group replicated "
+                "over devices); this plan has several groups (a placement or hybrid plan). "
+                "Use strategy='data_parallel' or 'proportional'. "
+                f"Received: {len(plan.groups)} groups"
+            )
+        replicas = []
+        for r in plan.replicas:
+            device = self.adapter.cluster.device(r.device)
+            replicas.append(_Replica(r.device, self.adapter.tf_device(r.device), r.batch_share, device.node))
+        if self.adapter.worker is None:
+            nodes = {r.node for r in replicas}
+            if len(nodes) > 1:
+                raise BackendError(
+                    f"The plan spans several nodes ({sorted(nodes)}); one process drives one "
+                    "node's devices. Start one worker process per device with TF_CONFIG set "
+                    "(see docs/runtime_tensorflow.md). "
+                    f"Received: devices {[r.name for r in replicas]}"
+                )
+        else:
+            mine = self.adapter.strategy.devices[self.adapter.worker.rank]
+            names = [r.name for r in replicas]
+            if sorted(names) != sorted(self.adapter.strategy.devices) or mine not in names:
+                raise BackendError(
+                    "In multi-worker mode every worker runs one replica: the plan's replicas "
+                    f"must be exactly the strategy's devices {self.adapter.strategy.devices}, one "
+                    f"per worker. Received: plan replicas {names}"
+                )
+            self.local_index = names.index(mine)
+        variables = model.trainable_variables
+        self.layout = tf_reduce.bucket_layout(
+            plan,
+            [v.path for v in variables],
+            [_dtype_name(v) for v in variables],
+        )
+        _check_loss_reductions(model)
+        if model.optimizer is not None and not model.optimizer.built:
+            with tf.device(self.adapter.home):
+                model.optimizer.build(variables)
+        self.plan = plan
+        self.replicas = replicas
+        if self.adapter.worker is not None:
+            tf_multiworker.broadcast_variables(self.adapter.collective, model.weights)
+        self.adapter.runtime_info = (
+            {
+                "mode": "multi-worker" if self.adapter.worker is not None else "single-process",
+                "replica_devices": {r.name: r.device for r in replicas},
+                "home_device": self.adapter.home,
+                "buckets": len(self.layout),
+            }
+        )
+
+    def shares(self, batch_size):
+        if batch_size == self.plan.global_batch_size:
+            shares = tuple(r.share for r in self.replicas)
+        else:
+            shares = tuple(self.plan.shares_for(batch_size))
+        if self.adapter.worker is not None and min(shares) == 0:
+            raise BackendError(
+                f"A batch of {batch_size} samples leaves a worker with no samples (shares "
+                f"{list(shares)}); in multi-worker mode every worker needs at least one. Use a "
+                "dataset size that is a multiple of the batch size, or drop the last batch. "
+                f"Received: batch of {batch_size}"
+            )
+        return shares
+
+    # ------------------------------------------------------------ functions
+    def make_function(self, kind):
+        """Returns the function Keras calls with an iterator (train/test) or data list (predict)."""
+        import tensorflow as tf
+
+        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+        model = self.model
+        step_name = f"{kind}_step"
+        custom = getattr(type(model), step_name) is not getattr(TensorFlowTrainer, step_name)
+        multi_worker = self.adapter.worker is not None
+        if custom or (multi_worker and kind != "train"):
+            if kind == "train":
+                raise BackendError(
+                    f"{type(model).__name__} overrides train_step; the TensorFlow adapter "
+                    "distributes Keras' standard train step (forward, compute_loss, gradients, "
+                    "optimizer) and cannot split a custom one across replicas. Override "
+                    "compute_loss / compute_metrics instead, or train this model outside "
+                    f"strategy.scope(). Received: {type(model).__name__}.train_step"
+                )
+            # Custom test/predict steps, and evaluation on every worker, run on one
+            # device with Keras' own function.
+            original = getattr(TensorFlowTrainer, f"make_{kind}_function")
+            setattr(model, f"{kind}_function", None)
+            original(model)
+            return getattr(model, f"{kind}_function")
+
+        if kind == "predict":
+            def predict_function(data):
+                outputs = None
+                for batch in data:
+                    out = self.run_step("predict", batch)
+                    outputs = out if outputs is None else _concat_structures(outputs, out)
+                return outputs
+
+            return predict_function
+
+        def function(iterator):
+            logs = None
+            for _ in range(max(1, int(model.steps_per_execution))):
+                try:
+                    data = next(iterator)
+                except (StopIteration, tf.errors.OutOfRangeError):
+                    if logs is None:
+                        raise StopIteration
+                    break
+                logs = self.run_step(kind, data)
+            return logs
+
+        return function
+
+    def run_step(self, kind, data):
+        import tensorflow as tf
+
+        from keras.src import tree
+        from keras.src.trainers.data_adapters import data_adapter_utils
+
+        data = _standardise(data)
+        if kind == "predict" and not isinstance(data, tuple):
+            data = (data,)
+        x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
+        leaves = [t for t in tree.flatten(x) if t is not None]
+        if not leaves:
+            raise BackendError(f"A {kind} batch has no input tensors. Received: {type(data).__name__}")
+        batch_size = int(leaves[0].shape[0])
+        if self.plan is None:
+            if kind != "train" and self.adapter.strategy.plan is None:
+                return self._single_device_step(kind, x, y, sw)
+            self.prepare((x, y, sw), self.adapter.strategy.plan.global_batch_size
+                         if kind != "train" else batch_size)
+        shares = self.shares(batch_size)
+        key = (kind, shares)
+        fn = self.fns.get(key)
+        if fn is None:
+            builder = {"train": self._train_step, "test": self._test_step, "predict": self._predict_step}[kind]
+            body = builder(shares)
+            fn = body if self.model.run_eagerly else tf.function(
+                body, reduce_retracing=True, autograph=False
+            )
+            self.fns[key] = fn
+        if kind == "predict":
+            return fn(x)
+        return fn(x, y, sw)
+
+    def _single_device_step(self, kind, x, y, sw):
+        """Evaluate/predict before any plan exists: Keras' own step on the home device."""
+        import tensorflow as tf
+
+        with tf.device(self.adapter.home):
+            if kind == "predict":
+                return self.model.predict_step((x,))
+            return self.model.test_step((x, y, sw))
+
+    # ---------------------------------------------------------- step bodies
+    def _forward(self, replica, share, x, training):
+        """One replica's forward pass; assignments (BN statistics, seeds) are recorded, not applied."""
+        model = self.model
+        recorder = _RecordingScope()
+        with recorder as scope:
+            if model._call_has_training_arg:
+                y_pred = model(x, training=training)
+            else:
+                y_pred = model(x)
+        updates = [(v, scope.get_current_value(v)) for v in scope.assigned]
+        return y_pred, updates
+
+    def _local_replicas(self, shares):
+        """(replica, share, start) of the replicas this process runs, skipping empty ones."""
+        out, start = [], 0
+        for i, (replica, share) in enumerate(zip(self.replicas, shares)):
+            if share > 0 and (self.local_index is None or i == self.local_index):
+                out.append((replica, share, start))
+            start += share
+        return out
+
+    def _train_step(self, shares):
+        import tensorflow as tf
+
+        model = self.model
+        adapter = self.adapter
+        total = sum(shares)
+        local = self._local_replicas(shares)
+        layout = self.layout
+        collective = adapter.collective
+
+        def step(x, y, sw):
+            variables = model.trainable_variables
+            shapes = [tuple(v.shape) for v in variables]
+            per_replica_grads, weighted_losses, y_preds, all_updates = [], [], [], []
+            for replica, share, start in local:
+                xi, yi, swi = _slice((x, y, sw), start, share)
+                with tf.device(replica.device):
+                    with tf.GradientTape() as tape:
+                        y_pred, updates = self._forward(replica, share, xi, training=True)
+                        loss = model._compute_loss(
+                            x=xi, y=yi, y_pred=y_pred, sample_weight=swi, training=True
+                        )
+                        weighted = loss * tf.cast(share / total, loss.dtype)
+                        scaled = (
+                            model.optimizer.scale_loss(weighted)
+                            if model.optimizer is not None else weighted
+                        )
+                    grads = tape.gradient(scaled, variables)
+                per_replica_grads.append(grads)
+                weighted_losses.append(weighted)
+                y_preds.append(y_pred)
+                all_updates.append((replica, share, updates))
+
+            with tf.device(adapter.home):
+                reduced = [None] * len(variables)
+                for bucket in layout:
+                    present = [
+                        i for i in bucket.indices
+                        if any(g[i] is not None for g in per_replica_grads)
+                    ]  # variables no replica produced a gradient for stay None
+                    sparse = [
+                        i for i in present
+                        if isinstance(per_replica_grads[0][i], tf.IndexedSlices)
+                    ]
+                    for i in sparse:
+                        reduced[i] = self._gather_sparse([g[i] for g in per_replica_grads], shares)
+                    dense = [i for i in present if i not in sparse]
+                    if not dense:
+                        continue
+                    dtype = variables[dense[0]].dtype
+                    b_shapes = [shapes[i] for i in dense]
+                    buffers, devices, nodes = [], [], []
+                    for (replica, _, _), grads in zip(local, per_replica_grads):
+                        with tf.device(replica.device):
+                            buffers.append(tf_reduce.fuse([grads[i] for i in dense], b_shapes, dtype))
+                        devices.append(replica.device)
+                        nodes.append(replica.node)
+                    if collective is not None:
+                        summed = tf_multiworker.all_reduce_sum(collective, buffers[0])
+                    else:
+                        summed = tf_reduce.reduce_local(
+                            buffers, devices, adapter.home, bucket.method, bucket.algorithm,
+                            adapter.tf_device(bucket.server) if bucket.method == "ps" else None,
+                            nodes,
+                        )
+                    server = adapter.tf_device(bucket.server) if (
+                        bucket.method == "ps" and collective is None) else adapter.home
+                    with tf.device(server):
+                        for i, g in zip(dense, tf_reduce.unfuse(summed, b_shapes)):
+                            reduced[i] = g
+                global_loss = self._reduce_loss_and_state(weighted_losses, all_updates, total)
+                if model.optimizer is not None:
+                    model.optimizer.apply_gradients(zip(reduced, variables))
+                y_pred_global = self._gather_predictions(y_preds, shares)
+                model._loss_tracker.update_state(global_loss, sample_weight=total)
+                return model.compute_metrics(x, y, y_pred_global, sample_weight=sw)
+
+        return step
+
+    def _test_step(self, shares):
+        import tensorflow as tf
+
+        model = self.model
+        total = sum(shares)
+        local = self._local_replicas(shares)
+
+        def step(x, y, sw):
+            weighted_losses, y_preds = [], []
+            for replica, share, start in local:
+                xi, yi, swi = _slice((x, y, sw), start, share)
+                with tf.device(replica.device):
+                    y_pred, _ = self._forward(replica, share, xi, training=False)
+                    loss = model._compute_loss(
+                        x=xi, y=yi, y_pred=y_pred, sample_weight=swi, training=False
+                    )
+                    if loss is not None:
+                        weighted_losses.append(loss * tf.cast(share / total, loss.dtype))
+                y_preds.append(y_pred)
+            with tf.device(self.adapter.home):
+                y_pred_global = self._gather_predictions(y_preds, shares)
+                if weighted_losses:
+                    model._loss_tracker.update_state(
+                        self._sum_scalar(weighted_losses), sample_weight=total
+                    )
+                return model.compute_metrics(x, y, y_pred_global, sample_weight=sw)
+
+        return step
+
+    def _predict_step(self, shares):
+        import tensorflow as tf
+
+        local = self._local_replicas(shares)
+
+        def step(x):
+            y_preds = []
+            for replica, share, start in local:
+                (xi,) = _slice((x,), start, share)
+                with tf.device(replica.device):
+                    y_pred, _ = self._forward(replica, share, xi, training=False)
+                y_preds.append(y_pred)
+            with tf.device(self.adapter.home):
+                return self._gather_predictions(y_preds, shares)
+
+        return step
+
+    # -------------------------------------------------------------- helpers
+    def _sum_scalar(self, values):
+        import tensorflow as tf
+
+        return tf.add_n(values) if len(values) > 1 else values[0]
+
+    def _gather_sparse(self, slices, shares):
+        """Combines sparse (IndexedSlices) gradients by concatenation, in replica order.
+
+        The single-device gradient of an embedding lookup over the global
+        batch is the concatenation of the replicas' slices in batch order,
+        so gathering (rather than densifying and summing) hands the
+        optimizer exactly what single-device training would.
+        """
+        import tensorflow as tf
+
+        dense_shape = slices[0].dense_shape
+        if self.adapter.collective is None:
+            with tf.device(self.adapter.home):
+                return tf.IndexedSlices(
+                    tf.concat([s.values for s in slices], 0),
+                    tf.concat([s.indices for s in slices], 0),
+                    dense_shape,
+                )
+        local_share = shares[self.local_index]
+        rows = slices[0].values.shape[0]
+        if rows is None or rows % local_share:
+            # Unknown rows per sample: densify and sum (numerically a dense gradient).
+            dense = tf.convert_to_tensor(slices[0])
+            return tf_multiworker.all_reduce_sum(self.adapter.collective, dense)
+        per_sample = rows // local_share
+        sizes = [s * per_sample for s in shares]
+        values = tf_multiworker.all_gather_uneven(self.adapter.collective, slices[0].values, sizes)
+        indices = tf_multiworker.all_gather_uneven(self.adapter.collective, slices[0].indices, sizes)
+        return tf.IndexedSlices(values, indices, dense_shape)
+
+    def _gather_predictions(self, y_preds, shares):
+        from keras.src import tree
+
+        if self.adapter.collective is None:
+            if len(y_preds) == 1:
+                return y_preds[0]
+            return tree.map_structure(lambda *parts: _concat(parts), *y_preds)
+        if not self._metrics_need_predictions():
+            return y_preds[0]  # no metric reads them: skip the all-gather
+        return tree.map_structure(
+            lambda part: tf_multiworker.all_gather_uneven(
+                self.adapter.collective, part, list(shares)
+            ),
+            y_preds[0],
+        )
+
+    def _metrics_need_predictions(self):
+        """False when compute_metrics is Keras' own and there are no compiled metrics."""
+        from keras.src.trainers.trainer import Trainer
+
+        model = self.model
+        if getattr(type(model), "compute_metrics") is not Trainer.compute_metrics:
+            return True
+        metrics = getattr(model, "_compile_metrics", None)
+        return metrics is not None and bool(getattr(metrics, "metrics", True))
+
+    def _reduce_loss_and_state(self, weighted_losses, all_updates, total):
+        """Sums the replicas' weighted losses and assigns non-trainable state once.
+
+        Non-trainable state assigned during the forward pass (batch
+        normalisation moving statistics) becomes the share-weighted mean of
+        the replicas' new values, so the moving mean follows the global
+        batch mean exactly; integer state (seed counters) takes the first
+        replica's value. With several workers, the loss and every float
+        state value travel in one fused all-reduce.
+
+        Returns:
+            The global (summed) weighted loss.
+        """
+        import tensorflow as tf
+
+        order, values = [], {}
+        for _, share, updates in all_updates:
+            for variable, value in updates:
+                if id(variable) not in values:
+                    order.append(variable)
+                    values[id(variable)] = []
+                values[id(variable)].append((share, value))
+        floats, ints = [], []
+        for variable in order:
+            entries = values[id(variable)]
+            if _is_float(variable):
+                parts = [
+                    tf.cast(v, variable.dtype) * tf.cast(s / total, variable.dtype)
+                    for s, v in entries
+                ]
+                floats.append((variable, tf.add_n(parts) if len(parts) > 1 else parts[0]))
+            else:
+                ints.append((variable, entries[0][1]))
+        loss = self._sum_scalar(weighted_losses)
+        if self.adapter.collective is not None:
+            summed = tf_multiworker.all_reduce_sum_many(
+                self.adapter.collective, [loss] + [v for _, v in floats]
+            )
+            loss = summed[0]
+            floats = [(var, value) for (var, _), value in zip(floats, summed[1:])]
+        for variable, value in floats + ints:
+            variable.assign(value)
+        return loss
+
+
+# ------------------------------------------------------------------ helpers
+def _standardise(data):
+    import tensorflow as tf
+
+    from keras.src import tree
+
+    def convert(v):
+        if v is None or isinstance(v, tf.experimental.Optional):
+            return None
+        if isinstance(v, (tf.Tensor, tf.SparseTensor, tf.RaggedTensor)):
+            return v
+        return tf.convert_to_tensor(v)
+
+    if isinstance(data, list):
+        data = tuple(data)
+    return tree.map_structure(convert, data)
+
+
+def _slice(structures, start, size):
+    from keras.src import tree
+
+    def cut(t):
+        if t is None:
+            return None
+        return t[start:start + size]
+
+    return tuple(tree.map_structure(cut, s) if s is not None else None for s in structures)
+
+
+def _concat(parts):
+    import tensorflow as tf
+
+    if parts[0].shape.rank == 0:
+        return tf.stack(parts)
+    return tf.concat(parts, axis=0)
+
+
+def _concat_structures(a, b):
+    from keras.src import tree
+
+    return tree.map_structure(lambda u, v: _concat([u, v]), a, b)
+
+
+def _dtype_name(variable):
+    import keras
+
+    return keras.backend.standardize_dtype(variable.dtype)
+
+
+def _is_float(variable):
+    return _dtype_name(variable).startswith(("float", "bfloat"))
+
+
+def _check_loss_reductions(model):
+    """Per-replica losses must be means over the replica's samples."""
+    compile_loss = getattr(model, "_compile_loss", None)
+    for entry in getattr(compile_loss, "_flat_losses", None) or []:
+        loss_fn = entry[1]
+        reduction = getattr(loss_fn, "reduction", "sum_over_batch_size")
+        if reduction not in SUPPORTED_LOSS_REDUCTIONS:
+            raise BackendError(
+                f"Loss {getattr(loss_fn, 'name', loss_fn)!r} uses reduction {reduction!r}. The "
+                "TensorFlow adapter weights each replica's loss by its share of the global "
+                "batch, which reproduces single-device gradients only for losses averaged "
+                "over the batch. Use reduction='sum_over_batch_size' (the Keras default). "
+                f"Received: reduction={reduction!r}"
+            )
+
+
+# ---------------------------------------------------------------- benchmarks
+def run_steps(
+    model_fn,
+    plan_or_strategy_name,
+    cluster,
+    x,
+    y,
+    batch_size,
+    steps,
+    warmup=3,
+    processes=None,
+    timeout_s=600,
+    options=None,
+):
+    """Times training steps of a model under a plan (measured wall time).
+
+    With `processes=False` the steps run in this process on logical
+    devices (the whole step, every replica, is timed). With
+    `processes=True` (the default for a cluster whose devices have CPU
+    affinities, i.e. the CPU testbed) one worker process per device is
+    started on this machine, each pinned to its device's cores with its
+    thread count, and the times are rank 0's steps, each of which includes
+    waiting for the slowest worker at the gradient all-reduce.
+
+    Args:
+        model_fn: A top-level function (or `"module:function"`) returning a
+            compiled Keras model; it is called inside `strategy.scope()`.
+        plan_or_strategy_name: A `Plan` or a strategy name
+            (`"single_device"`, `"data_parallel"`, `"proportional"`, `"auto"`).
+        cluster: The `Cluster` (or anything `Cluster.resolve` accepts).
+        x: Input NumPy array.
+        y: Target NumPy array.
+        batch_size: Global batch size.
+        steps: Number of timed steps.
+        warmup: Steps run first and not timed (tracing, start-up).
+        processes: Run one process per device (see above); default: True
+            when the cluster's devices have CPU affinities.
+        timeout_s: Give up (and kill workers) after this many seconds.
+        options: Extra `AutoStrategy` options (e.g. `{"sync": "ps"}`).
+
+    Returns:
+        A list of `steps` step times in seconds.
+
+    Example:
+
+    ```python
+    times = run_steps("mymodels:mlp", "proportional", Cluster.cpu_testbed(),
+                      x, y, batch_size=48, steps=20)
+    ```
+    """
+    import numpy as np
+
+    from autodist_keras.devices import Cluster
+    from autodist_keras.strategies.plan import Plan
+
+    cluster = Cluster.resolve(cluster)
+    options = dict(options or {})
+    if processes is None:
+        processes = any(d.cpu_affinity is not None for d in cluster.devices)
+    x = np.asarray(x)
+    y = np.asarray(y)
+    if processes:
+        results = tf_multiworker.launch_local_workers(
+            model_fn=model_fn,
+            plan=plan_or_strategy_name if isinstance(plan_or_strategy_name, Plan) else None,
+            strategy=None if isinstance(plan_or_strategy_name, Plan) else plan_or_strategy_name,
+            cluster=cluster,
+            x=x,
+            y=y,
+            batch_size=batch_size,
+            steps=steps + warmup,
+            options=options,
+            timeout_s=timeout_s,
+        )
+        return list(results[0]["step_times_s"][warmup:])
+    from autodist_keras.strategies.auto import AutoStrategy
+
+    if isinstance(plan_or_strategy_name, Plan):
+        strategy = AutoStrategy(cluster=cluster, plan=plan_or_strategy_name, **options)
+    else:
+        strategy = AutoStrategy(strategy=plan_or_strategy_name, cluster=cluster, **options)
+    fn = tf_multiworker.resolve_callable(model_fn)
+    with strategy.scope():
+        model = fn()
+    timer = StepTimes()
+    fit_repeating(model, x, y, batch_size, steps + warmup, [timer])
+    return timer.times_s[warmup:]
+
+
+def fit_repeating(model, x, y, batch_size, steps, callbacks):
+    """Runs `steps` training steps over `(x, y)` batches in order, repeating the data."""
+    import tensorflow as tf
+
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size, drop_remainder=True)
+    dataset = dataset.repeat()
+    return model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=callbacks)
+
+
+def _step_timer_class():
+    import keras
+
+    class StepTimes(keras.callbacks.Callback):
+        """Wall time of every training batch, from batch begin to its logs being ready."""
+
+        def __init__(self):
+            super().__init__()
+            self.times_s = []
+            self._start = None
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            for value in (logs or {}).values():
+                if hasattr(value, "numpy"):
+                    value.numpy()  # wait for the step's results
+            self.times_s.append(time.perf_counter() - self._start)
+
+    return StepTimes
+
+
+def StepTimes():  # noqa: N802  (a class made lazily so keras loads only when used)
+    """Returns a Keras callback recording each training step's wall time in `.times_s`."""
+    return _step_timer_class()()
+

@@ -1,0 +1,453 @@
+"""Several TensorFlow worker processes: TF_CONFIG, pinning, collectives, local launch.
+
+One job: everything the TensorFlow adapter needs when one plan replica runs
+per process. Workers follow the `TF_CONFIG` convention of
+`tf.distribute.MultiWorkerMirroredStrategy`; the strategy is used only for
+its collectives (all-reduce and all-gather across workers), called from the
+adapter's own train step. `launch_local_workers` starts such workers on this
+machine over loopback, one per device, which is how the CPU testbed's
+per-device cores and thread counts become real.
+
+Example:
+
+```python
+results = launch_local_workers(
+    model_fn="mymodels:mlp", strategy="proportional", plan=None,
+    cluster=Cluster.cpu_testbed(), x=x, y=y, batch_size=48, steps=20,
+)
+print(results[0]["step_times_s"])
+```
+"""
+
+import dataclasses
+import importlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from autodist_keras.errors import BackendError
+from autodist_keras.errors import WorkerError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclasses.dataclass
+class WorkerInfo:
+    """This process's place among the workers `TF_CONFIG` describes.
+
+    Args:
+        num_workers: Number of tasks (chief and workers).
+        rank: This task's rank: the chief first, then workers by index.
+        task_type: `"worker"` or `"chief"`.
+        task_index: Index within its task type.
+        addresses: `host:port` of every task, by rank.
+    """
+
+    num_workers: int
+    rank: int
+    task_type: str
+    task_index: int
+    addresses: list
+
+
+def parse_tf_config(environ=None):
+    """Reads `TF_CONFIG`; returns a `WorkerInfo` when it names two or more tasks.
+
+    Args:
+        environ: Mapping to read from (default `os.environ`).
+
+    Returns:
+        `WorkerInfo`, or None when `TF_CONFIG` is unset or names one task.
+
+    Raises:
+        BackendError: If `TF_CONFIG` is not valid JSON or lacks `cluster`/`task`.
+    """
+    environ = os.environ if environ is None else environ
+    text = environ.get("TF_CONFIG")
+    if not text:
+        return None
+    try:
+        config = json.loads(text)
+        cluster = config["cluster"]
+        task = config["task"]
+        task_type = task["type"]
+        task_index = int(task["index"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise BackendError(
+            "TF_CONFIG must be JSON like {\"cluster\": {\"worker\": [\"host:port\", ...]}, "
+            "\"task\": {\"type\": \"worker\", \"index\": 0}}. "
+            f"Received: {text[:200]!r} ({type(e).__name__}: {e})"
+        ) from None
+    addresses = list(cluster.get("chief", [])) + list(cluster.get("worker", []))
+    if len(addresses) < 2:
+        return None
+    if task_type == "chief":
+        rank = task_index
+    elif task_type == "worker":
+        rank = len(cluster.get("chief", [])) + task_index
+    else:
+        raise BackendError(
+            "The TensorFlow adapter runs 'chief' and 'worker' tasks only (no parameter-server "
+            f"or evaluator tasks). Received: task type {task_type!r}"
+        )
+    if not 0 <= rank < len(addresses):
+        raise BackendError(
+            f"TF_CONFIG task index {task_index} is outside the {task_type} list. "
+            f"Received: {task!r}"
+        )
+    return WorkerInfo(len(addresses), rank, task_type, task_index, addresses)
+
+
+def pin_process(cores, threads=None):
+    """Restricts this process (every thread) to `cores` and TF to `threads` threads.
+
+    Must run before TensorFlow starts its thread pools (its first op).
+
+    Args:
+        cores: CPU core ids.
+        threads: Intra-op threads for TensorFlow (inter-op gets the same, at
+            least 2, so collectives can progress); None leaves TF's default.
+
+    Raises:
+        BackendError: If TensorFlow already started.
+    """
+    import tensorflow as tf
+
+    cores = set(int(c) for c in cores)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:
+            pass
+    os.sched_setaffinity(0, cores)
+    if threads:
+        try:
+            tf.config.threading.set_intra_op_parallelism_threads(int(threads))
+            tf.config.threading.set_inter_op_parallelism_threads(max(2, int(threads)))
+        except RuntimeError:
+            raise BackendError(
+                "TensorFlow already started, so this worker's thread count cannot be set. "
+                "Create the AutoStrategy before running any TensorFlow op. "
+                f"Received: threads={threads}"
+            ) from None
+
+
+def make_collective_strategy(timeout_s=300):
+    """Creates the `MultiWorkerMirroredStrategy` whose collectives the adapter uses.
+
+    Raises:
+        BackendError: If TensorFlow already started (collectives must be
+            configured at program start).
+    """
+    import tensorflow as tf
+
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=tf.distribute.experimental.CommunicationImplementation.RING,
+        timeout_seconds=float(timeout_s),
+    )
+    try:
+        return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    except (RuntimeError, ValueError) as e:
+        raise BackendError(
+            "Could not start the multi-worker collectives. Create the AutoStrategy before "
+            "running any TensorFlow op, and check that TF_CONFIG lists reachable host:port "
+            f"addresses. Received: {type(e).__name__}: {e}"
+        ) from None
+
+
+def replica_id(strategy):
+    """This worker's replica id in the collective group."""
+    import tensorflow as tf
+
+    def fn():
+        ctx = tf.distribute.get_replica_context()
+        return tf.identity(ctx.replica_id_in_sync_group)
+
+    out = strategy.run(fn)
+    return int(strategy.experimental_local_results(out)[0])
+
+
+def all_reduce_sum(strategy, tensor):
+    """Sums `tensor` over all workers (one collective all-reduce)."""
+    import tensorflow as tf
+
+    def fn(t):
+        ctx = tf.distribute.get_replica_context()
+        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.identity(t))
+
+    out = strategy.run(fn, args=(tensor,))
+    return strategy.experimental_local_results(out)[0]
+
+
+def all_reduce_sum_many(strategy, tensors):
+    """Sums several tensors over all workers with one fused all-reduce.
+
+    The tensors are flattened into one float32 buffer, summed, split and
+    cast back to their dtypes.
+    """
+    import tensorflow as tf
+
+    if len(tensors) == 1:
+        return [all_reduce_sum(strategy, tensors[0])]
+    flat = tf.concat([tf.reshape(tf.cast(t, "float32"), [-1]) for t in tensors], axis=0)
+    total = all_reduce_sum(strategy, flat)
+    sizes = [int(_num_elements(t.shape)) for t in tensors]
+    return [
+        tf.cast(tf.reshape(part, t.shape), t.dtype)
+        for t, part in zip(tensors, tf.split(total, sizes))
+    ]
+
+
+def _num_elements(shape):
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def all_gather_uneven(strategy, tensor, shares):
+    """Concatenates each worker's `tensor` (first dims `shares[rank]`) in rank order.
+
+    Collective all-gather needs equal shapes, so every part is padded to
+    the largest share and the padding is cut after the gather.
+    """
+    import tensorflow as tf
+
+    if tensor.shape.rank == 0:
+        tensor = tf.reshape(tensor, [1])
+        shares = [1] * len(shares)
+    largest = max(shares)
+    pad = [[0, largest - int(tensor.shape[0])]] + [[0, 0]] * (tensor.shape.rank - 1)
+    padded = tf.pad(tensor, pad)
+
+    def fn(t):
+        ctx = tf.distribute.get_replica_context()
+        return ctx.all_gather(tf.identity(t), axis=0)
+
+    out = strategy.run(fn, args=(padded,))
+    gathered = strategy.experimental_local_results(out)[0]
+    parts = [gathered[k * largest:k * largest + s] for k, s in enumerate(shares)]
+    return tf.concat(parts, axis=0)
+
+
+def broadcast_variables(strategy, variables):
+    """Gives every worker rank 0's values of the floating-point `variables`."""
+    import keras
+    import tensorflow as tf
+
+    floats = [
+        v for v in variables
+        if keras.backend.standardize_dtype(v.dtype).startswith(("float", "bfloat"))
+    ]
+    if not floats:
+        return
+    rank = replica_id(strategy)
+
+    @tf.function(autograph=False)
+    def broadcast():
+        mine = tf.concat([tf.reshape(tf.cast(v.value, "float32"), [-1]) for v in floats], 0)
+        keep = tf.constant(1.0 if rank == 0 else 0.0)
+        total = all_reduce_sum(strategy, mine * keep)
+        sizes = [int(tf.size(v.value)) for v in floats]
+        for v, part in zip(floats, tf.split(total, sizes)):
+            v.assign(tf.cast(tf.reshape(part, v.shape), v.dtype))
+
+    broadcast()
+
+
+# ------------------------------------------------------------------ launching
+def free_ports(n):
+    """Returns `n` distinct free TCP ports on localhost (bound to port 0, then released)."""
+    sockets, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in sockets:
+            s.close()
+    return ports
+
+
+def callable_spec(fn):
+    """`"module:qualname"` for a top-level function (or the string itself)."""
+    if isinstance(fn, str):
+        return fn
+    module = getattr(fn, "__module__", None)
+    name = getattr(fn, "__qualname__", "")
+    if not module or "<" in name or module == "__main__":
+        raise BackendError(
+            "model_fn must be a top-level function of an importable module (or a "
+            "'module:function' string) so worker processes can import it. "
+            f"Received: {fn!r}"
+        )
+    return f"{module}:{name}"
+
+
+def resolve_callable(spec):
+    """Imports `"module:function"` (or returns a callable unchanged)."""
+    if callable(spec):
+        return spec
+    if not isinstance(spec, str) or ":" not in spec:
+        raise BackendError(f"Expected 'module:function'. Received: {spec!r}")
+    module_name, _, attr = spec.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise BackendError(
+            f"Cannot import {spec!r} ({type(e).__name__}: {e}). Make the module importable "
+            f"from the worker's working directory. Received: {spec!r}"
+        ) from None
+    return obj
+
+
+def launch_local_workers(
+    model_fn,
+    cluster,
+    x,
+    y,
+    batch_size,
+    steps,
+    strategy=None,
+    plan=None,
+    options=None,
+    initial_weights=None,
+    epochs=1,
+    timeout_s=600,
+    return_weights=False,
+):
+    """Starts one worker process per strategy device on this machine and trains.
+
+    Each worker gets `TF_CONFIG` for a loopback cluster on free ports, pins
+    itself to its device's cores (testbed devices), builds the model with
+    `model_fn` inside `strategy.scope()`, and runs `steps` training steps
+    over `(x, y)` in order (no shuffling; the data repeats when short).
+
+    Args:
+        model_fn: Top-level function or `"module:function"` returning a
+            compiled model.
+        cluster: The `Cluster`; one worker per device.
+        x, y: NumPy arrays (saved as `.npy` for the workers).
+        batch_size: Global batch size.
+        steps: Training steps per epoch.
+        strategy: Strategy name, or None when `plan` is given.
+        plan: A `Plan` to run instead of planning.
+        options: `AutoStrategy` options.
+        initial_weights: Optional list of arrays (`model.get_weights()` order)
+            every worker loads before training.
+        epochs: Number of epochs.
+        timeout_s: Kill every worker and fail after this many seconds.
+        return_weights: Also return each worker's final weights.
+
+    Returns:
+        A list, by rank, of dicts: `step_times_s`, `loss` (per epoch),
+        `device`, `affinity`, and `weights` (list of arrays) when asked.
+
+    Raises:
+        WorkerError: If a worker exits with an error or the run times out.
+    """
+    import numpy as np
+
+    workdir = tempfile.mkdtemp(prefix="autodist_tf_workers_")
+    procs, logs = [], []
+    try:
+        np.save(os.path.join(workdir, "x.npy"), np.asarray(x), allow_pickle=False)
+        np.save(os.path.join(workdir, "y.npy"), np.asarray(y), allow_pickle=False)
+        if initial_weights is not None:
+            np.savez(os.path.join(workdir, "initial.npz"),
+                     **{f"w{i}": np.asarray(w) for i, w in enumerate(initial_weights)})
+        plan_path = None
+        if plan is not None:
+            plan_path = os.path.join(workdir, "plan.json")
+            plan.to_json(plan_path)
+        num = len(cluster.names)
+        job = {
+            "model_fn": callable_spec(model_fn),
+            "strategy": strategy,
+            "plan": plan_path,
+            "cluster": cluster.to_dict(),
+            "options": dict(options or {}),
+            "x": os.path.join(workdir, "x.npy"),
+            "y": os.path.join(workdir, "y.npy"),
+            "initial_weights": os.path.join(workdir, "initial.npz") if initial_weights is not None else None,
+            "batch_size": int(batch_size),
+            "steps": int(steps),
+            "epochs": int(epochs),
+            "out_dir": workdir,
+            "return_weights": bool(return_weights),
+            "sys_path": [p for p in sys.path if p and os.path.isdir(p)],
+        }
+        job_path = os.path.join(workdir, "job.json")
+        with open(job_path, "w", encoding="utf-8") as f:
+            json.dump(job, f)
+        ports = free_ports(num)
+        addresses = [f"127.0.0.1:{p}" for p in ports]
+        for rank in range(num):
+            env = dict(os.environ)
+            env["TF_CONFIG"] = json.dumps(
+                {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": rank}}
+            )
+            env["KERAS_BACKEND"] = "tensorflow"
+            env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+            env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+            log_path = os.path.join(workdir, f"worker{rank}.log")
+            log = open(log_path, "w", encoding="utf-8")
+            logs.append((log, log_path))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "autodist_keras.backends.tf_worker", job_path],
+                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd(),
+            ))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank = failed[0]
+                raise WorkerError(rank, f"exit code {codes[rank]}; log tail:\n{_tail(logs[rank][1])}")
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                rank = next(r for r, c in enumerate(codes) if c is None)
+                raise WorkerError(
+                    rank, f"timed out after {timeout_s} s; log tail:\n{_tail(logs[rank][1])}"
+                )
+            time.sleep(0.1)
+        results = []
+        for rank in range(num):
+            with open(os.path.join(workdir, f"result{rank}.json"), encoding="utf-8") as f:
+                result = json.load(f)
+            if return_weights:
+                with np.load(os.path.join(workdir, f"weights{rank}.npz"), allow_pickle=False) as data:
+                    result["weights"] = [data[f"w{i}"] for i in range(len(data.files))]
+            results.append(result)
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for log, _ in logs:
+            log.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _tail(path, chars=3000):
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return "(no log)"
+    return text[-chars:]

@@ -1,0 +1,241 @@
+"""Gradient fusion and in-process reductions for the TensorFlow adapter.
+
+One job: given per-replica gradients, build the fused buffers a plan's
+buckets ask for, sum them across devices the way the plan's sync method says,
+and split the sum back into per-variable gradients. Everything here runs
+inside a traced `tf.function`; device placement uses `tf.device`.
+
+In one process every replica device sees the same memory, so an all-reduce
+whose result is only needed where the variables live is a reduction to that
+device. The algorithms keep their data flow: a ring reduces each of `n`
+chunks hop by hop along the ring (the reduce-scatter half of a ring
+all-reduce), a tree adds pairs level by level, hierarchical sums within each
+node first, and a parameter server adds every replica's buffer on the server.
+
+Example:
+
+```python
+layout = bucket_layout(plan, variables)
+with tf.device(home):
+    summed = reduce_gradients(per_replica_grads, layout, devices, home, plan_sync)
+```
+"""
+
+from autodist_keras.errors import BackendError
+
+
+class Bucket:
+    """One fused buffer: variables reduced together with one sync method.
+
+    Args:
+        indices: Positions of the variables in `model.trainable_variables`,
+            in launch order.
+        method: `"allreduce"` or `"ps"`.
+        algorithm: All-reduce algorithm (`"ring"`, `"tree"`, `"hierarchical"`).
+        server: PS server device name (plan name), for `method == "ps"`.
+    """
+
+    def __init__(self, indices, method, algorithm, server):
+        self.indices = list(indices)
+        self.method = method
+        self.algorithm = algorithm
+        self.server = server
+
+    def __repr__(self):
+        return (
+            f"Bucket({len(self.indices)} vars, {self.method}"
+            f"{'/' + str(self.algorithm) if self.method == 'allreduce' else '@' + str(self.server)})"
+        )
+
+
+def bucket_layout(plan, variable_paths, dtypes):
+    """Turns a plan's buckets into `Bucket`s over variable positions.
+
+    A plan bucket whose variables differ in sync method, algorithm, server
+    or dtype is split into consecutive runs that agree (a flat buffer has
+    one dtype and one destination). Variables in no plan bucket get one
+    bucket each, after the planned ones.
+
+    Args:
+        plan: The `Plan`.
+        variable_paths: `v.path` of each trainable variable, in
+            `model.trainable_variables` order.
+        dtypes: The dtype name of each trainable variable.
+
+    Returns:
+        A list of `Bucket`.
+
+    Raises:
+        BackendError: If a bucket names a variable the model does not have,
+            or names one twice.
+    """
+    position = {path: i for i, path in enumerate(variable_paths)}
+    seen = set()
+    layout = []
+
+    def key_of(i):
+        spec = plan.sync.get(variable_paths[i])
+        if spec is None:
+            return ("allreduce", "ring", None, dtypes[i])
+        if spec.method == "ps":
+            return ("ps", None, spec.server, dtypes[i])
+        return ("allreduce", spec.algorithm or "ring", None, dtypes[i])
+
+    def add_run(indices):
+        run, run_key = [], None
+        for i in indices:
+            key = key_of(i)
+            if run and key != run_key:
+                layout.append(Bucket(run, *run_key[:3]))
+                run = []
+            run.append(i)
+            run_key = key
+        if run:
+            layout.append(Bucket(run, *run_key[:3]))
+
+    for bi, bucket in enumerate(plan.buckets):
+        indices = []
+        for name in bucket:
+            if name not in position:
+                raise BackendError(
+                    f"Plan bucket {bi} names variable {name!r}, which the model does not "
+                    f"have. Re-plan for this model (its trainable variables are e.g. "
+                    f"{list(variable_paths)[:4]}). Received: {name!r}"
+                )
+            if name in seen:
+                raise BackendError(
+                    f"Variable {name!r} appears in more than one plan bucket; each "
+                    f"variable must be reduced exactly once. Received: bucket {bi}"
+                )
+            seen.add(name)
+            indices.append(position[name])
+        add_run(indices)
+    for i, path in enumerate(variable_paths):
+        if path not in seen:
+            add_run([i])
+    return layout
+
+
+def fuse(grads, shapes, dtype):
+    """Flattens gradients into one buffer (zeros for a missing gradient)."""
+    import tensorflow as tf
+
+    parts = []
+    for g, shape in zip(grads, shapes):
+        if g is None:
+            parts.append(tf.zeros([_num_elements(shape)], dtype=dtype))
+        else:
+            if isinstance(g, tf.IndexedSlices):
+                g = tf.convert_to_tensor(g)
+            parts.append(tf.reshape(tf.cast(g, dtype), [-1]))
+    if len(parts) == 1:
+        return parts[0]
+    return tf.concat(parts, axis=0)
+
+
+def unfuse(buffer, shapes):
+    """Splits a fused buffer back into tensors of the given shapes."""
+    import tensorflow as tf
+
+    sizes = [_num_elements(s) for s in shapes]
+    if len(sizes) == 1:
+        return [tf.reshape(buffer, shapes[0])]
+    pieces = tf.split(buffer, sizes, axis=0)
+    return [tf.reshape(p, s) for p, s in zip(pieces, shapes)]
+
+
+def reduce_local(buffers, devices, target, method, algorithm=None, server=None, nodes=None):
+    """Sums per-device buffers in one process; the sum ends on `target`.
+
+    Args:
+        buffers: One tensor per replica, each already placed on its device.
+        devices: TF device strings of the replicas, same order.
+        target: TF device string where the sum is needed (the variables).
+        method: `"allreduce"` or `"ps"`.
+        algorithm: `"ring"`, `"tree"` or `"hierarchical"` for all-reduce.
+        server: TF device string of the PS server, for `"ps"`.
+        nodes: Node name of each replica (for `"hierarchical"`).
+
+    Returns:
+        The summed buffer, placed on `target`.
+    """
+    import tensorflow as tf
+
+    if len(buffers) == 1:
+        with tf.device(target):
+            return tf.identity(buffers[0])
+    if method == "ps":
+        with tf.device(server):
+            total = tf.add_n(buffers)
+        if server == target:
+            return total
+        with tf.device(target):
+            return tf.identity(total)
+    if algorithm == "tree":
+        total, _ = _tree(list(zip(devices, buffers)))
+    elif algorithm == "hierarchical":
+        groups = {}
+        for node, device, buf in zip(nodes or [None] * len(devices), devices, buffers):
+            groups.setdefault(node, []).append((device, buf))
+        leaders = []
+        for members in groups.values():
+            with tf.device(members[0][0]):
+                leaders.append((members[0][0], tf.add_n([b for _, b in members])))
+        total, _ = _tree(leaders) if len(leaders) > 1 else (leaders[0][1], None)
+    else:
+        total = _ring(buffers, devices)
+    with tf.device(target):
+        return tf.identity(total)
+
+
+def _tree(items):
+    import tensorflow as tf
+
+    level = list(items)
+    while len(level) > 1:
+        nxt = []
+        for j in range(0, len(level), 2):
+            if j + 1 < len(level):
+                device = level[j][0]
+                with tf.device(device):
+                    nxt.append((device, level[j][1] + level[j + 1][1]))
+            else:
+                nxt.append(level[j])
+        level = nxt
+    return level[0][1], level[0][0]
+
+
+def _ring(buffers, devices):
+    """Ring reduce-scatter: chunk c travels c+1, c+2, ..., c, adding at each hop."""
+    import tensorflow as tf
+
+    from autodist_keras.strategies.plan import split_batch
+
+    n = len(buffers)
+    size = buffers[0].shape[0]
+    if size is None or size < n:
+        with tf.device(devices[0]):
+            return tf.add_n(buffers)
+    sizes = split_batch([1] * n, int(size))
+    chunks = []
+    for device, buf in zip(devices, buffers):
+        with tf.device(device):
+            chunks.append(tf.split(buf, sizes, axis=0))
+    reduced = []
+    for c in range(n):
+        start = (c + 1) % n
+        acc = chunks[start][c]
+        for hop in range(2, n + 1):
+            d = (c + hop) % n
+            with tf.device(devices[d]):
+                acc = acc + chunks[d][c]
+        reduced.append(acc)
+    with tf.device(devices[0]):
+        return tf.concat(reduced, axis=0)
+
+
+def _num_elements(shape):
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

@@ -1,0 +1,87 @@
+"""Entry point of one TensorFlow worker process started by `launch_local_workers`.
+
+Run as `python -m autodist_keras.backends.tf_worker job.json` with `TF_CONFIG`
+set. The job file (JSON) names the model function, the strategy or plan, the
+cluster, the data (`.npy` files) and where to write results. The worker
+creates the `AutoStrategy` first (which pins it to its device's cores and
+starts the collectives, both of which must precede any TensorFlow op), then
+builds and trains the model, and writes `result<rank>.json` (step times,
+losses) and, when asked, `weights<rank>.npz`.
+"""
+
+import json
+import os
+import sys
+import time
+
+
+def main(argv=None):
+    """Runs the job described by the JSON file `argv[0]`."""
+    argv = sys.argv[1:] if argv is None else argv
+    started = time.perf_counter()
+    phases = {}
+    with open(argv[0], encoding="utf-8") as f:
+        job = json.load(f)
+    for path in reversed(job.get("sys_path", [])):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+    import numpy as np
+
+    from autodist_keras.backends import tf_multiworker
+    from autodist_keras.devices import Cluster
+    from autodist_keras.strategies.auto import AutoStrategy
+    from autodist_keras.strategies.plan import Plan
+
+    cluster = Cluster.from_dict(job["cluster"])
+    plan = Plan.from_json(job["plan"]) if job.get("plan") else None
+    kwargs = dict(job.get("options") or {})
+    if plan is not None:
+        strategy = AutoStrategy(cluster=cluster, plan=plan, **kwargs)
+    else:
+        strategy = AutoStrategy(strategy=job.get("strategy") or "auto", cluster=cluster, **kwargs)
+    phases["import_s"] = time.perf_counter() - started
+    adapter = strategy.adapter  # pins this process and starts collectives: before any TF op
+    phases["collectives_s"] = time.perf_counter() - started - phases["import_s"]
+    rank = adapter.rank
+
+    from autodist_keras.backends.tensorflow_adapter import StepTimes
+    from autodist_keras.backends.tensorflow_adapter import fit_repeating
+
+    model_fn = tf_multiworker.resolve_callable(job["model_fn"])
+    with strategy.scope():
+        model = model_fn()
+    if job.get("initial_weights"):
+        with np.load(job["initial_weights"], allow_pickle=False) as data:
+            model.set_weights([data[f"w{i}"] for i in range(len(data.files))])
+    x = np.load(job["x"], allow_pickle=False)
+    y = np.load(job["y"], allow_pickle=False)
+    phases["model_s"] = time.perf_counter() - started - sum(phases.values())
+    timer = StepTimes()
+    losses = []
+    for _ in range(int(job.get("epochs", 1))):
+        history = fit_repeating(model, x, y, job["batch_size"], job["steps"], [timer])
+        losses.extend(float(v) for v in history.history.get("loss", []))
+    phases["fit_s"] = time.perf_counter() - started - sum(phases.values())
+    out_dir = job["out_dir"]
+    if job.get("return_weights"):
+        np.savez(os.path.join(out_dir, f"weights{rank}.npz"),
+                 **{f"w{i}": w for i, w in enumerate(model.get_weights())})
+    result = {
+        "rank": rank,
+        "step_times_s": timer.times_s,
+        "loss": losses,
+        "device": strategy.devices[rank],
+        "affinity": sorted(os.sched_getaffinity(0)),
+        "runtime": adapter.runtime_info,
+        "phases_s": phases,
+    }
+    tmp = os.path.join(out_dir, f".result{rank}.json")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    os.replace(tmp, os.path.join(out_dir, f"result{rank}.json"))
+
+
+if __name__ == "__main__":
+    main()

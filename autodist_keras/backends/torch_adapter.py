@@ -1,0 +1,341 @@
+"""Runs a data-parallel Plan inside `model.fit` on the PyTorch Keras backend.
+
+One process per planned device. The user's process is rank 0: it keeps Keras's
+own `fit` loop (progress bar, callbacks, History, validation) and its model is
+replica 0. At the first training step the adapter asks the strategy for the
+plan and, for a plan with several replicas, starts the other ranks:
+
+- locally (`python train.py`): ranks 1..n-1 are spawned worker processes
+  (`torch_pool`), kept for later fits of the same process;
+- under `torchrun` (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set), every
+  rank runs the user's script; on ranks > 0, `fit` serves rank 0's commands
+  (their own data is ignored) and returns rank 0's History. After fit every
+  rank holds the trained weights.
+
+Each step rank 0 splits the batch by `plan.shares_for(n)`, sends the shards,
+and every rank trains on its shard with planned bucketed gradient reduction
+(`torch_session`, `torch_step`, `torch_reducer`). `evaluate`, `predict` and
+the validation inside `fit` run on rank 0 alone (single device), on the
+trained weights.
+
+Example:
+
+```python
+strategy = AutoStrategy(strategy="proportional", cluster=Cluster.cpu_testbed())
+with strategy.scope():
+    model = zoo.mlp()
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+model.fit(x, y, batch_size=48, epochs=2)   # 3 processes, uneven shares
+```
+"""
+
+import os
+import types
+
+from autodist_keras.backends.base import BackendAdapter
+from autodist_keras.errors import BackendError
+
+DEFAULT_TIMEOUT_S = 300.0
+_ATTACHED = "_autodist_keras_torch_adapter"
+
+_torchrun_comm = None
+
+
+def torchrun_env():
+    """`(rank, world_size)` when this process was started by torchrun (or the
+    same variables), else None. Spawned workers never count."""
+    if os.environ.get("AUTODIST_KERAS_WORKER_RANK"):
+        return None
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        raise BackendError(
+            "RANK and WORLD_SIZE must be integers (as torchrun sets them). "
+            f"Received: RANK={os.environ['RANK']!r}, WORLD_SIZE={os.environ['WORLD_SIZE']!r}"
+        ) from None
+    if world <= 1:
+        return None
+    if not 0 <= rank < world:
+        raise BackendError(
+            f"RANK must be in [0, WORLD_SIZE). Received: RANK={rank}, WORLD_SIZE={world}"
+        )
+    return rank, world
+
+
+def _get_torchrun_comm(rank, world, timeout_s):
+    """The process-wide `Comm` of a torchrun job (made once)."""
+    global _torchrun_comm
+    if _torchrun_comm is not None and not _torchrun_comm.broken:
+        return _torchrun_comm
+    import datetime
+
+    import torch.distributed as dist
+
+    from autodist_keras.backends.torch_transport import Comm
+
+    if dist.is_available() and dist.is_initialized():
+        store = dist.distributed_c10d._get_default_store()
+    else:
+        for var in ("MASTER_ADDR", "MASTER_PORT"):
+            if var not in os.environ:
+                raise BackendError(
+                    f"RANK and WORLD_SIZE are set but {var} is not; start the job with "
+                    "torchrun, or set MASTER_ADDR and MASTER_PORT to rank 0's address "
+                    f"and a free port. Received: {var} unset"
+                )
+        store, _, _ = next(dist.rendezvous(
+            "env://", rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=max(timeout_s, 300.0)),
+        ))
+    _torchrun_comm = Comm(store, rank, world, timeout_s, prefix="autodist_keras/torchrun")
+    return _torchrun_comm
+
+
+class TorchAdapter(BackendAdapter):
+    """Realises data-parallel plans on the PyTorch backend (gloo on CPU, NCCL on GPU).
+
+    Args:
+        strategy: The `AutoStrategy`; its option `timeout_s` (default 300)
+            bounds how long a step waits for a silent worker. A worker that
+            dies or raises is reported at once, whatever the timeout.
+
+    Attributes:
+        last_run: Facts about the last distributed fit: `mode` (`"spawned"`,
+            `"torchrun"` or `"local"`), `world_size`, `steps`, `in_sync`
+            (the replicas ended with bit-identical weights and optimizer
+            state), `worker_pids`.
+    """
+
+    name = "torch"
+
+    def __init__(self, strategy):
+        super().__init__(strategy)
+        self.timeout_s = float(strategy.options.get("timeout_s", DEFAULT_TIMEOUT_S))
+        if self.timeout_s <= 0:
+            raise BackendError(f"timeout_s must be positive. Received: {self.timeout_s}")
+        self.last_run = {}
+        self._run = None
+
+    def attach(self, model):
+        """Wraps `model.fit` so that it runs the strategy's plan."""
+        if getattr(model, _ATTACHED, None) is self:
+            return
+        adapter = self
+
+        def fit(self_model, *args, **kwargs):
+            return adapter._fit(self_model, *args, **kwargs)
+
+        model.fit = types.MethodType(fit, model)
+        object.__setattr__(model, _ATTACHED, self)
+
+    # ------------------------------------------------------------------ fit
+    def _fit(self, model, *args, **kwargs):
+        env = torchrun_env()
+        if env is not None and env[0] > 0:
+            return self._serve_torchrun(model, *env)
+        run = _FitRun(self, model, env)
+        self._run = run
+        model.train_function = run.train_function
+        try:
+            history = type(model).fit(model, *args, **kwargs)
+        except BaseException:
+            run.abort()
+            raise
+        finally:
+            model.train_function = None
+            run.restore()
+        try:
+            run.finish(history)
+        except BaseException:
+            run.abort()
+            raise
+        return history
+
+    def _serve_torchrun(self, model, rank, world):
+        import keras
+
+        from autodist_keras.backends.torch_session import StoreReporter
+        from autodist_keras.backends.torch_session import serve
+        from autodist_keras.errors import WorkerError
+        from autodist_keras.strategies.plan import Plan
+
+        comm = _get_torchrun_comm(rank, world, self.timeout_s)
+        reporter = StoreReporter(comm.store, world)
+
+        def on_model(setup, replica):
+            self.strategy.plan = Plan.from_dict(setup["plan"])
+
+        try:
+            replica, payload = serve(comm, reporter, model=model, on_model=on_model)
+        except BaseException as e:
+            from autodist_keras.backends.torch_session import format_exception
+            from autodist_keras.backends.torch_transport import CommFailure
+
+            reporter.report(rank, format_exception(e), isinstance(e, CommFailure))
+            comm.broken = True
+            if isinstance(e, CommFailure):
+                raise WorkerError(0, f"rank {rank} lost its connection to rank 0: {e}") from None
+            raise
+        if replica is None:
+            raise BackendError(
+                f"Rank {rank}: the session's setup failed on some rank; rank 0 raised the "
+                "error. Received: setup status 1"
+            )
+        history = keras.callbacks.History()
+        history.set_model(model)
+        history.history = payload.get("history", {})
+        history.epoch = payload.get("epoch", [])
+        history.params = payload.get("params", {})
+        model.history = history
+        self.last_run = {"mode": "torchrun", "world_size": world, "rank": rank}
+        return history
+
+    def can_execute(self, plan):
+        """Whether this runtime can run `plan`.
+
+        Returns:
+            `(True, "")`, or `(False, reason)` for plans with several layer
+            groups (placement) or a PS server that runs no replica.
+        """
+        if not plan.is_data_parallel:
+            return False, (
+                "the PyTorch runtime runs data-parallel plans (one layer group); this plan "
+                f"has {len(plan.groups)} groups"
+            )
+        devices = set(plan.devices)
+        servers = sorted({s.server for s in plan.sync.values() if s.method == "ps"} - devices)
+        if servers:
+            return False, f"PS server(s) {servers} run no replica; the PyTorch runtime hosts PS in a replica"
+        return True, ""
+
+    def worker_pids(self):
+        """Process ids of the spawned workers of the current or last fit, by rank."""
+        return dict(self.last_run.get("worker_pids", {}))
+
+    def close(self):
+        """Ends every spawned worker process (they are also ended at exit)."""
+        from autodist_keras.backends.torch_pool import shutdown_pools
+
+        shutdown_pools()
+
+
+class _FitRun:
+    """State of one `fit` call on rank 0."""
+
+    def __init__(self, adapter, model, env):
+        self.adapter = adapter
+        self.model = model
+        self.env = env
+        self.driver = None
+        self.pool = None
+        self.local = False
+        self.token = None
+        self.failed = False
+
+    # ------------------------------------------------------------ first step
+    def _start(self, data):
+        from keras.src.trainers.data_adapters import data_adapter_utils
+
+        from autodist_keras.backends import torch_transport as tt
+        from autodist_keras.backends.torch_device import device_info
+        from autodist_keras.backends.torch_device import grad_backend
+        from autodist_keras.backends.torch_device import pin
+        from autodist_keras.backends.torch_session import Driver
+        from autodist_keras.backends.torch_session import StoreReporter
+
+        strategy = self.adapter.strategy
+        x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data[0])
+        _, leaves = tt.flatten_tree(x)
+        if not leaves:
+            raise BackendError("fit received a batch without inputs. Received: x=None")
+        batch_size = int(tt.to_torch(leaves[0]).shape[0])
+        plan = strategy.plan_for(self.model, batch_size)
+        if not plan.is_data_parallel:
+            raise BackendError(
+                "The PyTorch runtime runs data-parallel plans (one layer group replicated "
+                "over devices); this plan places layer groups on different devices. Use "
+                "strategy='data_parallel', 'proportional' or 'auto'. "
+                f"Received: {len(plan.groups)} groups"
+            )
+        devices = [device_info(strategy.cluster.device(r.device)) for r in plan.replicas]
+        world = len(devices)
+        timeout_s = self.adapter.timeout_s
+        info = {"world_size": world, "plan_devices": plan.devices}
+        if world == 1 and self.env is None:
+            self.local = True
+            self.token = pin(devices[0])
+            info["mode"] = "local"
+            self.adapter.last_run = info
+            return
+        if self.env is not None:
+            rank, env_world = self.env
+            from autodist_keras.backends.torch_session import Reporter  # noqa: F401
+
+            comm = _get_torchrun_comm(rank, env_world, timeout_s)
+            reporter = StoreReporter(comm.store, env_world)
+            spawned, wake = False, None
+            info["mode"] = "torchrun"
+        else:
+            from autodist_keras.backends.torch_pool import get_pool
+
+            self.pool = get_pool(world, timeout_s, grad_backend(devices))
+            comm, reporter = self.pool.comm, self.pool
+            spawned, wake = True, self.pool.wake
+            info["mode"] = "spawned"
+            info["worker_pids"] = self.pool.pids
+            info["start_method"] = self.pool.start_method
+        self.adapter.last_run = info
+        # Pin rank 0 after the workers exist, so they do not inherit its affinity.
+        self.token = pin(devices[0])
+        driver = Driver(self.model, plan, comm, strategy.cluster, reporter, spawned, timeout_s, wake=wake)
+        driver.setup()
+        self.driver = driver
+
+    def train_function(self, data):
+        if self.driver is None and not self.local:
+            self._start(data)
+        if self.local:
+            return self.model.train_step(data[0])
+        logs = self.driver.train_step(data)
+        self.adapter.last_run["steps"] = self.driver.steps
+        return logs
+
+    # ------------------------------------------------------------------ end
+    def finish(self, history):
+        if self.driver is not None:
+            self.driver.end(history)
+            self.adapter.last_run["in_sync"] = self.driver.in_sync
+            self.adapter.last_run["steps"] = self.driver.steps
+
+    def abort(self):
+        """fit raised: end the session cleanly if possible, else stop the workers."""
+        from autodist_keras.errors import WorkerError
+
+        driver = self.driver
+        if driver is None:
+            if self.pool is not None and not self.pool.healthy():
+                self._discard()
+            return
+        if driver.in_step or driver.comm.broken or (self.pool is not None and self.pool.failed()):
+            self._discard()
+            return
+        try:
+            driver.end(None)
+        except (WorkerError, BackendError):
+            self._discard()
+
+    def _discard(self):
+        if self.pool is not None:
+            from autodist_keras.backends.torch_pool import discard_pool
+
+            discard_pool(self.pool)
+        elif self.driver is not None:
+            self.driver.comm.broken = True
+
+    def restore(self):
+        from autodist_keras.backends.torch_device import unpin
+
+        unpin(self.token)
+        self.token = None

@@ -1,0 +1,101 @@
+"""Puts a PyTorch process on its planned device.
+
+On the CPU testbed a device is a set of cores and a thread count: the process
+(every one of its threads) is pinned to those cores with
+`os.sched_setaffinity` and `torch.set_num_threads(threads)` is applied, so the
+testbed's heterogeneity is real. On a GPU device the process selects that CUDA
+device. `pin` returns what it changed so `unpin` can put it back (rank 0 is the
+user's process and is restored after `fit`).
+
+Example:
+
+```python
+token = pin(device_info(cluster.device("node0/cpu1")))
+...
+unpin(token)
+```
+"""
+
+import os
+
+
+def device_info(device):
+    """The JSON-able facts of a `Device` a rank needs to place itself."""
+    return {
+        "name": device.name,
+        "node": device.node,
+        "kind": device.kind,
+        "index": int(device.index),
+        "cpu_affinity": list(device.cpu_affinity) if device.cpu_affinity else None,
+        "threads": int(device.threads) if device.threads else None,
+    }
+
+
+def _threads_of_process():
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
+
+
+def _set_affinity_all_threads(cores):
+    for tid in _threads_of_process():
+        try:
+            os.sched_setaffinity(tid, cores)
+        except OSError:
+            pass  # a thread that ended meanwhile
+
+
+def pin(info):
+    """Places this process on the device described by `info` (from `device_info`).
+
+    Returns:
+        A token for `unpin`.
+    """
+    import torch
+
+    token = {}
+    if info is None:
+        return token
+    cores = info.get("cpu_affinity")
+    if cores and hasattr(os, "sched_setaffinity"):
+        available = os.sched_getaffinity(0)
+        wanted = {c for c in cores if c in available}
+        if wanted:
+            token["affinity"] = sorted(available)
+            _set_affinity_all_threads(wanted)
+    threads = info.get("threads")
+    if threads:
+        token["threads"] = torch.get_num_threads()
+        torch.set_num_threads(int(threads))
+    if info.get("kind") == "gpu" and torch.cuda.is_available():
+        token["cuda"] = torch.cuda.current_device()
+        torch.cuda.set_device(int(info.get("index", 0)))
+    return token
+
+
+def unpin(token):
+    """Restores what `pin` changed."""
+    import torch
+
+    if not token:
+        return
+    if "affinity" in token:
+        _set_affinity_all_threads(set(token["affinity"]))
+    if "threads" in token:
+        torch.set_num_threads(int(token["threads"]))
+    if "cuda" in token:
+        torch.cuda.set_device(int(token["cuda"]))
+
+
+def grad_backend(devices):
+    """`"nccl"` when every replica is a GPU and CUDA is available, else `"gloo"`."""
+    if devices and all(d.get("kind") == "gpu" for d in devices):
+        try:
+            import torch
+
+            if torch.cuda.is_available() and torch.distributed.is_nccl_available():
+                return "nccl"
+        except ImportError:
+            pass
+    return "gloo"

@@ -1,0 +1,338 @@
+"""Worker processes spawned by rank 0, and the monitor that watches them.
+
+`WorkerPool(world_size)` starts ranks 1..world_size-1 as fresh processes
+(forked from a fork server that imported Keras and PyTorch once, on CPU; with
+the `spawn` start method on GPU), hosts the TCP store on a free port of 127.0.0.1, and builds rank 0's
+`Comm` once every worker has joined. Pools are kept (one per world size and
+gradient backend) between `fit` calls of the same process, so only the first
+fit pays for starting Python, PyTorch and Keras in the workers; they are ended
+at interpreter exit, by `shutdown_pools()`, or as soon as one of them fails.
+
+The monitor thread watches each worker's process sentinel and status pipe. When
+a worker dies or reports an error, it records why and, after a short grace
+period, terminates the other workers, so rank 0 (possibly blocked in a
+collective) gets an immediate connection error. `diagnose()` turns the record
+into a `WorkerError` naming the failing rank and its error.
+
+Example:
+
+```python
+pool = get_pool(world_size=3, timeout_s=120)
+pool.wake()                 # the workers enter a session
+...
+shutdown_pools()
+```
+"""
+
+import atexit
+import os
+import signal
+import threading
+import time
+
+from autodist_keras.backends.torch_session import Reporter
+from autodist_keras.errors import WorkerError
+
+GRACE_S = 1.0
+STARTUP_TIMEOUT_S = 300.0
+
+_pools = {}
+_pools_lock = threading.Lock()
+
+
+def get_pool(world_size, timeout_s, grad_backend="gloo"):
+    """Returns a healthy pool of `world_size - 1` workers, starting one if needed."""
+    key = (int(world_size), grad_backend)
+    with _pools_lock:
+        pool = _pools.get(key)
+        if pool is not None and not pool.healthy():
+            pool.close(graceful=False)
+            pool = None
+        if pool is None:
+            pool = WorkerPool(world_size, timeout_s, grad_backend)
+            _pools[key] = pool
+        return pool
+
+
+def discard_pool(pool):
+    """Kills `pool`'s workers and forgets it."""
+    with _pools_lock:
+        for key, value in list(_pools.items()):
+            if value is pool:
+                del _pools[key]
+    pool.close(graceful=False)
+
+
+def shutdown_pools():
+    """Ends every worker process this process started (also run at exit)."""
+    with _pools_lock:
+        pools = list(_pools.values())
+        _pools.clear()
+    for pool in pools:
+        pool.close(graceful=True)
+
+
+atexit.register(shutdown_pools)
+
+
+def _describe_exit(code):
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"process was killed by {name} (exit code {code})"
+    return f"process exited with code {code}"
+
+
+def _context(grad_backend):
+    """`forkserver` (preloading Keras and PyTorch once) for CPU workers, else `spawn`.
+
+    A fork server imports what workers need a single time, so each worker
+    starts in well under a second. GPU workers are spawned fresh, because a
+    process that probed CUDA must not be forked.
+    """
+    import multiprocessing
+
+    if grad_backend == "gloo" and "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["__main__", "autodist_keras.backends.torch_preload"])
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+class WorkerPool(Reporter):
+    """Spawned worker processes for ranks 1..world_size-1 and rank 0's `Comm`.
+
+    Args:
+        world_size: Number of ranks including rank 0 (this process).
+        timeout_s: How long an operation may wait for a peer.
+        grad_backend: `"gloo"` or `"nccl"`.
+
+    Raises:
+        WorkerError: If a worker fails to start.
+    """
+
+    def __init__(self, world_size, timeout_s, grad_backend="gloo"):
+        import datetime
+        import multiprocessing
+
+        import torch.distributed as dist
+
+        from autodist_keras.backends.torch_worker import worker_main
+
+        self.world_size = int(world_size)
+        self.timeout_s = float(timeout_s)
+        self.grad_backend = grad_backend
+        self._lock = threading.Lock()
+        self._events = []  # dicts: time, rank, kind ("error" | "exit"), message, secondary
+        self._terminated_by_us = set()
+        self._closing = False
+        self._ready = set()
+        self.comm = None
+        startup = max(STARTUP_TIMEOUT_S, self.timeout_s)
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, self.world_size, True,
+            timeout=datetime.timedelta(seconds=startup), wait_for_workers=False,
+        )
+        ctx = _context(grad_backend)
+        self.start_method = ctx.get_start_method()
+        self.processes = {}
+        self._ctl = {}
+        self._status = {}
+        for rank in range(1, self.world_size):
+            ctl_r, ctl_w = ctx.Pipe(duplex=False)
+            st_r, st_w = ctx.Pipe(duplex=False)
+            process = ctx.Process(
+                target=worker_main,
+                args=(rank, self.world_size, self.store.port, ctl_r, st_w, os.getpid(),
+                      self.timeout_s, grad_backend),
+                name=f"autodist_keras-worker-{rank}",
+                daemon=True,
+            )
+            process.start()
+            ctl_r.close()
+            st_w.close()
+            self.processes[rank] = process
+            self._ctl[rank] = ctl_w
+            self._status[rank] = st_r
+        self._monitor = threading.Thread(target=self._watch, name="autodist_keras-monitor", daemon=True)
+        self._monitor.start()
+        try:
+            self.comm = self._connect(startup)
+        except BaseException:
+            self.close(graceful=False)
+            raise
+
+    # ------------------------------------------------------------ start-up
+    def _connect(self, startup):
+        from autodist_keras.backends.torch_transport import Comm
+
+        result = {}
+
+        def build():
+            try:
+                result["comm"] = Comm(self.store, 0, self.world_size, self.timeout_s, self.grad_backend)
+            except BaseException as e:  # noqa: BLE001
+                result["error"] = e
+
+        thread = threading.Thread(target=build, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + startup
+        while thread.is_alive():
+            thread.join(0.1)
+            if self.failed():
+                raise self.diagnose(wait_s=0.5)
+            if time.monotonic() > deadline:
+                raise WorkerError(
+                    "unknown",
+                    f"the workers did not join within {startup:.0f} s of starting. "
+                    "Check that this machine can start Python processes and that "
+                    "127.0.0.1 is reachable.",
+                )
+        if "error" in result:
+            if self.failed():
+                raise self.diagnose(wait_s=0.5)
+            raise WorkerError("unknown", f"the process group could not form: {result['error']}")
+        return result["comm"]
+
+    # ------------------------------------------------------------- monitor
+    def _watch(self):
+        from multiprocessing.connection import wait
+
+        sentinels = {p.sentinel: r for r, p in self.processes.items()}
+        pipes = {conn: r for r, conn in self._status.items()}
+        first_failure = None
+        while True:
+            if self._closing and not sentinels:
+                return
+            waitables = list(sentinels) + list(pipes)
+            if not waitables:
+                return
+            try:
+                ready = wait(waitables, timeout=0.2)
+            except (OSError, ValueError):
+                return
+            for obj in ready:
+                if obj in pipes:
+                    rank = pipes[obj]
+                    try:
+                        kind, r, message, secondary = obj.recv()
+                    except (EOFError, OSError):
+                        del pipes[obj]
+                        continue
+                    if kind == "ready":
+                        self._ready.add(r)
+                        continue
+                    self._record(rank, "error", message, secondary)
+                else:
+                    rank = sentinels.pop(obj)
+                    code = self.processes[rank].exitcode
+                    if not self._closing and rank not in self._terminated_by_us:
+                        self._record(rank, "exit", _describe_exit(code), False)
+            if first_failure is None and self.failed():
+                first_failure = time.monotonic()
+            if first_failure is not None and not self._closing:
+                if time.monotonic() - first_failure >= GRACE_S:
+                    self._terminate_all()
+
+    def _record(self, rank, kind, message, secondary):
+        with self._lock:
+            self._events.append({
+                "time": time.monotonic(), "rank": rank, "kind": kind,
+                "message": message, "secondary": secondary,
+            })
+
+    def failed(self):
+        """True once any worker died or reported an error."""
+        with self._lock:
+            return bool(self._events)
+
+    def healthy(self):
+        return (
+            self.comm is not None and not self.comm.broken and not self.failed()
+            and not self._closing
+            and all(p.is_alive() for p in self.processes.values())
+        )
+
+    # ------------------------------------------------------------ reporting
+    def report(self, rank, message, secondary):
+        self._record(rank, "error", message, secondary)
+
+    def diagnose(self, failure=None, wait_s=5.0):
+        """Waits briefly for a worker's report and returns the `WorkerError` to raise."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if any(not e["secondary"] for e in self._events):
+                    break
+            time.sleep(0.05)
+        with self._lock:
+            events = list(self._events)
+        primary = [e for e in events if not e["secondary"]]
+        chosen = (primary or events or [None])[0]
+        if chosen is None:
+            peer = getattr(failure, "peer", None)
+            return WorkerError(
+                peer if peer is not None else "unknown",
+                f"communication failed and no worker reported an error: {failure}",
+            )
+        rank = chosen["rank"]
+        messages = [e["message"] for e in events if e["rank"] == rank and e["kind"] == "error"]
+        exits = [e["message"] for e in events if e["rank"] == rank and e["kind"] == "exit"]
+        text = "\n".join(messages) if messages else "; ".join(exits)
+        if messages and exits:
+            text += f"\n({exits[0]})"
+        return WorkerError(rank, text)
+
+    # ------------------------------------------------------------- control
+    def wake(self):
+        """Tells every worker a session (one fit) starts."""
+        for conn in self._ctl.values():
+            conn.send("session")
+
+    @property
+    def pids(self):
+        """Process ids of the workers, by rank."""
+        return {r: p.pid for r, p in self.processes.items()}
+
+    def _terminate_all(self):
+        for rank, process in self.processes.items():
+            if process.is_alive():
+                self._terminated_by_us.add(rank)
+                process.terminate()
+
+    def close(self, graceful=True):
+        """Ends the workers: asks them to exit, then terminates and kills stragglers."""
+        if self._closing:
+            return
+        self._closing = True
+        if graceful:
+            for conn in self._ctl.values():
+                try:
+                    conn.send("exit")
+                except (OSError, BrokenPipeError):
+                    pass
+            deadline = time.monotonic() + 3.0
+            for process in self.processes.values():
+                process.join(max(0.0, deadline - time.monotonic()))
+        for rank, process in self.processes.items():
+            if process.is_alive():
+                self._terminated_by_us.add(rank)
+                process.terminate()
+        for process in self.processes.values():
+            process.join(2.0)
+            if process.is_alive():
+                process.kill()
+                process.join(2.0)
+        if self._monitor.is_alive() and self._monitor is not threading.current_thread():
+            self._monitor.join(2.0)
+        for conn in list(self._ctl.values()) + list(self._status.values()):
+            try:
+                conn.close()
+            except OSError:
+                pass
+        self.comm = None
+        self.store = None

@@ -1,0 +1,701 @@
+"""The per-fit protocol between rank 0 (`Driver`) and the other ranks (`serve`).
+
+A session is one `model.fit` call:
+
+1. SETUP: rank 0 broadcasts JSON (plan, model and compile configs for
+   spawned workers, Keras settings, each rank's device, the list of state
+   variables) and then the state itself (all model weights and optimizer
+   variables) as one flat buffer. Each rank builds or checks its replica and
+   the ranks agree on success with one all-reduce; a rank that failed reports
+   why (class not registered, shapes differ) and rank 0 raises it.
+2. TRAIN, once per batch: rank 0 broadcasts `[TRAIN, n, header, lr]`, a JSON
+   header when the batch structure changed, and sends each rank its shard
+   (`plan.shares_for(n)` samples, contiguous, in rank order) as one packed
+   buffer. Every rank runs `ReplicaTrainer.step`; the workers send their
+   predictions and loss back to rank 0 right after their forward pass, and
+   rank 0 updates Keras's metrics over the whole batch.
+3. END: rank 0 broadcasts the History; every worker answers with per-variable
+   checksums so rank 0 can confirm the replicas ended identical.
+
+Example:
+
+```python
+driver = Driver(model, plan, comm, cluster, reporter, spawned=True)
+driver.setup()
+logs = driver.train_step(data)
+driver.end(history)
+```
+"""
+
+import itertools
+import json
+import math
+import traceback
+import warnings
+
+from autodist_keras.backends import torch_transport as tt
+from autodist_keras.backends.torch_device import device_info
+from autodist_keras.backends.torch_device import pin
+from autodist_keras.backends.torch_device import unpin
+from autodist_keras.backends.torch_step import ReplicaTrainer
+from autodist_keras.errors import BackendError
+from autodist_keras.errors import WorkerError
+
+_session_ids = itertools.count(1)
+
+
+# ------------------------------------------------------------------ helpers
+def state_variables(model):
+    """Variables a replica must share with rank 0: model weights, optimizer variables."""
+    optimizer = getattr(model, "optimizer", None)
+    opt_vars = list(optimizer.variables) if optimizer is not None else []
+    return list(model.weights), opt_vars
+
+
+def variable_metas(variables):
+    return [[v.path, list(v.shape), str(v.dtype)] for v in variables]
+
+
+def _value(v):
+    return v.value.detach()
+
+
+def checksums(model):
+    """Per-variable float64 sums and sums of squares of weights and optimizer state."""
+    import torch
+
+    weights, opt_vars = state_variables(model)
+    out = []
+    for v in weights + opt_vars:
+        t = _value(v).to("cpu").to(torch.float64)
+        out.extend([float(t.sum()), float((t * t).sum())])
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def custom_modules(model):
+    """Modules outside Keras whose classes or functions the model uses."""
+    objects = [model, getattr(model, "optimizer", None)]
+    objects.extend(model._flatten_layers(include_self=False, recursive=True))
+    losses = model.loss
+    if isinstance(losses, dict):
+        objects.extend(losses.values())
+    elif isinstance(losses, (list, tuple)):
+        objects.extend(losses)
+    else:
+        objects.append(losses)
+    modules = []
+    for obj in objects:
+        if obj is None or isinstance(obj, str):
+            continue
+        module = getattr(obj, "__module__", None) if callable(obj) and not hasattr(obj, "get_config") else type(obj).__module__
+        if module and not module.split(".")[0] in ("keras", "builtins") and module not in modules:
+            modules.append(module)
+    return modules
+
+
+def check_serializable(model):
+    """Raises `BackendError` when spawned workers could not rebuild `model`.
+
+    Workers rebuild the model from its Keras config, so every class and function
+    outside Keras must be registered with
+    `@keras.saving.register_keras_serializable()` in a module they can import.
+    """
+    import sys
+
+    import keras
+
+    objects = [("model", model)]
+    objects += [(f"layer {l.name!r}", l) for l in model._flatten_layers(include_self=False, recursive=True)]
+    objects.append(("optimizer", getattr(model, "optimizer", None)))
+    losses = model.loss
+    if isinstance(losses, dict):
+        objects += [(f"loss {k!r}", v) for k, v in losses.items()]
+    elif isinstance(losses, (list, tuple)):
+        objects += [(f"loss {i}", v) for i, v in enumerate(losses)]
+    else:
+        objects.append(("loss", losses))
+    main = sys.modules.get("__main__")
+    for where, obj in objects:
+        if obj is None or isinstance(obj, str):
+            continue
+        target = obj if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "get_config")) else type(obj)
+        module = getattr(target, "__module__", "") or ""
+        if module.split(".")[0] in ("keras", "builtins", "torch"):
+            continue
+        name = getattr(target, "__qualname__", repr(target))
+        if getattr(target, "__name__", "") == "<lambda>":
+            raise BackendError(
+                f"The {where} is a lambda, which spawned workers cannot rebuild. "
+                "Define it as a named function decorated with "
+                "@keras.saving.register_keras_serializable(). "
+                f"Received: {target!r}"
+            )
+        registered = keras.saving.get_registered_name(target)
+        if keras.saving.get_registered_object(registered) is not target:
+            raise BackendError(
+                f"The {where} uses {name} (module {module!r}), which is not registered "
+                "with Keras, so the PyTorch runtime's worker processes cannot rebuild the "
+                "model. Decorate it with @keras.saving.register_keras_serializable() in a "
+                "module the workers import (or at the top level of your script, with "
+                "training under `if __name__ == '__main__':`). "
+                f"Received: {module}.{name}"
+            )
+        if module == "__main__" and not getattr(main, "__file__", None):
+            raise BackendError(
+                f"The {where} uses {name}, defined in an interactive session; spawned "
+                "worker processes cannot import it. Move it into a module (a .py file) "
+                "and import it from there. "
+                f"Received: __main__.{name}"
+            )
+
+
+def _json_default(o):
+    try:
+        import numpy as np
+
+        if isinstance(o, np.generic):
+            return o.item()
+        if isinstance(o, np.ndarray):
+            return o.tolist()
+    except ImportError:
+        pass
+    if hasattr(o, "item"):
+        return o.item()
+    raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
+
+
+def history_payload(history):
+    if history is None:
+        return {"history": {}, "epoch": [], "params": {}}
+    return json.loads(json.dumps(
+        {"history": history.history, "epoch": list(history.epoch), "params": dict(history.params or {})},
+        default=_json_default,
+    ))
+
+
+def format_exception(exc):
+    """`Type: message` plus the last lines of the traceback."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    lines = tb.strip().splitlines()
+    return f"{type(exc).__name__}: {exc}\n" + "\n".join(lines[-12:])
+
+
+class Reporter:
+    """How a worker tells rank 0 that it failed, and how rank 0 finds out.
+
+    Spawned workers report through a pipe to rank 0's monitor
+    (`torch_pool.WorkerPool`); torchrun ranks write to the shared store.
+    """
+
+    def report(self, rank, message, secondary):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def diagnose(self, failure=None, wait_s=5.0):  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class StoreReporter(Reporter):
+    """Failure reports through the process group's store (torchrun ranks)."""
+
+    def __init__(self, store, world_size, prefix="autodist_keras/errors"):
+        self.store = store
+        self.world_size = world_size
+        self.prefix = prefix
+
+    def report(self, rank, message, secondary):
+        try:
+            self.store.set(f"{self.prefix}/{rank}", json.dumps({"message": message, "secondary": secondary}))
+        except Exception:  # noqa: BLE001 - the store may be gone with rank 0
+            pass
+
+    def diagnose(self, failure=None, wait_s=5.0):
+        import time
+
+        deadline = time.monotonic() + wait_s
+        found = {}
+        while True:
+            for r in range(1, self.world_size):
+                key = f"{self.prefix}/{r}"
+                try:
+                    if r not in found and self.store.check([key]):
+                        found[r] = json.loads(self.store.get(key).decode("utf-8"))
+                except Exception:  # noqa: BLE001
+                    pass
+            primary = [r for r, v in found.items() if not v.get("secondary")]
+            if primary:
+                r = min(primary)
+                return WorkerError(r, found[r]["message"])
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        if found:
+            r = min(found)
+            return WorkerError(r, found[r]["message"])
+        peer = getattr(failure, "peer", None)
+        return WorkerError(
+            peer if peer is not None else "unknown",
+            f"a peer stopped answering ({failure}); no rank reported an error (a process "
+            "killed or hung). Check the logs of the other ranks.",
+        )
+
+
+# ------------------------------------------------------------------ rank 0
+class Driver:
+    """Rank 0's side of a session: drives the workers from inside `model.fit`.
+
+    Args:
+        model: The user's model (replica 0).
+        plan: The data-parallel `Plan`; replica `r` runs on rank `r`.
+        comm: Rank 0's `Comm`.
+        cluster: The `Cluster` (for each replica's device).
+        reporter: How to learn why a worker failed.
+        spawned: True when the workers are processes this library spawned (they
+            rebuild the model from its config); False under torchrun (every
+            rank built the model from the same script).
+        timeout_s: Seconds an operation may wait for a worker.
+        wake: Optional callable run just before SETUP is sent (spawned
+            workers wait for it between fits).
+    """
+
+    def __init__(self, model, plan, comm, cluster, reporter, spawned, timeout_s, wake=None):
+        if len(plan.replicas) != comm.world_size:
+            raise BackendError(
+                f"The plan has {len(plan.replicas)} replicas but {comm.world_size} "
+                "processes run (WORLD_SIZE under torchrun). Start one process per "
+                "planned device, or plan for the devices you launch on. "
+                f"Received: plan devices {plan.devices}"
+            )
+        self.model = model
+        self.plan = plan
+        self.comm = comm
+        self.cluster = cluster
+        self.reporter = reporter
+        self.spawned = spawned
+        self.timeout_s = timeout_s
+        self.wake = wake
+        self.session_id = next(_session_ids)
+        self.devices = [device_info(cluster.device(r.device)) for r in plan.replicas]
+        self.trainer = None
+        self.in_step = False
+        self.in_sync = None
+        self.replica_checksums = None
+        self._header = None
+        self._ypred = None  # (spec, metas) of the model's predictions
+        self._shares = {}
+        self.steps = 0
+
+    # ----------------------------------------------------------- failures
+    def _fail(self, failure):
+        raise self.reporter.diagnose(failure) from None
+
+    # -------------------------------------------------------------- setup
+    def setup(self):
+        """Sends the plan and state; every rank builds its replica. Raises on failure."""
+        import keras
+
+        model = self.model
+        optimizer = model.optimizer
+        if not optimizer.built:
+            optimizer.build(model.trainable_variables)
+        # Local checks first: nothing is sent if rank 0 cannot run the plan.
+        self.trainer = ReplicaTrainer(model, self.comm, self.plan, self._nodes(), self._device_ranks())
+        weights, opt_vars = state_variables(model)
+        payload = {
+            "session": self.session_id,
+            "plan": self.plan.to_dict(),
+            "devices": self.devices,
+            "weights": variable_metas(weights),
+            "optimizer_variables": variable_metas(opt_vars),
+            "timeout_s": self.timeout_s,
+            "keras": {
+                "floatx": keras.config.floatx(),
+                "epsilon": keras.config.epsilon(),
+                "image_data_format": keras.config.image_data_format(),
+                "dtype_policy": keras.config.dtype_policy().name,
+            },
+        }
+        if self.spawned:
+            check_serializable(model)
+            from keras.src.saving import serialization_lib
+
+            model_config = serialization_lib.serialize_keras_object(model)
+            model_config.pop("compile_config", None)
+            compile_config = dict(model.get_compile_config() or {})
+            compile_config["optimizer"] = serialization_lib.serialize_keras_object(optimizer)
+            for key in ("metrics", "weighted_metrics"):
+                compile_config.pop(key, None)
+            payload["model"] = json.loads(json.dumps(model_config, default=_json_default))
+            payload["compile"] = json.loads(json.dumps(compile_config, default=_json_default))
+            payload["modules"] = custom_modules(model)
+        if self.wake is not None:
+            self.wake()
+        try:
+            self.comm.broadcast_command(tt.CMD_SETUP, tt.json_length(payload))
+            self.comm.broadcast_json(payload)
+            state = tt.pack([_value(v) for v in weights + opt_vars])
+            if state.numel():
+                self.comm.broadcast(state, 0)
+            status = self.comm.allreduce_max(0)
+        except tt.CommFailure as failure:
+            self._fail(failure)
+        if status:
+            raise self.reporter.diagnose(None)
+        self.trainer.attach()
+
+    def _nodes(self):
+        return [d["node"] for d in self.devices]
+
+    def _device_ranks(self):
+        return {d["name"]: r for r, d in enumerate(self.devices)}
+
+    # -------------------------------------------------------------- train
+    def _shares_for(self, n):
+        if n not in self._shares:
+            self._shares[n] = self.plan.shares_for(n)
+        return self._shares[n]
+
+    def _learning_rate(self):
+        optimizer = self.model.optimizer
+        lr = getattr(optimizer, "_learning_rate", None)
+        if hasattr(lr, "assign"):
+            return float(lr.numpy()) if hasattr(lr, "numpy") else float(lr)
+        return math.nan
+
+    def train_step(self, data):
+        """One distributed training step; returns Keras's logs (global metrics)."""
+        import torch
+        from keras.src.trainers.data_adapters import data_adapter_utils
+
+        model = self.model
+        batch = data[0]
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch)
+        spec, leaves = tt.flatten_tree((x, y, sample_weight))
+        leaves = [tt.to_torch(leaf) for leaf in leaves]
+        if not leaves or leaves[0].dim() == 0:
+            raise BackendError(
+                "The PyTorch runtime splits each batch along its first dimension and "
+                "found no batched tensor. Pass arrays, datasets or loaders of batched "
+                f"tensors. Received: {type(x).__name__}"
+            )
+        n = int(leaves[0].shape[0])
+        for leaf in leaves:
+            if leaf.dim() == 0 or int(leaf.shape[0]) != n:
+                raise BackendError(
+                    "Every input, target and sample-weight tensor of a batch must have "
+                    f"the same first (batch) dimension to be split across replicas. "
+                    f"Received: shapes {[tuple(t.shape) for t in leaves]}"
+                )
+        shares = self._shares_for(n)
+        offsets = [0]
+        for s in shares:
+            offsets.append(offsets[-1] + s)
+        header = {"spec": spec, "metas": [tt.leaf_meta(t) for t in leaves]}
+        header_len = 0 if header == self._header else tt.json_length(header)
+        self.in_step = True
+        sends, recvs = [], {}
+        try:
+            self.comm.broadcast_command(tt.CMD_TRAIN, n, header_len, self._learning_rate())
+            if header_len:
+                self.comm.broadcast_json(header)
+                self._header = header
+            for r in range(1, self.comm.world_size):
+                if shares[r] > 0:
+                    shard = tt.pack([t[offsets[r]:offsets[r + 1]] for t in leaves])
+                    sends.append((self.comm.isend(shard, r, tag=1), r))
+            own = tt.unflatten_tree(spec, [t[:shares[0]] for t in leaves])
+
+            def post_receives(y_pred, loss):
+                if self._ypred is None:
+                    ypred_spec, ypred_leaves = tt.flatten_tree(y_pred)
+                    self._ypred = (ypred_spec, [tt.leaf_meta(t) for t in ypred_leaves])
+                metas = self._ypred[1]
+                for r in range(1, self.comm.world_size):
+                    if shares[r] > 0:
+                        size = tt.packed_size(metas, rows=shares[r]) + tt.ALIGN
+                        buf = torch.empty(size, dtype=torch.uint8)
+                        recvs[r] = (self.comm.irecv(buf, r, tag=2), buf)
+
+            saved = self._save_loss_metrics()
+            y_pred0, loss0 = self.trainer.step(
+                own[0], own[1], own[2], shares[0], n,
+                after_forward=post_receives if shares[0] > 0 else None,
+            )
+            self._restore_loss_metrics(saved)
+            if shares[0] == 0:
+                if self._ypred is None:
+                    self._ypred = self._predict_spec(leaves, spec)
+                post_receives(None, None)
+            for work, r in sends:
+                self.comm.wait(work, peer=r)
+            preds, losses = [], []
+            ypred_spec, metas = self._ypred
+            if shares[0] > 0:
+                preds.append([t.detach() for t in tt.flatten_tree(y_pred0)[1]])
+                losses.append((shares[0], float(loss0.detach())))
+            for r in range(1, self.comm.world_size):
+                if shares[r] > 0:
+                    work, buf = recvs[r]
+                    self.comm.wait(work, peer=r)
+                    parts = tt.unpack(buf, metas, rows=shares[r])
+                    loss_bytes = buf[tt.packed_size(metas, rows=shares[r]):][:8]
+                    preds.append(parts)
+                    losses.append((shares[r], float(loss_bytes.view(torch.float64)[0])))
+        except tt.CommFailure as failure:
+            self._fail(failure)
+        self.in_step = False
+        self.steps += 1
+        return self._metrics(x, y, sample_weight, ypred_spec, preds, losses, n)
+
+    def _predict_spec(self, leaves, spec):
+        import torch
+
+        sample = tt.unflatten_tree(spec, [t[:1] for t in leaves])
+        with torch.no_grad():
+            y_pred = self.model(sample[0], training=False)
+        ypred_spec, ypred_leaves = tt.flatten_tree(y_pred)
+        return ypred_spec, [tt.leaf_meta(t) for t in ypred_leaves]
+
+    def _loss_metrics(self):
+        compile_loss = getattr(self.model, "_compile_loss", None)
+        return list(compile_loss.metrics) if compile_loss is not None else []
+
+    def _save_loss_metrics(self):
+        return [[_value(v).clone() for v in m.variables] for m in self._loss_metrics()]
+
+    def _restore_loss_metrics(self, saved):
+        for metric, values in zip(self._loss_metrics(), saved):
+            for v, value in zip(metric.variables, values):
+                v.assign(value)
+
+    def _metrics(self, x, y, sample_weight, ypred_spec, preds, losses, n):
+        import torch
+
+        model = self.model
+        device = None
+        params = [v.value for v in model.trainable_weights]
+        if params:
+            device = params[0].device
+        columns = list(zip(*preds))
+        full = [torch.cat(list(col), dim=0) for col in columns]
+        if device is not None and device.type != "cpu":
+            full = [t.to(device) for t in full]
+        y_pred = tt.unflatten_tree(ypred_spec, full)
+        global_loss = sum(share * value for share, value in losses) / float(n)
+        with torch.no_grad():
+            model._loss_tracker.update_state(global_loss, sample_weight=n)
+            if self._loss_metrics():
+                model._compile_loss(y, y_pred, sample_weight)
+            return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    # ---------------------------------------------------------------- end
+    def end(self, history):
+        """Ends the session: sends the History, checks the replicas agree."""
+        import torch
+
+        if self.trainer is not None:
+            self.trainer.detach()
+        payload = history_payload(history)
+        try:
+            self.comm.broadcast_command(tt.CMD_END, tt.json_length(payload))
+            self.comm.broadcast_json(payload)
+            own = checksums(self.model)
+            received = {}
+            for r in range(1, self.comm.world_size):
+                buf = torch.empty(own.numel(), dtype=torch.float64)
+                received[r] = (self.comm.irecv(buf, r, tag=3), buf)
+            for r, (work, buf) in received.items():
+                self.comm.wait(work, peer=r)
+        except tt.CommFailure as failure:
+            self._fail(failure)
+        self.replica_checksums = {0: own.tolist()}
+        self.replica_checksums.update({r: buf.tolist() for r, (_, buf) in received.items()})
+        self.in_sync = all(bool(torch.equal(own, buf)) for _, buf in received.values())
+        if history is not None and not self.in_sync:
+            warnings.warn(
+                "autodist_keras: after fit, the replicas' weights differ (something changed "
+                "rank 0's weights during fit outside the training step, e.g. a callback). "
+                "Rank 0's weights, which you hold, are the ones fit trained.",
+                stacklevel=3,
+            )
+
+
+# ---------------------------------------------------------------- ranks > 0
+def _apply_keras_settings(settings):
+    import keras
+
+    keras.config.set_floatx(settings["floatx"])
+    keras.config.set_epsilon(settings["epsilon"])
+    keras.config.set_image_data_format(settings["image_data_format"])
+    keras.config.set_dtype_policy(settings["dtype_policy"])
+
+
+def _rebuild_model(setup, rank):
+    """Builds and compiles the replica a spawned worker trains."""
+    import importlib
+
+    import keras
+    from keras.src.saving import serialization_lib
+
+    for module in setup.get("modules", []):
+        if module in ("__main__", "__mp_main__"):
+            continue
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise BackendError(
+                f"Worker rank {rank} cannot import module {module!r}, which defines "
+                "classes or functions of the model. Make it importable from the worker "
+                f"(installed, or on sys.path). Received: {e}"
+            ) from None
+    _apply_keras_settings(setup["keras"])
+    try:
+        model = serialization_lib.deserialize_keras_object(setup["model"], safe_mode=False)
+        compile_config = serialization_lib.deserialize_keras_object(setup["compile"], safe_mode=False)
+    except (TypeError, ValueError) as e:
+        raise BackendError(
+            f"Worker rank {rank} cannot rebuild the model from its config: {e} Register "
+            "custom layers, losses and optimizers with "
+            "@keras.saving.register_keras_serializable() in a module the workers import. "
+            f"Received: model class {setup['model'].get('class_name')!r}"
+        ) from None
+    model.compile(**compile_config)
+    if not model.built:
+        raise BackendError(
+            f"Worker rank {rank} rebuilt the model but could not build it (no build "
+            "config). Build the model (call it on data or give it an Input) before fit. "
+            f"Received: {type(model).__name__}"
+        )
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def _check_metas(model, setup, rank):
+    weights, opt_vars = state_variables(model)
+    for kind, mine, theirs in (
+        ("weights", variable_metas(weights), setup["weights"]),
+        ("optimizer variables", variable_metas(opt_vars), setup["optimizer_variables"]),
+    ):
+        if len(mine) != len(theirs):
+            raise BackendError(
+                f"Rank {rank}'s replica has {len(mine)} {kind} but rank 0's has "
+                f"{len(theirs)}; every rank must build the same model and optimizer. "
+                f"Received: {[m[0] for m in mine][:6]} vs {[t[0] for t in theirs][:6]}"
+            )
+        for m, t in zip(mine, theirs):
+            if list(m[1]) != list(t[1]) or m[2] != t[2]:
+                raise BackendError(
+                    f"Rank {rank}'s {kind} {m[0]!r} has shape {m[1]} ({m[2]}) but rank 0's "
+                    f"{t[0]!r} has {t[1]} ({t[2]}); every rank must build the same model. "
+                    f"Received: {m} vs {t}"
+                )
+    return weights + opt_vars
+
+
+def serve(comm, reporter, model=None, on_model=None):
+    """Runs one session on a rank > 0: SETUP, TRAIN steps, END.
+
+    Args:
+        comm: This rank's `Comm`.
+        reporter: Where to report a setup failure.
+        model: The replica (torchrun: the user's own model); None for spawned
+            workers, which rebuild it from rank 0's config.
+        on_model: Optional callable receiving the setup dict and model.
+
+    Returns:
+        `(model, history_payload)`; `model` is None when setup failed (the
+        failure was reported and rank 0 raises it).
+    """
+    import torch
+
+    rank = comm.rank
+    command = comm.broadcast_command(timeout_s=tt.IDLE_TIMEOUT_S)
+    if int(command[0]) != tt.CMD_SETUP:
+        raise BackendError(
+            f"Rank {rank} expected the SETUP command and got "
+            f"{tt.COMMAND_NAMES.get(int(command[0]), command[0])}. Received: {command}"
+        )
+    setup = comm.broadcast_json(length=int(command[1]))
+    from autodist_keras.strategies.plan import Plan
+
+    plan = Plan.from_dict(setup["plan"])
+    metas = [[m[2], m[1]] for m in setup["weights"] + setup["optimizer_variables"]]
+    state = torch.empty(tt.packed_size(metas), dtype=torch.uint8)
+    if state.numel():
+        comm.broadcast(state, 0)
+    token = None
+    trainer = None
+    status = 0
+    try:
+        token = pin(setup["devices"][rank])
+        if model is None:
+            model = _rebuild_model(setup, rank)
+        elif getattr(model, "optimizer", None) is None:
+            raise BackendError(
+                f"Rank {rank}'s model is not compiled; compile it inside strategy.scope() "
+                "on every rank, as rank 0 does. Received: optimizer=None"
+            )
+        elif not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        variables = _check_metas(model, setup, rank)
+        with torch.no_grad():
+            for v, value in zip(variables, tt.unpack(state, metas)):
+                v.assign(value)
+        nodes = [d["node"] for d in setup["devices"]]
+        device_ranks = {d["name"]: r for r, d in enumerate(setup["devices"])}
+        trainer = ReplicaTrainer(model, comm, plan, nodes, device_ranks)
+        if on_model is not None:
+            on_model(setup, model)
+    except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
+        status = 1
+        reporter.report(rank, format_exception(e), secondary=False)
+    status = comm.allreduce_max(status)
+    if status:  # rank 0 raises the reported error; no END follows
+        unpin(token)
+        return None, None
+    trainer.attach()
+    header = None
+    try:
+        while True:
+            command = comm.broadcast_command(timeout_s=tt.IDLE_TIMEOUT_S)
+            kind = int(command[0])
+            if kind == tt.CMD_END:
+                payload = comm.broadcast_json(length=int(command[1]))
+                trainer.detach()
+                comm.wait(comm.isend(checksums(model), 0, tag=3), peer=0)
+                return model, payload
+            if kind != tt.CMD_TRAIN:
+                raise BackendError(f"Rank {rank} got an unknown command. Received: {command}")
+            n, header_len, lr = int(command[1]), int(command[2]), command[3]
+            if header_len:
+                header = comm.broadcast_json(length=header_len)
+            _set_learning_rate(model, lr)
+            share = plan.shares_for(n)[rank]
+            shard = (None, None, None)
+            if share > 0:
+                buf = torch.empty(tt.packed_size(header["metas"], rows=share), dtype=torch.uint8)
+                comm.wait(comm.irecv(buf, 0, tag=1), peer=0)
+                shard = tt.unflatten_tree(header["spec"], tt.unpack(buf, header["metas"], rows=share))
+            sent = []
+
+            def send_predictions(y_pred, loss):
+                _, leaves = tt.flatten_tree(y_pred)
+                loss_t = torch.tensor([float(loss.detach())], dtype=torch.float64)
+                payload = tt.pack([t.detach() for t in leaves] + [loss_t])
+                sent.append(comm.isend(payload, 0, tag=2))
+
+            trainer.step(shard[0], shard[1], shard[2], share, n, after_forward=send_predictions)
+            for work in sent:
+                comm.wait(work, peer=0)
+    finally:
+        trainer.detach()
+        unpin(token)
+
+
+def _set_learning_rate(model, lr):
+    if lr is None or math.isnan(lr):
+        return
+    variable = getattr(model.optimizer, "_learning_rate", None)
+    if hasattr(variable, "assign"):
+        current = float(variable.numpy()) if hasattr(variable, "numpy") else float(variable)
+        if current != lr:
+            variable.assign(lr)

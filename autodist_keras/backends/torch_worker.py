@@ -1,0 +1,112 @@
+"""Entry point of a worker process spawned by the PyTorch runtime.
+
+A worker is started by `torch_pool.WorkerPool` (forked from a fork server that
+preloaded Keras and PyTorch on CPU, a fresh `spawn` process on GPU).
+It places nothing on any device until a session tells it to, joins rank 0's
+process groups, and then loops: wait on its control pipe for the next fit
+("session"), serve that session (`torch_session.serve`), and wait again. Any
+error is reported through its status pipe before the process exits, so rank 0
+can raise it as a `WorkerError`. A watchdog thread ends the worker if its parent
+disappears, so no worker outlives the user's process.
+
+This module imports neither Keras nor PyTorch at import time: the worker sets
+`KERAS_BACKEND=torch` before importing them.
+"""
+
+import os
+import sys
+import threading
+import time
+
+
+class PipeReporter:
+    """Reports a worker's failure to rank 0's monitor through a pipe."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def report(self, rank, message, secondary):
+        try:
+            self.conn.send(("error", int(rank), str(message), bool(secondary)))
+        except (OSError, EOFError, BrokenPipeError):
+            pass
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _watch_parent(parent_pid):
+    # Spawned workers are children of rank 0; forked ones are children of the
+    # fork server. Either way, a worker ends when rank 0 is gone.
+    start_ppid = os.getppid()
+    while True:
+        if os.getppid() != start_ppid or not _alive(parent_pid):
+            os._exit(1)
+        time.sleep(0.5)
+
+
+def worker_main(rank, world_size, port, ctl_conn, status_conn, parent_pid, timeout_s, grad_backend):
+    """Runs one spawned worker (rank > 0) until told to exit or its parent goes.
+
+    Args:
+        rank: This worker's rank.
+        world_size: Number of ranks.
+        port: Port of rank 0's TCP store on 127.0.0.1.
+        ctl_conn: Pipe end on which rank 0 sends "session" / "exit".
+        status_conn: Pipe end for reports to rank 0.
+        parent_pid: Rank 0's process id.
+        timeout_s: How long an operation may wait for a peer.
+        grad_backend: `"gloo"` or `"nccl"`.
+    """
+    os.environ["KERAS_BACKEND"] = "torch"
+    os.environ["AUTODIST_KERAS_WORKER_RANK"] = str(rank)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    reporter = PipeReporter(status_conn)
+    try:
+        import datetime
+
+        import keras  # noqa: F401 - imported before serving, so the first fit is not slowed
+        import torch.distributed as dist
+
+        from autodist_keras.backends.torch_session import serve
+        from autodist_keras.backends.torch_transport import Comm
+        from autodist_keras.backends.torch_transport import CommFailure
+
+        store = dist.TCPStore(
+            "127.0.0.1", int(port), int(world_size), False,
+            timeout=datetime.timedelta(seconds=float(timeout_s)),
+        )
+        comm = Comm(store, rank, world_size, timeout_s, grad_backend=grad_backend)
+        status_conn.send(("ready", int(rank), "", False))
+    except BaseException as e:  # noqa: BLE001 - start-up failure: report and leave
+        from autodist_keras.backends.torch_session import format_exception
+
+        reporter.report(rank, "worker start-up failed: " + format_exception(e), False)
+        sys.stderr.flush()
+        os._exit(1)
+
+    while True:
+        try:
+            message = ctl_conn.recv()
+        except (EOFError, OSError):
+            os._exit(0)
+        if message == "exit":
+            break
+        if message != "session":
+            continue
+        try:
+            serve(comm, reporter)
+        except BaseException as e:  # noqa: BLE001 - the session is lost: report and leave
+            from autodist_keras.backends.torch_session import format_exception
+
+            reporter.report(rank, format_exception(e), isinstance(e, CommFailure))
+            sys.stderr.flush()
+            os._exit(1)
+    os._exit(0)
