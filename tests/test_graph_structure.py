@@ -65,6 +65,17 @@ def test_shared_and_nested_calls_are_flattened(siamese):
     assert graph.outputs == ["head", "inner_dense"]
 
 
+def test_calls_map_nodes_back_to_keras_objects(siamese):
+    model, graph = siamese
+    assert set(graph.calls) == set(graph.nodes)
+    layer, first = graph.calls["shared"]
+    _, second = graph.calls["shared#1"]
+    assert layer is model.get_layer("shared")
+    assert layer._inbound_nodes.index(first) == 0 and layer._inbound_nodes.index(second) == 1
+    assert graph.calls["a"][0] is model.get_layer("a")
+    assert ModelGraph.from_dict(graph.to_dict()).calls == {}
+
+
 def test_variables_and_params_match_keras(siamese):
     model, graph = siamese
     assert [v.name for v in graph.variables] == [v.path for v in model.trainable_weights]
@@ -136,6 +147,7 @@ def test_subclassed_model_is_one_data_parallel_node():
     graph = ModelGraph.from_keras(model)
     assert graph.data_parallel_only
     assert list(graph.nodes) == ["subclassed"] and graph.nodes["subclassed"].kind == "model"
+    assert graph.calls["subclassed"][0] is model
     assert any("data-parallel" in w for w in graph.warnings)
     assert [v.name for v in graph.variables] == [v.path for v in model.trainable_weights]
     assert graph.params == model.count_params()
@@ -192,22 +204,23 @@ def test_fingerprint_ignores_generated_names_but_not_structure():
     assert ModelGraph.from_keras(_anonymous_mlp(units=33)).fingerprint() != first.fingerprint()
 
 
-def test_fingerprint_stable_across_processes():
+def test_fingerprint_stable_across_processes_via_cli():
     for _ in range(3):  # shift this process's automatic layer numbering
         _anonymous_mlp()
-    expected = ModelGraph.from_keras(_anonymous_mlp()).fingerprint()
-    code = (
-        "import sys; sys.path.insert(0, 'tests')\n"
-        "from test_graph_structure import _anonymous_mlp\n"
-        "from autodist_keras.graph import ModelGraph\n"
-        "print(ModelGraph.from_keras(_anonymous_mlp()).fingerprint())\n"
-    )
+    graph = ModelGraph.from_keras(_anonymous_mlp())
+    # A fresh process numbers layers from scratch; `autodist-keras graph --json` loads the
+    # same builder through a module:function spec and prints to_dict() plus the fingerprint.
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240,
-        env=dict(os.environ, PYTHONPATH=ROOT),
+        [sys.executable, "-m", "autodist_keras.cli", "graph", "--json",
+         "--model", "test_graph_structure:_anonymous_mlp"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])),
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-1] == expected
+    data = json.loads(out.stdout[out.stdout.index("{"):])
+    assert data["fingerprint"] == graph.fingerprint()
+    assert list(graph.nodes) != [n["name"] for n in data["nodes"]]
+    assert data["params"] == graph.params and data["forward_flops"] == graph.forward_flops
 
 
 def test_inputs_follow_model_order_and_keyword_calls_bind():

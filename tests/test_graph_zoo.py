@@ -23,17 +23,13 @@ def test_builders_are_deterministic_under_set_random_seed():
     assert not all(np.array_equal(a, c) for a, c in zip(first, third))
 
 
-def test_small_models_train_one_step():
+def test_transformer_encoder_trains_one_step():
     keras.utils.set_random_seed(0)
-    for model, x in (
-        (zoo.mlp(), np.random.rand(8, 32).astype("float32")),
-        (zoo.small_cnn(), np.random.rand(8, 32, 32, 3).astype("float32")),
-        (zoo.transformer_encoder(), np.random.randint(0, 1000, (8, 32)).astype("int32")),
-    ):
-        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
-        y = np.random.randint(0, model.output_shape[-1], (8,))
-        loss = model.train_on_batch(x, y)
-        assert np.isfinite(float(np.asarray(loss).reshape(-1)[0]))
+    model = zoo.transformer_encoder()
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    x = np.random.randint(0, 1000, (8, 32)).astype("int32")
+    loss = model.train_on_batch(x, np.random.randint(0, 2, (8,)))
+    assert np.isfinite(float(np.asarray(loss).reshape(-1)[0]))
     types = {type(layer).__name__ for layer in zoo.small_cnn().layers}
     assert "BatchNormalization" in types
 

@@ -135,11 +135,11 @@ def register_formula(*class_names):
 
 def find_formula(obj):
     """Returns the formula for `obj`'s class (walking its MRO), or None."""
+    # Layer formulas are keyed by class name; `keras.ops` classes share names with
+    # layers ("Add", "Softmax"), so op formulas are keyed "ops.<Name>" instead.
     for cls in type(obj).__mro__:
         fn = _FORMULAS.get(cls.__name__)
         if fn is not None:
-            # Keras' own op classes share names with layers ("Add", "Softmax"):
-            # op formulas are registered under "ops.<Name>".
             return fn
     return None
 
@@ -644,7 +644,7 @@ _OP_ZERO = (
     "StopGradient", "ZerosLike", "OnesLike", "Shape", "Hstack", "Vstack", "Append",
     "Unstack", "Flatten", "Identity", "Array", "Tril", "Triu", "SliceUpdate", "ScatterUpdate",
 )
-_OP_BINARY = (
+_OP_ONE_PER_ELEMENT = (
     "Add", "Subtract", "Multiply", "Divide", "TrueDivide", "FloorDivide", "Maximum",
     "Minimum", "Mod", "Equal", "NotEqual", "Greater", "GreaterEqual", "Less", "LessEqual",
     "LogicalAnd", "LogicalOr", "LogicalXor", "LogicalNot", "Where", "DivideNoNan",
@@ -664,7 +664,7 @@ _OP_REDUCE = {
 
 for _name in _OP_ZERO:
     _FORMULAS["ops." + _name] = _zero
-for _name in _OP_BINARY:
+for _name in _OP_ONE_PER_ELEMENT:
     _FORMULAS["ops." + _name] = _elementwise(1)
 for _name, _per in _OP_UNARY_COST.items():
     _FORMULAS["ops." + _name] = _elementwise(_per)

@@ -188,6 +188,11 @@ class ModelGraph:
         non_trainable_bytes: Bytes of the non-trainable weights.
         forward_flops, backward_flops, multiply_adds: Per-sample totals.
         activation_bytes: Sum of every node's output bytes per sample.
+        calls: For a graph made by `from_keras`, a dict from node name to
+            `(operation, keras_node)`: the Keras layer (or op, or the
+            subclassed model) and the `keras.src.ops.node.Node` of that call
+            (`None` for a subclassed model). Empty for graphs read with
+            `from_dict`. Not part of `to_dict()` or the fingerprint.
         nx: The same graph as a `networkx.DiGraph` (node attribute `node`
             holds the `LayerNode`, plus `layer_type`, `forward_flops`,
             `backward_flops`, `output_bytes`, `param_bytes`; edge attribute
@@ -204,6 +209,7 @@ class ModelGraph:
         self.variables = list(variables)
         self.warnings = list(warnings)
         self.data_parallel_only = bool(data_parallel_only)
+        self.calls = {}
 
     # ------------------------------------------------------------- totals
     @property
@@ -561,6 +567,7 @@ class _Builder:
         self.taken = set()
         self.claimed = set()
         self.info_by_id = {}
+        self.calls = {}
         self.trainable_ids = {id(v) for v in model.trainable_weights}
 
     # -- naming ----------------------------------------------------------
@@ -679,6 +686,7 @@ class _Builder:
             output_bytes=sum(_tensor_bytes(t) for t in outputs),
         )
         self.inputs.append(name)
+        self.calls[name] = (layer, node)
         self._check_unknown(name, self.nodes[name].output_shapes)
         return name
 
@@ -738,6 +746,7 @@ class _Builder:
             output_bytes=sum(_tensor_bytes(t) for t in outputs),
             estimated=estimated,
         )
+        self.calls[name] = (op, node)
         # Edges: bytes of the distinct tensors each producer feeds this call.
         seen = set()
         for t in inputs:
@@ -799,10 +808,12 @@ class _Builder:
                 f"bytes: {shown}. Give the model's Input a fixed shape for exact figures."
             )
         edges = [(s, d, b) for (s, d), b in self.edges.items()]
-        return cls(
+        graph = cls(
             nodes=self.nodes, edges=edges, inputs=self.inputs, outputs=self.outputs,
             variables=variables, warnings=self.warnings, name=model.name,
         )
+        graph.calls = dict(self.calls)
+        return graph
 
 
 # ---------------------------------------------------------------------------
@@ -933,7 +944,9 @@ def _from_subclassed(cls, model):
         non_trainable_params=sum(v.size for v in nt), output_bytes=output_bytes,
         estimated=True,
     )
-    return cls(
+    graph = cls(
         nodes={name: node}, edges=[], inputs=[name], outputs=[name], variables=variables,
         warnings=warnings, data_parallel_only=True, name=name,
     )
+    graph.calls = {name: (model, None)}
+    return graph
