@@ -271,8 +271,6 @@ class _FitRun:
             return
         if self.env is not None:
             rank, env_world = self.env
-            from autodist_keras.backends.torch_session import Reporter  # noqa: F401
-
             comm = _get_torchrun_comm(rank, env_world, timeout_s)
             reporter = StoreReporter(comm.store, env_world)
             spawned, wake = False, None
