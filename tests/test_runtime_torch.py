@@ -1,0 +1,387 @@
+"""The PyTorch runtime: distributed model.fit matches single-device training.
+
+Real processes (spawned workers, gloo process groups on 127.0.0.1), real Keras
+models, real files. Every distributed run is compared with plain Keras
+training of the same model from the same initial weights on the same batches
+(shuffle=False). The global batch is 24 and the data set has 458 samples, so
+an epoch is 20 steps whose last batch holds 2 samples: with 3 replicas that
+batch gives one replica no sample at all, which the runtime must handle.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "torch", reason="PyTorch runtime tests run under KERAS_BACKEND=torch"
+)
+
+BATCH = 24
+SAMPLES = 458  # 19 full batches + one of 2 samples = 20 steps
+RTOL, ATOL = 1e-5, 1e-6
+
+
+# ------------------------------------------------------------------ models
+def _mlp():
+    # An L2 regulariser checks that model.losses count once over the replicas.
+    inputs = keras.Input((16,), name="mlp_input")
+    x = keras.layers.Dense(32, activation="relu", name="mlp_dense0",
+                           kernel_regularizer=keras.regularizers.L2(1e-3))(inputs)
+    x = keras.layers.Dense(32, activation="relu", name="mlp_dense1")(x)
+    outputs = keras.layers.Dense(4, name="mlp_logits")(x)
+    return keras.Model(inputs, outputs, name="mlp")
+
+
+def _cnn(freeze_bn=True):
+    from autodist_keras.graph import zoo
+
+    model = zoo.small_cnn(input_shape=(8, 8, 3), filters=(4, 8), num_classes=4)
+    if freeze_bn:
+        for layer in model.layers:
+            if isinstance(layer, keras.layers.BatchNormalization):
+                layer.trainable = False  # inference mode: global = per-replica statistics
+    return model
+
+
+def _transformer():
+    from autodist_keras.graph import zoo
+
+    return zoo.transformer_encoder(num_layers=1, d_model=16, heads=2, seq_len=8, vocab=50,
+                                   num_classes=4)
+
+
+MODELS = {"mlp": _mlp, "cnn": _cnn, "transformer": _transformer}
+
+
+def _data(kind, n=SAMPLES, seed=0):
+    rng = np.random.default_rng(seed)
+    if kind == "mlp":
+        x = rng.normal(size=(n, 16)).astype("float32")
+    elif kind == "cnn":
+        x = rng.normal(size=(n, 8, 8, 3)).astype("float32")
+    else:
+        x = rng.integers(0, 50, size=(n, 8)).astype("int32")
+    y = rng.integers(0, 4, size=(n,)).astype("int32")
+    return x, y
+
+
+def _optimizer(name):
+    if name == "sgd":
+        return keras.optimizers.SGD(learning_rate=0.05, momentum=0.9)
+    return keras.optimizers.Adam(learning_rate=0.01)
+
+
+def _compile(model, optimizer):
+    model.compile(
+        optimizer=_optimizer(optimizer),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["sparse_categorical_accuracy"],
+    )
+
+
+def _build(kind, seed=1, **kwargs):
+    keras.utils.set_random_seed(seed)
+    return MODELS[kind](**kwargs)
+
+
+def _strategy(plan, ndev, **options):
+    from autodist_keras import AutoStrategy
+    from autodist_keras.devices import Cluster
+
+    cluster = Cluster.cpu_testbed()
+    devices = cluster.names[:ndev]
+    if plan == "ps":
+        # Uneven shares, and the server on rank 1 (not the user's process).
+        options.update(sync="ps", ps_server=devices[1])
+        return AutoStrategy(strategy="proportional", cluster=cluster, devices=devices, **options)
+    name = {"even": "data_parallel", "proportional": "proportional"}[plan]
+    return AutoStrategy(strategy=name, cluster=cluster, devices=devices, **options)
+
+
+def _distributed(kind, optimizer, strategy, fit_kwargs=None, build_kwargs=None, data=None):
+    with strategy.scope():
+        model = _build(kind, **(build_kwargs or {}))
+        _compile(model, optimizer)
+    x, y = data if data is not None else _data(kind)
+    kwargs = dict(batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    kwargs.update(fit_kwargs or {})
+    history = model.fit(x, y, **kwargs)
+    return model, history
+
+
+_REFERENCES = {}
+
+
+def _reference_weights(kind, optimizer):
+    """Single-device weights and History of the default run, computed once per process."""
+    if (kind, optimizer) not in _REFERENCES:
+        model, history = _reference(kind, optimizer)
+        _REFERENCES[kind, optimizer] = (model, dict(history.history))
+    return _REFERENCES[kind, optimizer]
+
+
+def _reference(kind, optimizer, fit_kwargs=None, build_kwargs=None, data=None):
+    model = _build(kind, **(build_kwargs or {}))
+    _compile(model, optimizer)
+    x, y = data if data is not None else _data(kind)
+    kwargs = dict(batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    kwargs.update(fit_kwargs or {})
+    history = model.fit(x, y, **kwargs)
+    return model, history
+
+
+# The key bias of attention has an identically zero true gradient (softmax is
+# invariant to adding the same number to every logit), so what it "learns" is
+# float rounding noise: Adam divides that noise by its own tiny second moment
+# and moves the bias by ~lr * noise / epsilon (|w| ~ 1e-5). Summation order
+# differs between 1 and n replicas, so the noise differs; such variables are
+# checked to stay at noise level instead of being compared.
+ZERO_GRADIENT_NOISE = ("attention/key/bias",)
+
+
+def _assert_same_weights(actual, expected, rtol=RTOL, atol=ATOL):
+    a, e = actual.get_weights(), expected.get_weights()
+    assert len(a) == len(e)
+    for wa, we, v in zip(a, e, expected.weights):
+        if v.path.endswith(ZERO_GRADIENT_NOISE):
+            assert np.abs(wa).max() < 1e-4 and np.abs(we).max() < 1e-4, v.path
+            continue
+        np.testing.assert_allclose(wa, we, rtol=rtol, atol=atol, err_msg=v.path)
+
+
+def _assert_moved(model, initial):
+    assert any(not np.array_equal(w, w0) for w, w0 in zip(model.get_weights(), initial))
+
+
+# ------------------------------------------------------------ equivalence
+# Each plan kind runs on 2 and on 3 devices, once with SGD (momentum) and
+# once with Adam; every model runs all six.
+CONFIGS = [
+    ("even", 2, "sgd"), ("even", 3, "adam"),
+    ("proportional", 2, "adam"), ("proportional", 3, "sgd"),
+    ("ps", 2, "sgd"), ("ps", 3, "adam"),
+]
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "transformer"])
+@pytest.mark.parametrize("plan,ndev,optimizer", CONFIGS)
+def test_weights_match_single_device(kind, plan, ndev, optimizer):
+    strategy = _strategy(plan, ndev)
+    model, history = _distributed(kind, optimizer, strategy)
+    reference, ref_history = _reference_weights(kind, optimizer)
+    run = strategy.adapter.last_run
+    assert run["mode"] == "spawned" and run["world_size"] == ndev
+    assert run["steps"] == 20 and run["in_sync"] is True
+    shares = strategy.plan.shares_for(BATCH)
+    assert len(shares) == ndev and sum(shares) == BATCH
+    if plan != "even":
+        assert len(set(shares)) > 1  # really uneven
+    if plan == "ps":
+        assert {s.method for s in strategy.plan.sync.values()} == {"ps"}
+    _assert_moved(reference, _build(kind).get_weights())
+    _assert_same_weights(model, reference)
+    # Logged loss and metrics are global (whole batch), as on one device.
+    for key in ("loss", "sparse_categorical_accuracy"):
+        np.testing.assert_allclose(history.history[key], ref_history[key], rtol=1e-5)
+
+
+def test_batchnorm_training_mode_is_per_replica_but_replicas_stay_identical():
+    """BN in training mode normalises each shard with its own statistics, so the
+    trainable weights differ from single-device training (documented). What
+    holds: replicas stay bit-identical, and after one step the first BN layer's
+    moving mean (its input does not depend on batch statistics) equals the
+    single-device one, because each replica's update is weighted by its share."""
+    strategy = _strategy("proportional", 3)
+    kwargs = {"build_kwargs": {"freeze_bn": False}, "fit_kwargs": {"steps_per_epoch": 1}}
+    model, _ = _distributed("cnn", "sgd", strategy, **kwargs)
+    reference, _ = _reference("cnn", "sgd", **kwargs)
+    assert strategy.adapter.last_run["in_sync"] is True
+    initial = {v.path: np.array(v) for v in _build("cnn", freeze_bn=False).weights}
+    checked = 0
+    for v, ref in zip(model.weights, reference.weights):
+        if v.path.endswith("bn0/moving_mean"):
+            checked += 1
+            assert not np.allclose(np.array(v), initial[v.path])
+            np.testing.assert_allclose(np.array(v), np.array(ref), rtol=1e-5, atol=1e-6)
+    assert checked == 1
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 1024, 25 * 1024 * 1024])
+def test_tensor_fusion_buckets_give_the_same_weights(bucket_bytes):
+    strategy = _strategy("proportional", 3, bucket_bytes=bucket_bytes)
+    model, _ = _distributed("mlp", "adam", strategy)
+    reference, _ = _reference_weights("mlp", "adam")
+    buckets = strategy.plan.buckets
+    variables = len(model.trainable_weights)
+    expected = {0: variables, 25 * 1024 * 1024: 1}.get(bucket_bytes)
+    if expected is not None:
+        assert len(buckets) == expected
+    else:
+        assert 1 < len(buckets) < variables
+    reducer = strategy.adapter._run.driver.trainer.reducer
+    assert reducer.num_buckets == len(buckets)
+    if bucket_bytes == 0:
+        # Buckets of the last layers were launched while backward still ran.
+        assert reducer.launched_during_backward >= len(buckets) - 1
+    _assert_same_weights(model, reference)
+
+
+def test_hierarchical_allreduce_across_two_nodes():
+    from autodist_keras import AutoStrategy
+    from autodist_keras.devices import Cluster
+
+    cluster = Cluster.from_dict({"nodes": [
+        {"name": "node0", "address": "127.0.0.1", "cpus": [{"cores": [0], "threads": 1},
+                                                          {"cores": [1], "threads": 1}]},
+        {"name": "node1", "address": "127.0.0.2", "cpus": [{"cores": [1], "threads": 1}]},
+    ]})
+    strategy = AutoStrategy(strategy="data_parallel", cluster=cluster, algorithm="hierarchical")
+    model, _ = _distributed("mlp", "sgd", strategy)
+    reference, _ = _reference_weights("mlp", "sgd")
+    reducer = strategy.adapter._run.driver.trainer.reducer
+    assert {b.kind for b in reducer.buckets} == {"hierarchical"}
+    _assert_same_weights(model, reference)
+
+
+# --------------------------------------------------------- Keras features
+def test_fit_features_history_save_and_evaluate(tmp_path):
+    x, y = _data("mlp")
+    xv, yv = _data("mlp", n=50, seed=3)
+    sample_weight = np.random.default_rng(4).uniform(0.5, 2.0, size=len(x)).astype("float32")
+    seen = []
+    fit_kwargs = dict(
+        sample_weight=sample_weight, validation_data=(xv, yv), epochs=2, steps_per_epoch=8,
+        callbacks=[keras.callbacks.ModelCheckpoint(str(tmp_path / "ckpt.weights.h5"),
+                                                   save_weights_only=True),
+                   keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: seen.append(dict(logs)))],
+    )
+    strategy = _strategy("proportional", 3)
+    model, history = _distributed("mlp", "sgd", strategy, fit_kwargs=fit_kwargs)
+    ref_kwargs = dict(fit_kwargs, callbacks=[])
+    reference, ref_history = _reference("mlp", "sgd", fit_kwargs=ref_kwargs)
+    _assert_same_weights(model, reference)
+    assert strategy.adapter.last_run["steps"] == 16
+    assert history.epoch == [0, 1] and len(seen) == 2
+    for key in ("loss", "sparse_categorical_accuracy", "val_loss", "val_sparse_categorical_accuracy"):
+        np.testing.assert_allclose(history.history[key], ref_history.history[key], rtol=1e-5)
+    # The checkpoint written during fit holds the trained weights.
+    restored = _build("mlp")
+    restored.load_weights(str(tmp_path / "ckpt.weights.h5"))
+    _assert_same_weights(restored, model, rtol=0, atol=0)
+    # evaluate and predict (on rank 0) agree with the reference model.
+    np.testing.assert_allclose(model.evaluate(xv, yv, verbose=0),
+                               reference.evaluate(xv, yv, verbose=0), rtol=1e-5)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    np.testing.assert_allclose(loaded.predict(xv, verbose=0), reference.predict(xv, verbose=0),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_class_weight_matches_single_device():
+    fit_kwargs = {"class_weight": {0: 1.0, 1: 3.0, 2: 0.5, 3: 1.5}}
+    strategy = _strategy("even", 2)
+    model, history = _distributed("mlp", "adam", strategy, fit_kwargs=fit_kwargs)
+    reference, ref_history = _reference("mlp", "adam", fit_kwargs=fit_kwargs)
+    _assert_same_weights(model, reference)
+    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
+
+
+class _StopAtEpoch(keras.callbacks.Callback):
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise RuntimeError("interrupted on purpose")
+
+
+def test_backup_and_restore_resumes_interrupted_training(tmp_path):
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    strategy = _strategy("proportional", 3)
+    x, y = _data("mlp")
+    with strategy.scope():
+        model = _build("mlp")
+        _compile(model, "adam")
+    fit_kwargs = dict(batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
+    with pytest.raises(RuntimeError, match="interrupted on purpose"):
+        model.fit(x, y, callbacks=[backup, _StopAtEpoch(2)], **fit_kwargs)
+    # A fresh process would rebuild the model; the backup restores weights and
+    # optimizer state and training resumes at epoch 2.
+    with strategy.scope():
+        resumed = _build("mlp", seed=7)
+        _compile(resumed, "adam")
+    history = resumed.fit(x, y, callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))],
+                          **fit_kwargs)
+    assert history.epoch == [2]
+    reference, _ = _reference("mlp", "adam", fit_kwargs={"epochs": 3})
+    _assert_same_weights(resumed, reference)
+
+
+# ------------------------------------------------------------------ inputs
+class _Sequence(keras.utils.PyDataset):
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return (len(self.x) + BATCH - 1) // BATCH
+
+    def __getitem__(self, i):
+        s = slice(i * BATCH, (i + 1) * BATCH)
+        return self.x[s], self.y[s]
+
+
+@pytest.mark.parametrize("source", ["tf_data", "py_dataset", "torch_dataloader"])
+def test_input_pipelines_are_split_by_share(source):
+    x, y = _data("mlp")
+    if source == "tf_data":
+        tf = pytest.importorskip("tensorflow")
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    elif source == "py_dataset":
+        data = _Sequence(x, y)
+    else:
+        import torch
+
+        dataset = torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y).long())
+        data = torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=False)
+    strategy = _strategy("proportional", 3)
+    with strategy.scope():
+        model = _build("mlp")
+        _compile(model, "sgd")
+    model.fit(data, epochs=1, verbose=0, shuffle=False)
+    reference, _ = _reference_weights("mlp", "sgd")
+    assert strategy.adapter.last_run["steps"] == 20
+    _assert_same_weights(model, reference)
+
+
+# ----------------------------------------------------------------- errors
+def test_unregistered_custom_layer_is_a_clear_error():
+    from autodist_keras.errors import BackendError
+
+    class Unregistered(keras.layers.Layer):
+        def call(self, inputs):
+            return inputs * 2.0
+
+    strategy = _strategy("even", 2)
+    with strategy.scope():
+        inputs = keras.Input((16,))
+        model = keras.Model(inputs, keras.layers.Dense(4)(Unregistered()(inputs)))
+        _compile(model, "sgd")
+    x, y = _data("mlp", n=48)
+    with pytest.raises(BackendError, match="Unregistered.*register_keras_serializable"):
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+
+
+def test_sum_reduction_loss_is_rejected():
+    from autodist_keras.errors import BackendError
+
+    strategy = _strategy("even", 2)
+    with strategy.scope():
+        model = _build("mlp")
+        model.compile(optimizer="sgd",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum"))
+    x, y = _data("mlp", n=48)
+    with pytest.raises(BackendError, match="reduction='sum_over_batch_size'"):
+        model.fit(x, y, batch_size=BATCH, verbose=0)

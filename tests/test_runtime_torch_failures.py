@@ -1,0 +1,146 @@
+"""The PyTorch runtime fails fast and cleanly when a worker raises or dies.
+
+A worker that raises (an exception inside its replica's forward pass) and a
+worker killed with SIGKILL mid-training must make `fit` raise `WorkerError`
+in the user's process within 30 s, naming the rank and its error, and leave no
+worker process running.
+"""
+
+import os
+import signal
+import time
+
+import keras
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "torch", reason="PyTorch runtime tests run under KERAS_BACKEND=torch"
+)
+
+BATCH = 24
+DEADLINE_S = 30.0
+
+
+@keras.saving.register_keras_serializable(package="autodist_keras_tests")
+class FailOnRank(keras.layers.Layer):
+    """Identity layer that raises in the worker of rank `rank` after `after` training calls."""
+
+    def __init__(self, rank, after, **kwargs):
+        super().__init__(**kwargs)
+        self.rank = int(rank)
+        self.after = int(after)
+        self.calls = 0
+
+    def call(self, inputs, training=None):
+        if training and os.environ.get("AUTODIST_KERAS_WORKER_RANK") == str(self.rank):
+            self.calls += 1
+            if self.calls > self.after:
+                raise ValueError(f"injected failure in rank {self.rank}")
+        return inputs
+
+    def get_config(self):
+        return dict(super().get_config(), rank=self.rank, after=self.after)
+
+
+def _model(fail_rank=None, after=3):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(16, activation="relu")(inputs)
+    if fail_rank is not None:
+        x = FailOnRank(fail_rank, after)(x)
+    outputs = keras.layers.Dense(4)(x)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="sgd",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _data(n=24 * 20):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 16)).astype("float32"), rng.integers(0, 4, size=n)
+
+
+def _strategy(ndev):
+    from autodist_keras import AutoStrategy
+    from autodist_keras.devices import Cluster
+
+    cluster = Cluster.cpu_testbed()
+    return AutoStrategy(strategy="proportional", cluster=cluster, devices=cluster.names[:ndev])
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\tZ" not in next(line for line in f if line.startswith("State:"))
+    except (OSError, StopIteration):
+        return False
+
+
+def _assert_all_gone(pids, within_s=10.0):
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], f"worker processes still running: {pids}"
+
+
+class _Clock(keras.callbacks.Callback):
+    """Notes when batch `batch` starts; optionally kills a worker there."""
+
+    def __init__(self, batch, kill=None):
+        super().__init__()
+        self.batch = batch
+        self.kill = kill
+        self.started = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == self.batch:
+            self.started = time.monotonic()
+            if self.kill is not None:
+                os.kill(self.kill(), signal.SIGKILL)
+
+
+def test_worker_that_raises_fails_fit_with_its_rank_and_error():
+    from autodist_keras.errors import WorkerError
+
+    strategy = _strategy(3)
+    with strategy.scope():
+        model = _model(fail_rank=2, after=3)
+    x, y = _data()
+    clock = _Clock(batch=3)  # rank 2 raises in its 4th step
+    with pytest.raises(WorkerError) as info:
+        model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False, callbacks=[clock])
+    elapsed = time.monotonic() - clock.started
+    assert info.value.rank == 2
+    assert "injected failure in rank 2" in str(info.value)
+    assert "ValueError" in str(info.value)
+    assert elapsed < DEADLINE_S
+    _assert_all_gone(list(strategy.adapter.worker_pids().values()))
+
+    # The next fit starts fresh workers and trains.
+    strategy = _strategy(3)
+    with strategy.scope():
+        healthy = _model()
+    healthy.fit(x, y, batch_size=BATCH, verbose=0, epochs=1)
+    assert strategy.adapter.last_run["in_sync"] is True
+
+
+def test_killed_worker_fails_fit_within_deadline_and_leaves_no_process():
+    from autodist_keras.errors import WorkerError
+
+    strategy = _strategy(2)
+    with strategy.scope():
+        model = _model()
+    x, y = _data()
+    clock = _Clock(batch=5, kill=lambda: strategy.adapter.worker_pids()[1])
+    with pytest.raises(WorkerError) as info:
+        model.fit(x, y, batch_size=BATCH, verbose=0, epochs=3, callbacks=[clock])
+    elapsed = time.monotonic() - clock.started
+    assert info.value.rank == 1
+    assert "SIGKILL" in str(info.value)
+    assert elapsed < DEADLINE_S
+    _assert_all_gone(list(strategy.adapter.worker_pids().values()))

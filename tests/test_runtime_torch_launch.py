@@ -1,0 +1,87 @@
+"""A torchrun-style launch: the same script started twice with RANK / WORLD_SIZE /
+MASTER_ADDR / MASTER_PORT set (by `autodist_keras.launch`, on a free port).
+
+Both ranks must end with the weights of single-device training, although rank 1
+builds its model from a different random seed (rank 0's initial state wins),
+and rank 1's `fit` must return rank 0's History.
+"""
+
+import json
+import os
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "torch", reason="PyTorch runtime tests run under KERAS_BACKEND=torch"
+)
+
+SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np
+    import keras
+    from autodist_keras import AutoStrategy
+    from autodist_keras.devices import Cluster
+
+    def build():
+        inputs = keras.Input((16,))
+        x = keras.layers.Dense(32, activation="relu", name="hidden")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(4, name="logits")(x))
+
+    def data():
+        rng = np.random.default_rng(0)
+        return rng.normal(size=(98, 16)).astype("float32"), rng.integers(0, 4, size=98)
+
+    if __name__ == "__main__":
+        out, rank = sys.argv[1], int(os.environ["RANK"])
+        cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
+        strategy = AutoStrategy(strategy="proportional", cluster=cluster, speeds={
+            "node0/cpu0": 2.0, "node0/cpu1": 1.0}, timeout_s=120)
+        keras.utils.set_random_seed(1 + 100 * rank)
+        with strategy.scope():
+            model = build()
+            model.compile(optimizer=keras.optimizers.Adam(0.01),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        x, y = data()
+        history = model.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0)
+        np.savez(os.path.join(out, f"rank{rank}.npz"), *model.get_weights())
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"history": history.history, "run": strategy.adapter.last_run,
+                       "shares": strategy.plan.shares_for(24)}, f)
+""")
+
+
+def test_two_ranks_launched_like_torchrun_match_single_device(tmp_path):
+    from autodist_keras.launch import launch
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {"KERAS_BACKEND": "torch",
+           "PYTHONPATH": os.pathsep.join([os.getcwd()] + [p for p in sys.path if p])}
+    result = launch(str(script), nprocs=2, args=[str(tmp_path)], env=env, timeout_s=240)
+    assert result.ok, result
+
+    namespace = {}
+    exec(compile(SCRIPT.replace('if __name__ == "__main__":', "if False:"), "train", "exec"), namespace)
+    keras.utils.set_random_seed(1)
+    reference = namespace["build"]()
+    reference.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = namespace["data"]()
+    ref_history = reference.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0)
+
+    for rank in (0, 1):
+        with np.load(tmp_path / f"rank{rank}.npz", allow_pickle=False) as saved:
+            weights = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+        for got, want in zip(weights, reference.get_weights()):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        with open(tmp_path / f"rank{rank}.json") as f:
+            info = json.load(f)
+        assert info["run"]["mode"] == "torchrun"
+        assert info["shares"] == [16, 8]
+        np.testing.assert_allclose(info["history"]["loss"], ref_history.history["loss"], rtol=1e-5)
+    with open(tmp_path / "rank0.json") as f:
+        assert json.load(f)["run"]["in_sync"] is True
