@@ -48,6 +48,8 @@ print(plan.op_fusion[:3], len(plan.buckets))
 import bisect
 import time
 
+import numpy as np
+
 from autodist_keras.errors import StrategyError
 from autodist_keras.estimator.cost_model import AnalyticCostModel
 from autodist_keras.fusion import op_fusion as op_fusion_lib
@@ -88,8 +90,6 @@ class _Timeline:
     """
 
     def __init__(self, graph, cluster, replicas, cost, algorithms):
-        import numpy as np
-
         self.np = np
         self.graph = graph
         self.names = list(graph.nodes)
@@ -387,10 +387,11 @@ class _Search:
         tl = self.tl
         self.state, self.bounds = state, tuple(bounds)
         self.best = tl.step(state, self.bounds)
+        # The first moves are made whatever the budget (a few evaluations): re-solve
+        # the buckets, then fuse everything the model can absorb and re-solve again.
         if self.use_tensor:
             self.consider(state, tl.optimal_bounds(state))
-        # Big move first: fuse everything the model can absorb, and re-bucket.
-        if self.candidates and self._time_left():
+        if self.candidates:
             fused = tl.state(self.candidates)
             if self.consider(fused, tl.optimal_bounds(fused) if self.use_tensor else self.bounds):
                 self.accepted["op_fusion"] += 1
@@ -534,7 +535,9 @@ def plan(
     if len(base.replicas) == 1:
         algorithms = algorithms[:1]
 
+    priced = time.perf_counter()
     timeline = _Timeline(graph, cluster, base.replicas, cost, algorithms)
+    pricing = time.perf_counter() - priced
     names = timeline.var_names
     unfused = timeline.state(())
     seeds = {}
@@ -562,9 +565,10 @@ def plan(
     if progress is not None:
         progress.update(1)
 
-    # Leave time for the final simulation (about as long as pricing the layers took).
-    setup = time.perf_counter() - started
-    deadline = started + max(budget - max(2.0 * setup, 0.02), 0.25 * budget)
+    # Leave time for the final simulation: it prices every layer again and runs the
+    # event loop, a few times what pricing the layers for the replay took.
+    reserve = min(max(4.0 * pricing, 0.02), 0.4 * budget)
+    deadline = started + budget - reserve
     search = _Search(
         timeline, op_fusion_lib.candidate_joins(graph), deadline, progress, use_op, use_tensor
     )
