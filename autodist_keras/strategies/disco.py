@@ -140,6 +140,18 @@ class _Timeline:
         self.outputs = set(graph.outputs)
         self.evaluations = 0
 
+    def with_algorithms(self, algorithms):
+        """The same timeline, pricing all-reduces with other algorithms only."""
+        other = _Timeline.__new__(_Timeline)
+        other.__dict__.update(self.__dict__)
+        other.algorithms = list(algorithms)
+        other._allreduce, other._allreduce_time = {}, {}
+        if len(self.members) > 1:
+            other.affine, other.affine_exact = other._fit_allreduce()
+        else:
+            other.affine, other.affine_exact = [(0.0, 0.0)] * len(other.algorithms), True
+        return other
+
     # ------------------------------------------------------------ pricing
     def _fit_allreduce(self):
         """Affine fits `a + b * bytes` of each algorithm, and whether they are exact."""
@@ -547,15 +559,7 @@ def plan(
             seeds[name] = tuple(bounds)
     ddp_bounds = tensor_fusion.bounds_of(names, base.buckets)
     # The start: proportional shares with DDP buckets, ring all-reduce (the baseline plan).
-    ring = _Timeline.__new__(_Timeline)
-    ring.__dict__.update(timeline.__dict__)
-    if "ring" in timeline.algorithms:
-        k = timeline.algorithms.index("ring")
-        ring.algorithms, ring.affine = ["ring"], [timeline.affine[k]]
-    else:
-        ring.algorithms = ["ring"]
-        ring.affine, ring.affine_exact = ring._fit_allreduce()
-    ring._allreduce, ring._allreduce_time = {}, {}
+    ring = timeline.with_algorithms(["ring"])
     start_time = ring.step(unfused, ddp_bounds) if ddp_bounds is not None else None
     seed_times = {name: timeline.step(unfused, b) for name, b in seeds.items()}
     seed = "ddp_25mb"
@@ -572,7 +576,7 @@ def plan(
     search = _Search(
         timeline, op_fusion_lib.candidate_joins(graph), deadline, progress, use_op, use_tensor
     )
-    state, bounds, predicted = search.run(unfused, start_bounds)
+    state, bounds, _ = search.run(unfused, start_bounds)
     if progress is not None:
         progress.update(1)
 
