@@ -98,7 +98,7 @@ def _cmd_plan(args):
             reason = next((c.reason for c in candidates if c.name == wanted), "not built")
             raise StrategyError(f"No {args.strategy} plan: {reason}. Received: {args.strategy!r}")
         plan = chosen[0].plan
-        plan.prediction.baselines = {c.name: c.to_dict() for c in candidates}
+        selection.record_candidates(plan, candidates)
     planning_time = time.perf_counter() - started
     by_name = {c.name: c for c in candidates}
     even = by_name.get("data_parallel_even") or by_name.get("single_device")

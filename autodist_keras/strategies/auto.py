@@ -267,7 +267,7 @@ class AutoStrategy:
                     f"yet: {chosen[0].reason}. Use strategy='auto' to pick a plan that runs, "
                     f"or plan with the CLI. Received: strategy={self.name!r}"
                 )
-        plan.prediction.baselines = {c.name: c.to_dict() for c in self.candidates}
+        selection.record_candidates(plan, self.candidates)
         return plan
 
     # -------------------------------------------------------------- explain

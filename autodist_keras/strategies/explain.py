@@ -92,7 +92,15 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
         },
         "op_fusion_regions": len(plan.op_fusion),
         "candidates": [
-            dict(c, name=name) if "name" not in c else dict(c) for name, c in candidates.items()
+            {
+                "name": name,
+                "predicted_step_time_s": c.get("predicted_step_time_s", c.get("step_time_s")),
+                "feasible": c.get("feasible"),
+                "executable": c.get("executable"),
+                "planning_time_s": c.get("planning_time_s"),
+            }
+            for name, c in candidates.items()
+            if isinstance(c, dict)
         ],
         "planning_time_s": round(plan.provenance.planning_time_s, 4),
     }

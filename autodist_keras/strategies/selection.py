@@ -142,6 +142,9 @@ def _score(graph, cluster, candidate, cost_model):
     result = simulate(graph, cluster, candidate.plan, cost_model=cost_model,
                       validate=candidate.family != "baseline")
     prediction = result.to_prediction()
+    if candidate.plan.prediction is not None:
+        # Keep what the planner recorded (e.g. Disco's fusion baselines and bound).
+        prediction.baselines = dict(candidate.plan.prediction.baselines)
     candidate.plan.prediction = prediction
     candidate.step_time_s = prediction.step_time_s
     candidate.feasible = prediction.feasible
@@ -240,6 +243,16 @@ def pick(candidates):
     return min(usable, key=lambda c: c.step_time_s)
 
 
+def record_candidates(plan, candidates):
+    """Stores every candidate's predicted figures on `plan.prediction.baselines`.
+
+    Figures the planner recorded itself (e.g. Disco's fusion baselines) are kept.
+    """
+    plan.prediction.baselines = dict(
+        plan.prediction.baselines, **{c.name: c.to_dict() for c in candidates}
+    )
+
+
 def _explain_choice(best, candidates):
     by_name = {c.name: c for c in candidates}
     even = by_name.get("data_parallel_even") or by_name.get("single_device")
@@ -320,7 +333,7 @@ def choose_plan(
             bar.close()
     best = pick(candidates)
     plan = best.plan
-    plan.prediction.baselines = {c.name: c.to_dict() for c in candidates}
+    record_candidates(plan, candidates)
     plan.notes = [n for n in plan.notes if not n.startswith("auto:")]
     plan.notes += ["auto: " + line for line in _explain_choice(best, candidates)]
     plan.provenance.options = dict(
