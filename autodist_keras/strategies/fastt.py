@@ -161,6 +161,7 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
         if scored and (
             sched.score()[:2] != top.score()[:2]
             or sched.makespan > PROXY_SCORE_RANGE * top.makespan
+            or budget.exhausted()
         ):
             continue
         candidate = _plan_from_schedule(graph, coarse, sched, batch_size, bucket_bytes, record)
@@ -221,7 +222,9 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     elif any(w.hit for w in works):
         notes.append("The split search stopped at its work limit (max_work).")
     figures = {}
-    if options.get("compare_baselines", True) and tables.n_dev > 1:
+    if options.get("baselines") is None and budget.exhausted():
+        notes.append("Not compared with the baselines: the planning budget is spent.")
+    elif options.get("compare_baselines", True) and tables.n_dev > 1:
         figures = _common.baseline_results(
             graph, cluster, batch_size, names, cost,
             ("data_parallel_even", "proportional"), options.get("baselines"),

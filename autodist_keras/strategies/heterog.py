@@ -64,14 +64,14 @@ from autodist_keras.strategies.plan import split_batch
 
 PLANNER = "heterog"
 DEFAULT_BUDGET_S = 4.0
-DEFAULT_MAX_WORK = 2.0e6  # estimated microseconds of search (LPs and coarse simulations)
+DEFAULT_MAX_WORK = 1.5e6  # estimated microseconds of search (LPs and coarse simulations)
 LP_COST_US = 8500.0  # one share LP, measured (process time) on the development machine
 SIM_TASK_COST_US = 45.0  # one simulated task of a coarse plan, same
 MAX_HEAVY_GROUPS = 6  # groups whose replica sets are searched (largest gradients)
 MIN_GAIN = 0.002  # a move must shorten the coarse step by at least 0.2%
 OPTION_NAMES = (
     "groups",  # number of layer groups k (default: 8-16 by model size)
-    "max_work",  # deterministic search cap, estimated microseconds (2e6)
+    "max_work",  # deterministic search cap, estimated microseconds (1.5e6)
     "passes",  # local-search passes over the groups (default 2)
     "seeds",  # include the baseline seeds (default True)
     "bucket_bytes",  # gradient bucket threshold (default 25 MiB)
@@ -117,7 +117,9 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     names = _common.check_request(
         PLANNER, graph, cluster, batch_size, devices, options, OPTION_NAMES
     )
+    restricted = None
     if batch_size < len(names):
+        restricted = len(names)
         names = _fastest(cluster, names, batch_size)
     k = options.get("groups")
     if k is None:
@@ -140,6 +142,11 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     space = _Space(graph, cluster, cost, names, batch_size, k, bucket_bytes)
     _tick(progress, f"{len(space.chunks)} groups")
     notes = []
+    if restricted is not None:
+        notes.append(
+            f"The batch ({batch_size}) is smaller than the number of devices ({restricted}); "
+            f"planned over the {len(names)} fastest, one sample each at least."
+        )
     if graph.data_parallel_only:
         notes.append(
             "The model has no functional graph (subclassed); it is one group, so the "
@@ -147,14 +154,21 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
         )
 
     # Seeds: the baselines, simulated on the real graph.
-    seed_started = time.perf_counter()
-    seeds = _seeds(graph, cluster, cost, names, batch_size, bucket_bytes) if use_seeds else []
-    per_sim = (time.perf_counter() - seed_started) / max(len(seeds), 1)
+    seeds, skipped, per_sim = [], [], 0.0
+    if use_seeds:
+        seeds, skipped, per_sim = _seeds(
+            graph, cluster, cost, names, batch_size, bucket_bytes, budget
+        )
+    if skipped:
+        notes.append(
+            f"Seeds {skipped} were not simulated: the planning budget ran short, so the "
+            "plan is only guaranteed no slower than the simulated seeds."
+        )
     _tick(progress, f"{len(seeds)} seeds")
 
     # Local search over group strategies, scored on the coarse graph. Leave
     # time to simulate the result on the real graph.
-    reserve = 2.0 * per_sim if seeds else budget.seconds / 4
+    reserve = 1.5 * per_sim if seeds else budget.seconds / 4
     state, score, log = space.search(max_work, passes, budget, reserve)
     _tick(progress, f"{space.evals} evaluations")
     found = None
@@ -246,30 +260,47 @@ def _as_heterog(plan, record):
     return plan
 
 
-def _seeds(graph, cluster, cost, names, batch_size, bucket_bytes):
-    """The baseline plans HeteroG starts from, simulated on the real graph."""
+def _seeds(graph, cluster, cost, names, batch_size, bucket_bytes, budget):
+    """The baseline plans HeteroG starts from, simulated on the real graph.
+
+    The first seed that can be built is always simulated; the others only
+    while the seeds have used less than half of the budget (counting one
+    more simulation for the final plan).
+
+    Returns:
+        `(seeds, skipped, seconds per simulation)`, seeds as
+        `(name, plan, SimResult)`.
+    """
     from autodist_keras.estimator import simulate
 
     nodes = {cluster.device(d).node for d in names}
     speeds = baselines.device_speeds(cluster, names)
     fastest = max(names, key=lambda d: (speeds[d], -names.index(d)))
-    specs = [
+    specs = [("proportional", baselines.proportional, {})]
+    if len(nodes) > 1:
+        specs.append(("proportional_hierarchical", baselines.proportional,
+                      {"algorithm": "hierarchical"}))
+    specs += [
         ("data_parallel_even", baselines.data_parallel_even, {}),
-        ("proportional", baselines.proportional, {}),
         ("proportional_ps", baselines.proportional, {"sync": "ps", "ps_server": fastest}),
     ]
-    if len(nodes) > 1:
-        specs.insert(2, ("proportional_hierarchical", baselines.proportional,
-                         {"algorithm": "hierarchical"}))
-    out = []
+    out, skipped, times = [], [], []
     for name, builder, kwargs in specs:
+        if times:
+            per = sum(times) / len(times)
+            if budget.elapsed() + 2 * per > budget.seconds / 2:
+                budget.hit = True
+                skipped.append(name)
+                continue
         try:
             p = builder(graph, cluster, batch_size, devices=names, bucket_bytes=bucket_bytes,
                         **kwargs)
         except PlanError:
             continue
+        started = time.perf_counter()
         out.append((name, p, simulate(graph, cluster, p, cost_model=cost, validate=False)))
-    return out
+        times.append(time.perf_counter() - started)
+    return out, skipped, (sum(times) / len(times) if times else 0.0)
 
 
 def _grid(batch):
