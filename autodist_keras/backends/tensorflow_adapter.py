@@ -866,6 +866,7 @@ def run_steps(
             steps=steps + warmup,
             options=options,
             timeout_s=timeout_s,
+            drop_remainder=True,
         )
         return list(results[0]["step_times_s"][warmup:])
     from autodist_keras.strategies.auto import AutoStrategy
@@ -878,15 +879,30 @@ def run_steps(
     with strategy.scope():
         model = fn()
     timer = StepTimes()
-    fit_repeating(model, x, y, batch_size, steps + warmup, [timer])
+    fit_repeating(model, x, y, batch_size, steps + warmup, [timer], drop_remainder=True)
     return timer.times_s[warmup:]
 
 
-def fit_repeating(model, x, y, batch_size, steps, callbacks):
-    """Runs `steps` training steps over `(x, y)` batches in order, repeating the data."""
+def fit_repeating(model, x, y, batch_size, steps, callbacks, drop_remainder=False):
+    """Runs `steps` training steps over `(x, y)` batches in order, repeating the data.
+
+    Args:
+        model: A compiled model.
+        x, y: NumPy arrays.
+        batch_size: Global batch size.
+        steps: Number of training steps.
+        callbacks: Keras callbacks.
+        drop_remainder: Drop the last partial batch of each pass over the data
+            (for timing: every step then has the full batch).
+
+    Returns:
+        The `History`.
+    """
     import tensorflow as tf
 
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size, drop_remainder=True)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(
+        batch_size, drop_remainder=drop_remainder
+    )
     dataset = dataset.repeat()
     return model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=callbacks)
 

@@ -253,7 +253,7 @@ def broadcast_variables(strategy, variables):
         mine = tf.concat([tf.reshape(tf.cast(v.value, "float32"), [-1]) for v in floats], 0)
         keep = tf.constant(1.0 if rank == 0 else 0.0)
         total = all_reduce_sum(strategy, mine * keep)
-        sizes = [int(tf.size(v.value)) for v in floats]
+        sizes = [_num_elements(v.shape) for v in floats]
         for v, part in zip(floats, tf.split(total, sizes)):
             v.assign(tf.cast(tf.reshape(part, v.shape), v.dtype))
 
@@ -324,6 +324,7 @@ def launch_local_workers(
     epochs=1,
     timeout_s=600,
     return_weights=False,
+    drop_remainder=False,
 ):
     """Starts one worker process per strategy device on this machine and trains.
 
@@ -347,6 +348,7 @@ def launch_local_workers(
         epochs: Number of epochs.
         timeout_s: Kill every worker and fail after this many seconds.
         return_weights: Also return each worker's final weights.
+        drop_remainder: Drop the last partial batch of each pass over the data.
 
     Returns:
         A list, by rank, of dicts: `step_times_s`, `loss` (per epoch),
@@ -384,6 +386,7 @@ def launch_local_workers(
             "epochs": int(epochs),
             "out_dir": workdir,
             "return_weights": bool(return_weights),
+            "drop_remainder": bool(drop_remainder),
             "sys_path": [p for p in sys.path if p and os.path.isdir(p)],
         }
         job_path = os.path.join(workdir, "job.json")

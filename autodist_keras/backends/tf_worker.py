@@ -34,6 +34,8 @@ def main(argv=None):
     from autodist_keras.strategies.auto import AutoStrategy
     from autodist_keras.strategies.plan import Plan
 
+    # Import the model function first (fail fast); it must not run TensorFlow ops at import.
+    model_fn = tf_multiworker.resolve_callable(job["model_fn"])
     cluster = Cluster.from_dict(job["cluster"])
     plan = Plan.from_json(job["plan"]) if job.get("plan") else None
     kwargs = dict(job.get("options") or {})
@@ -49,7 +51,6 @@ def main(argv=None):
     from autodist_keras.backends.tensorflow_adapter import StepTimes
     from autodist_keras.backends.tensorflow_adapter import fit_repeating
 
-    model_fn = tf_multiworker.resolve_callable(job["model_fn"])
     with strategy.scope():
         model = model_fn()
     if job.get("initial_weights"):
@@ -61,7 +62,8 @@ def main(argv=None):
     timer = StepTimes()
     losses = []
     for _ in range(int(job.get("epochs", 1))):
-        history = fit_repeating(model, x, y, job["batch_size"], job["steps"], [timer])
+        history = fit_repeating(model, x, y, job["batch_size"], job["steps"], [timer],
+                                drop_remainder=job.get("drop_remainder", False))
         losses.extend(float(v) for v in history.history.get("loss", []))
     phases["fit_s"] = time.perf_counter() - started - sum(phases.values())
     out_dir = job["out_dir"]

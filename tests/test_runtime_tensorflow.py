@@ -1,0 +1,383 @@
+"""The TensorFlow runtime in one process: distributed model.fit matches single-device training.
+
+Replicas run on the logical CPU devices tests/conftest.py creates (4 of
+them). Every distributed run is compared with plain Keras training of the
+same model, from the same initial weights, on the same batches
+(shuffle=False). The global batch is 24; an epoch is 20 steps (480 samples),
+and the sample-weight test uses 476 samples so that its last batch (20
+samples) is split with `plan.shares_for(20)`.
+
+Known exceptions to exact agreement, tested for what does hold:
+- BatchNormalization in training mode normalises each replica with its own
+  batch statistics; the CNN tests freeze BN (inference mode), and a separate
+  test uses batches whose replica slices have identical statistics.
+- Under Adam, a variable whose true gradient is exactly zero (the attention
+  key bias: softmax ignores a constant shift of the scores) is driven by
+  float rounding noise, which Adam normalises to steps of order lr; its
+  values are compared with a looser absolute tolerance.
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow",
+    reason="TensorFlow runtime tests run under KERAS_BACKEND=tensorflow",
+)
+
+BATCH = 24
+SAMPLES = 480  # 20 full batches
+PARTIAL_SAMPLES = 476  # 19 full batches + one of 20
+RTOL, ATOL = 1e-5, 1e-6
+ZERO_GRADIENT_ATOL = 1e-3  # Adam on a zero-true-gradient variable (see module docstring)
+
+
+# ------------------------------------------------------------------ models
+def _mlp():
+    # The L2 regulariser checks that model.losses count once over the replicas.
+    inputs = keras.Input((8,), name="mlp_input")
+    x = keras.layers.Dense(32, activation="relu", name="mlp_dense0",
+                           kernel_regularizer=keras.regularizers.L2(1e-3))(inputs)
+    outputs = keras.layers.Dense(3, name="mlp_logits")(x)
+    return keras.Model(inputs, outputs, name="mlp")
+
+
+def _cnn(freeze_bn=True):
+    from autodist_keras.graph import zoo
+
+    model = zoo.small_cnn(input_shape=(6, 6, 2), filters=(4, 4), num_classes=3)
+    if freeze_bn:
+        for layer in model.layers:
+            if isinstance(layer, keras.layers.BatchNormalization):
+                layer.trainable = False  # inference mode: per-replica = global statistics
+    return model
+
+
+def _transformer():
+    from autodist_keras.graph import zoo
+
+    return zoo.transformer_encoder(num_layers=1, d_model=8, heads=2, seq_len=4, vocab=20,
+                                   num_classes=3)
+
+
+MODELS = {"mlp": _mlp, "cnn": _cnn, "transformer": _transformer}
+
+
+def _data(name, samples=SAMPLES, seed=0):
+    rng = np.random.default_rng(seed)
+    if name == "mlp":
+        x = rng.normal(size=(samples, 8)).astype("float32")
+    elif name == "cnn":
+        x = rng.normal(size=(samples, 6, 6, 2)).astype("float32")
+    else:
+        x = rng.integers(0, 20, size=(samples, 4)).astype("int32")
+    y = rng.integers(0, 3, size=(samples,)).astype("int32")
+    return x, y
+
+
+def _optimizer(name):
+    if name == "sgd":
+        return keras.optimizers.SGD(learning_rate=0.1, momentum=0.5)
+    return keras.optimizers.Adam(learning_rate=1e-2)
+
+
+def _compile(model, optimizer, loss=None):
+    model.compile(
+        optimizer=_optimizer(optimizer),
+        loss=loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+
+
+def _initial_weights(name):
+    keras.utils.set_random_seed(7)
+    return MODELS[name]().get_weights()
+
+
+_REFERENCE = {}
+
+
+def _reference(name, optimizer):
+    """Plain single-device Keras training (cached per worker)."""
+    key = (name, optimizer)
+    if key not in _REFERENCE:
+        model = MODELS[name]()
+        model.set_weights(_initial_weights(name))
+        _compile(model, optimizer)
+        x, y = _data(name)
+        history = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        _REFERENCE[key] = (model.get_weights(), history.history, [w.path for w in model.weights])
+    return _REFERENCE[key]
+
+
+def _strategy(plan_name, **options):
+    from autodist_keras import AutoStrategy
+    from autodist_keras.devices import Cluster
+
+    cluster = Cluster.cpu_testbed()
+    if plan_name == "even2":
+        return AutoStrategy("data_parallel", cluster=cluster,
+                            devices=["node0/cpu0", "node0/cpu1"], **options)
+    if plan_name == "prop3":
+        return AutoStrategy("proportional", cluster=cluster, **options)
+    if plan_name == "ps3":
+        return AutoStrategy("data_parallel", cluster=cluster, sync="ps",
+                            ps_server="node0/cpu2", **options)
+    raise ValueError(plan_name)
+
+
+def _distributed(name, optimizer, strategy, build=None):
+    with strategy.scope():
+        model = (build or MODELS[name])()
+        _compile(model, optimizer)
+    model.set_weights(_initial_weights(name))
+    return model
+
+
+def _assert_weights_match(paths, expected, actual, optimizer):
+    assert len(expected) == len(actual)
+    for path, want, got in zip(paths, expected, actual):
+        atol = ATOL
+        if optimizer == "adam" and path.endswith("attention/key/bias"):
+            atol = ZERO_GRADIENT_ATOL
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=atol, err_msg=path)
+
+
+# --------------------------------------------------------------- equality
+CASES = [
+    ("mlp", "even2", "sgd"), ("mlp", "even2", "adam"),
+    ("mlp", "prop3", "sgd"), ("mlp", "prop3", "adam"),
+    ("mlp", "ps3", "sgd"), ("mlp", "ps3", "adam"),
+    ("cnn", "even2", "sgd"), ("cnn", "prop3", "adam"), ("cnn", "ps3", "sgd"),
+    ("transformer", "even2", "adam"), ("transformer", "prop3", "sgd"),
+    ("transformer", "ps3", "adam"),
+]
+
+
+@pytest.mark.parametrize("name,plan_name,optimizer", CASES)
+def test_weights_match_single_device(name, plan_name, optimizer):
+    expected, ref_history, paths = _reference(name, optimizer)
+    strategy = _strategy(plan_name)
+    model = _distributed(name, optimizer, strategy)
+    x, y = _data(name)
+    history = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+
+    plan = strategy.plan
+    want_devices = {"even2": 2, "prop3": 3, "ps3": 3}[plan_name]
+    assert len(plan.replicas) == want_devices
+    if plan_name == "prop3":
+        assert plan.shares_for(BATCH) == [12, 6, 6]  # cpu0 owns a core, cpu1/cpu2 share one
+    if plan_name == "ps3":
+        assert {s.method for s in plan.sync.values()} == {"ps"}
+        assert strategy.adapter.home == "/CPU:2"  # variables live on the server
+        assert "CPU:2" in model.trainable_variables[0].value.device
+    _assert_weights_match(paths, expected, model.get_weights(), optimizer)
+    # Logged loss and metrics are global: they equal the single-device ones.
+    np.testing.assert_allclose(history.history["loss"], ref_history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(history.history["accuracy"], ref_history["accuracy"], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "bucket_bytes,algorithm,buckets",
+    [(0, "tree", 4), (1024, "ring", 2), (25 * 1024 * 1024, "hierarchical", 1)],
+)
+def test_fusion_buckets_give_same_weights(bucket_bytes, algorithm, buckets):
+    expected, _, paths = _reference("mlp", "adam")
+    strategy = _strategy("prop3", bucket_bytes=bucket_bytes, algorithm=algorithm)
+    model = _distributed("mlp", "adam", strategy)
+    x, y = _data("mlp")
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    # mlp variables: kernel 8x32 (1024 B), bias 32 (128 B), kernel 32x3 (384 B), bias 3 (12 B);
+    # buckets fill from the last layer: 1 KB gives [logits bias+kernel, dense0 bias], [dense0 kernel]
+    assert len(strategy.plan.buckets) == buckets
+    assert {s.algorithm for s in strategy.plan.sync.values()} == {algorithm}
+    assert strategy.adapter.runtime_info["buckets"] == buckets
+    _assert_weights_match(paths, expected, model.get_weights(), "adam")
+
+
+def test_batchnorm_training_mode_with_identical_replica_statistics():
+    """BN in training mode matches when every replica's slice has the global statistics.
+
+    Each global batch is one block of 6 samples repeated 4 times; the plan's
+    shares (12, 6, 6) are multiples of 6, so every replica's batch mean and
+    variance equal the global ones. Weights and moving statistics must then
+    match single-device training exactly, which checks that the replicas'
+    moving-statistic updates are combined once per step (share-weighted),
+    not applied once per replica.
+    """
+    rng = np.random.default_rng(3)
+    blocks = rng.normal(size=(20, 6, 6, 6, 2)).astype("float32")
+    x = np.concatenate([np.concatenate([b] * 4) for b in blocks])  # 480 samples
+    y = rng.integers(0, 3, size=(480,)).astype("int32")
+    keras.utils.set_random_seed(7)
+    initial = _cnn(freeze_bn=False).get_weights()
+
+    reference = _cnn(freeze_bn=False)
+    reference.set_weights(initial)
+    _compile(reference, "sgd")
+    reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+
+    strategy = _strategy("prop3")
+    with strategy.scope():
+        model = _cnn(freeze_bn=False)
+        _compile(model, "sgd")
+    model.set_weights(initial)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    assert strategy.plan.shares_for(BATCH) == [12, 6, 6]
+    moving = [w.path for w in model.weights if "moving" in w.path]
+    assert len(moving) == 4
+    for w, want, got in zip(model.weights, reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=w.path)
+
+
+# ------------------------------------------------------------- fit features
+class _StopAtEpoch(keras.callbacks.Callback):
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise RuntimeError("interrupted on purpose")
+
+
+def test_fit_features_save_and_callbacks(tmp_path):
+    """validation_data, class_weight, steps_per_epoch, callbacks, save/load, evaluate, predict."""
+    x, y = _data("mlp", samples=10 * BATCH)  # each epoch is the whole data set: 10 steps
+    xv, yv = _data("mlp", samples=50, seed=1)
+    class_weight = {0: 1.0, 1: 2.0, 2: 0.5}
+    fit_args = dict(batch_size=BATCH, epochs=2, steps_per_epoch=10, shuffle=False, verbose=0,
+                    validation_data=(xv, yv), class_weight=class_weight)
+
+    reference = _mlp()
+    reference.set_weights(_initial_weights("mlp"))
+    _compile(reference, "adam")
+    ref_history = reference.fit(x, y, **fit_args)
+
+    strategy = _strategy("prop3")
+    model = _distributed("mlp", "adam", strategy)
+    # First attempt dies at the start of epoch 1; BackupAndRestore resumes it there.
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    with pytest.raises(RuntimeError, match="on purpose"):
+        model.fit(x, y, callbacks=[backup, _StopAtEpoch(1)], **fit_args)
+    checkpoint_path = str(tmp_path / "best.keras")
+    checkpoint = keras.callbacks.ModelCheckpoint(checkpoint_path, monitor="val_loss")
+    seen = []
+    logger = keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: seen.append(epoch))
+    history = model.fit(x, y, callbacks=[backup, checkpoint, logger], **fit_args)
+    assert seen == [1]  # resumed at epoch 1
+    for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
+        np.testing.assert_allclose(history.history[key], ref_history.history[key][1:],
+                                   rtol=1e-5, err_msg=key)
+    _assert_weights_match([w.path for w in model.weights], reference.get_weights(),
+                          model.get_weights(), "adam")
+
+    # evaluate and predict run distributed over the plan's replicas.
+    np.testing.assert_allclose(model.evaluate(xv, yv, batch_size=BATCH, verbose=0),
+                               reference.evaluate(xv, yv, batch_size=BATCH, verbose=0),
+                               rtol=1e-5)
+    expected = reference.predict(xv, batch_size=BATCH, verbose=0)
+    np.testing.assert_allclose(model.predict(xv, batch_size=BATCH, verbose=0), expected,
+                               rtol=1e-5, atol=1e-6)
+
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    np.testing.assert_allclose(loaded.predict(xv, verbose=0), expected, rtol=1e-5, atol=1e-6)
+    assert os.path.exists(checkpoint_path)
+    restored = keras.models.load_model(checkpoint_path)
+    np.testing.assert_allclose(restored.predict(xv, verbose=0), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_sample_weight_and_last_partial_batch():
+    x, y = _data("mlp", samples=PARTIAL_SAMPLES)
+    sample_weight = np.random.default_rng(5).uniform(0.1, 2.0, size=len(x)).astype("float32")
+    reference = _mlp()
+    reference.set_weights(_initial_weights("mlp"))
+    _compile(reference, "sgd")
+    reference.fit(x, y, sample_weight=sample_weight, batch_size=BATCH, shuffle=False, verbose=0)
+
+    strategy = _strategy("prop3")
+    model = _distributed("mlp", "sgd", strategy)
+    model.fit(x, y, sample_weight=sample_weight, batch_size=BATCH, shuffle=False, verbose=0)
+    assert strategy.plan.shares_for(PARTIAL_SAMPLES % BATCH) == [10, 5, 5]
+    _assert_weights_match([w.path for w in model.weights], reference.get_weights(),
+                          model.get_weights(), "sgd")
+
+
+class _Batches(keras.utils.PyDataset):
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return -(-len(self.x) // BATCH)
+
+    def __getitem__(self, i):
+        s = slice(i * BATCH, (i + 1) * BATCH)
+        return self.x[s], self.y[s]
+
+
+@pytest.mark.parametrize("kind", ["tf.data", "PyDataset"])
+def test_dataset_inputs_are_split_by_share(kind):
+    import tensorflow as tf
+
+    expected, _, paths = _reference("mlp", "sgd")
+    x, y = _data("mlp")
+    data = (tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH) if kind == "tf.data"
+            else _Batches(x, y))
+    strategy = _strategy("prop3")
+    model = _distributed("mlp", "sgd", strategy)
+    model.fit(data, shuffle=False, verbose=0)
+    _assert_weights_match(paths, expected, model.get_weights(), "sgd")
+
+
+# ------------------------------------------------------------------ errors
+def test_too_few_logical_devices_is_a_backend_error():
+    import tensorflow as tf
+
+    from autodist_keras import AutoStrategy
+    from autodist_keras import BackendError
+    from autodist_keras.devices import Cluster
+
+    tf.constant(1.0) + 1.0  # TensorFlow is now initialised with conftest's 4 devices
+    cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1, "count": 5}])
+    with pytest.raises(BackendError, match="before building models or running any TensorFlow op") as info:
+        AutoStrategy("data_parallel", cluster=cluster).adapter
+    assert "Received: 4 logical CPU device(s)" in str(info.value)
+
+
+def test_plan_on_missing_gpus_is_a_backend_error():
+    from autodist_keras import AutoStrategy
+    from autodist_keras import BackendError
+
+    with pytest.raises(BackendError, match=r"node0/gpu0.*0 GPU\(s\)"):
+        AutoStrategy("data_parallel", cluster="2xV100").adapter
+
+
+def test_custom_train_step_and_sum_loss_are_rejected():
+    from autodist_keras import BackendError
+
+    class Custom(keras.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    x, y = _data("mlp")
+    strategy = _strategy("even2")
+    with strategy.scope():
+        inputs = keras.Input((8,))
+        model = Custom(inputs, keras.layers.Dense(3)(inputs))
+        _compile(model, "sgd")
+    with pytest.raises(BackendError, match="overrides train_step"):
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+
+    strategy = _strategy("even2")
+    with strategy.scope():
+        model = _mlp()
+        _compile(model, "sgd", loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="sum"))
+    with pytest.raises(BackendError, match="reduction='sum'"):
+        model.fit(x, y, batch_size=BATCH, verbose=0)

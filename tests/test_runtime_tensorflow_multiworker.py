@@ -1,0 +1,84 @@
+"""The TensorFlow runtime with two worker processes (TF_CONFIG over loopback).
+
+Two workers, one per CPU-testbed device (core 0 and core 1), each pinned to
+its core, train an MLP with an uneven plan (shares 16 and 8 of a global
+batch of 24) and must end with the same weights as single-device Keras
+training on the same batches. The launcher picks free ports, kills every
+worker on failure or timeout, and raises `WorkerError` with the log tail.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow",
+    reason="TensorFlow runtime tests run under KERAS_BACKEND=tensorflow",
+)
+
+BATCH = 24
+SAMPLES = 476  # 19 full batches + one of 20 = 20 steps
+
+
+def worker_model():
+    """Builds and compiles the model; workers import and call this inside strategy.scope()."""
+    inputs = keras.Input((8,), name="mlp_input")
+    x = keras.layers.Dense(16, activation="relu", name="mlp_dense0",
+                           kernel_regularizer=keras.regularizers.L2(1e-3))(inputs)
+    outputs = keras.layers.Dense(3, name="mlp_logits")(x)
+    model = keras.Model(inputs, outputs, name="mlp")
+    model.compile(
+        optimizer=keras.optimizers.Adam(learning_rate=1e-2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def test_two_workers_match_single_device():
+    from autodist_keras.backends import tf_multiworker
+    from autodist_keras.devices import Cluster
+    from autodist_keras.graph import ModelGraph
+    from autodist_keras.strategies import baselines
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(SAMPLES, 8)).astype("float32")
+    y = rng.integers(0, 3, size=(SAMPLES,)).astype("int32")
+    keras.utils.set_random_seed(11)
+    reference = worker_model()
+    initial = reference.get_weights()
+    history = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+
+    cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
+    plan = baselines.proportional(
+        ModelGraph.from_keras(reference), cluster, BATCH,
+        speeds={"node0/cpu0": 2.0, "node0/cpu1": 1.0}, bucket_bytes=256,
+    )
+    assert plan.shares_for(BATCH) == [16, 8] and len(plan.buckets) == 3
+    results = tf_multiworker.launch_local_workers(
+        worker_model, cluster, x, y, BATCH, steps=-(-SAMPLES // BATCH), plan=plan,
+        initial_weights=initial, return_weights=True, timeout_s=400,
+    )
+    assert [r["rank"] for r in results] == [0, 1]
+    assert [r["affinity"] for r in results] == [[0], [1]]
+    assert results[0]["runtime"]["mode"] == "multi-worker"
+    for result in results:
+        assert len(result["step_times_s"]) == 20
+        np.testing.assert_allclose(result["loss"], history.history["loss"], rtol=1e-5)
+        for w, want, got in zip(reference.weights, reference.get_weights(), result["weights"]):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=w.path)
+
+
+def test_failing_worker_raises_worker_error():
+    from autodist_keras import WorkerError
+    from autodist_keras.backends import tf_multiworker
+    from autodist_keras.devices import Cluster
+
+    cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
+    x = np.zeros((48, 8), "float32")
+    y = np.zeros((48,), "int32")
+    with pytest.raises(WorkerError, match="nonexistent_module_for_test"):
+        tf_multiworker.launch_local_workers(
+            "nonexistent_module_for_test:build", cluster, x, y, BATCH, steps=2,
+            strategy="data_parallel", timeout_s=120,
+        )
