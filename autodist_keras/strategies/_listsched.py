@@ -37,6 +37,7 @@ import heapq
 
 from autodist_keras.estimator.cost_model import AnalyticCostModel
 from autodist_keras.estimator.simulator import ADAM_SLOTS
+from autodist_keras.strategies.baselines import DDP_BUCKET_BYTES
 from autodist_keras.strategies.plan import split_batch
 
 STATIC_FACTOR = 2 + ADAM_SLOTS  # parameters, gradients and optimizer slots
@@ -117,6 +118,7 @@ class CostTables:
         self.param_bytes = [int(n.param_bytes) for n in self.nodes]
         self.n_tensors = [len(n.variables) for n in self.nodes]
         self.capacity = [int(d.memory_bytes * MEMORY_MARGIN) for d in self.dev]
+        self.bucket_bytes = DDP_BUCKET_BYTES  # gradient buckets of the sync proxy
         node_names = []
         for d in self.dev:
             if d.node not in node_names:
@@ -555,10 +557,25 @@ def list_schedule(tables, batch, method="heft", fixed=None, memory=True):
         if len(reps[i]) > 1 and t.param_bytes[i] > 0:
             syncs.append((max(end[k] for k in b_ids[i]), i))
     syncs.sort()
+    # DDP-style buckets per replica set: gradients in the order they are
+    # ready, one all-reduce per `bucket_bytes` (and one for the remainder).
+    by_members = {}
     for ready_at, i in syncs:
         members = tuple(sorted(d for d, _ in reps[i]))
+        by_members.setdefault(members, []).append((ready_at, i))
+    launches = []
+    for members, items in by_members.items():
+        acc, last = 0, 0.0
+        for n, (ready_at, i) in enumerate(items):
+            acc += t.param_bytes[i]
+            last = ready_at
+            if acc >= t.bucket_bytes or n == len(items) - 1:
+                launches.append((last, members, acc))
+                acc = 0
+    launches.sort()
+    for ready_at, members, nbytes in launches:
         s = max(ready_at, comm_free.get(members, 0.0))
-        e = s + t.allreduce(t.param_bytes[i], members)
+        e = s + t.allreduce(nbytes, members)
         comm_free[members] = e
         for d in members:
             if e > sync_end[d]:

@@ -118,6 +118,7 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     cost = resolve_cost_model(cluster, cost_model)
     coarse = _units(graph, cluster, cost, names, batch_size)
     tables = CostTables(coarse.graph, cluster, CoarseCostModel(cost, coarse), names)
+    tables.bucket_bytes = bucket_bytes or 0
     notes = []
     if graph.data_parallel_only:
         notes.append(
@@ -178,18 +179,21 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     for _, _, res, lab, _, _ in scored:
         if lab not in by_method or res.step_time_s < by_method[lab]:
             by_method[lab] = res.step_time_s
-    schedules = {m: min(b.makespan, s.makespan) for m, b, s, _ in searched}
-    notes.append(
-        "List schedules: "
-        + ", ".join(
-            f"{m.upper()} {_common.ms(by_method[m])} simulated" if m in by_method
-            else f"{m.upper()} {_common.ms(schedules[m])} scheduled (same placement as "
-            "another method's, or over "
-            f"{PROXY_SCORE_RANGE}x the best schedule: not simulated)"
-            for m in methods
-        )
-        + f"; kept {label.upper()}."
-    )
+    simulated_keys = {tuple(tuple(r) for r in x[5].replicas): x[3] for x in scored}
+    parts = []
+    for method, base, best, _ in searched:
+        if method in by_method:
+            parts.append(f"{method.upper()} {_common.ms(by_method[method])} simulated")
+            continue
+        twin = simulated_keys.get(tuple(tuple(r) for r in best.replicas))
+        if twin is not None:
+            parts.append(f"{method.upper()} found the same placement as {twin.upper()}")
+        else:
+            parts.append(
+                f"{method.upper()} {_common.ms(min(base.makespan, best.makespan))} scheduled, "
+                "not simulated (slower schedule)"
+            )
+    notes.append("List schedules: " + "; ".join(parts) + f"; kept {label.upper()}.")
     used = chosen.devices
     if splits:
         notes.append(
