@@ -14,8 +14,8 @@ A session is one `model.fit` call:
    buffer. Every rank runs `ReplicaTrainer.step`; the workers send their
    predictions and loss back to rank 0 right after their forward pass, and
    rank 0 updates Keras's metrics over the whole batch.
-3. END: rank 0 broadcasts the History; every worker answers with per-variable
-   checksums so rank 0 can confirm the replicas ended identical.
+3. END: rank 0 broadcasts the History; every worker answers with a digest of
+   each variable's bytes so rank 0 can confirm the replicas ended identical.
 
 Example:
 
@@ -61,15 +61,22 @@ def _value(v):
 
 
 def checksums(model):
-    """Per-variable float64 sums and sums of squares of weights and optimizer state."""
+    """A digest of the exact bytes of each weight and optimizer variable.
+
+    Returns:
+        A uint8 tensor, 16 bytes (BLAKE2b) per variable: equal on two ranks
+        exactly when their values are bit-identical.
+    """
+    import hashlib
+
     import torch
 
     weights, opt_vars = state_variables(model)
-    out = []
-    for v in weights + opt_vars:
-        t = _value(v).to("cpu").to(torch.float64)
-        out.extend([float(t.sum()), float((t * t).sum())])
-    return torch.tensor(out, dtype=torch.float64)
+    digests = b"".join(
+        hashlib.blake2b(_value(v).to("cpu").contiguous().numpy().tobytes(), digest_size=16).digest()
+        for v in weights + opt_vars
+    )
+    return torch.frombuffer(bytearray(digests), dtype=torch.uint8)
 
 
 def custom_modules(model):
@@ -501,7 +508,7 @@ class Driver:
             own = checksums(self.model)
             received = {}
             for r in range(1, self.comm.world_size):
-                buf = torch.empty(own.numel(), dtype=torch.float64)
+                buf = torch.empty(own.numel(), dtype=torch.uint8)
                 received[r] = (self.comm.irecv(buf, r, tag=3), buf)
             for r, (work, buf) in received.items():
                 self.comm.wait(work, peer=r)
