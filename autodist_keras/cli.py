@@ -5,6 +5,8 @@ autodist-keras devices [--cluster SPEC] [--json]
 autodist-keras graph --model MODEL [--json]
 autodist-keras plan --model MODEL --cluster SPEC [--strategy NAME] [--batch-size N] [--json] [--out plan.json]
 autodist-keras simulate --model MODEL --cluster SPEC --plan PLAN.json [--trace out.json] [--json]
+autodist-keras profile --model MODEL [--cluster cpu_testbed] [--batch-sizes 8,32] [--budget-s 60]
+autodist-keras launch --nprocs N script.py [args...]
 ```
 
 Every step time these commands print is predicted by the simulator, not measured.
@@ -170,6 +172,20 @@ def _cmd_simulate(args):
     return 0
 
 
+def _cmd_profile(args):
+    from autodist_keras.estimator.profiler import profile_main
+
+    return profile_main(args)
+
+
+def _cmd_launch(args):
+    from autodist_keras.launch import launch
+
+    result = launch(args.script, args.nprocs, args=args.args, timeout_s=args.timeout_s)
+    codes = list(result.returncodes)
+    return 0 if all(code == 0 for code in codes) else 1
+
+
 def build_parser():
     """Returns the argparse parser of the `autodist-keras` command."""
     parser = argparse.ArgumentParser(
@@ -205,6 +221,19 @@ def build_parser():
     p.add_argument("--trace", default=None, help="write a Chrome trace JSON here")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_simulate)
+
+    from autodist_keras.estimator.profiler import add_profile_arguments
+
+    p = sub.add_parser("profile", help="measure layer (and link) times on this machine")
+    add_profile_arguments(p)
+    p.set_defaults(func=_cmd_profile)
+
+    p = sub.add_parser("launch", help="run a script as N ranks on this machine (torchrun-style)")
+    p.add_argument("--nprocs", type=int, required=True, help="number of ranks (one per device)")
+    p.add_argument("--timeout-s", type=float, default=None, help="kill all ranks after this")
+    p.add_argument("script", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(func=_cmd_launch)
     return parser
 
 

@@ -148,3 +148,19 @@ def test_cli_devices_graph_and_errors(cli):
     assert run.returncode == 2 and "error" in run.stderr and "Traceback" not in run.stderr
     run = cli("plan", "--model", "mlp", "--cluster", HETERO, "--strategy", "magic")
     assert run.returncode == 2 and "Received" in run.stderr
+
+
+def test_cli_launch_starts_ranks_with_torchrun_variables(cli, tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import os, sys\n"
+        "out = sys.argv[1]\n"
+        "with open(os.path.join(out, os.environ['RANK']), 'w') as f:\n"
+        "    f.write(os.environ['WORLD_SIZE'] + ' ' + os.environ['MASTER_PORT'])\n"
+    )
+    run = cli("launch", "--nprocs", "2", "--timeout-s", "120", str(script), str(tmp_path))
+    assert run.returncode == 0, run.stderr
+    texts = [(tmp_path / r).read_text().split() for r in ("0", "1")]
+    assert texts[0][0] == texts[1][0] == "2" and texts[0][1] == texts[1][1]
+    script.write_text("import sys\nsys.exit(3)\n")
+    assert cli("launch", "--nprocs", "2", "--timeout-s", "120", str(script)).returncode == 1
