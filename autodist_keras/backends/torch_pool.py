@@ -2,8 +2,8 @@
 
 `WorkerPool(world_size)` starts ranks 1..world_size-1 as fresh processes
 (forked from a fork server that imported Keras and PyTorch once, on CPU; with
-the `spawn` start method on GPU), hosts the TCP store on a free port of 127.0.0.1, and builds rank 0's
-`Comm` once every worker has joined. Pools are kept (one per world size and
+the `spawn` start method on GPU), hosts the TCP store on a free port of
+127.0.0.1, and builds rank 0's `Comm` once every worker has joined. Pools are kept (one per world size and
 gradient backend) between `fit` calls of the same process, so only the first
 fit pays for starting Python, PyTorch and Keras in the workers; they are ended
 at interpreter exit, by `shutdown_pools()`, or as soon as one of them fails.

@@ -94,7 +94,8 @@ def custom_modules(model):
     for obj in objects:
         if obj is None or isinstance(obj, str):
             continue
-        module = getattr(obj, "__module__", None) if callable(obj) and not hasattr(obj, "get_config") else type(obj).__module__
+        is_function = callable(obj) and not hasattr(obj, "get_config")
+        module = getattr(obj, "__module__", None) if is_function else type(obj).__module__
         if module and not module.split(".")[0] in ("keras", "builtins") and module not in modules:
             modules.append(module)
     return modules
