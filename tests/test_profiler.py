@@ -15,7 +15,7 @@ from autodist_keras.estimator.profiler import ProfileCache
 from autodist_keras.estimator.profiler import profile_layers
 from autodist_keras.graph import ModelGraph
 
-FAST = dict(warmup=1, repeats=3, min_run_s=5e-4, progress=False)
+FAST = dict(warmup=1, repeats=3, min_run_s=2e-4, progress=False)
 BATCHES = (4, 8)
 
 
@@ -176,7 +176,7 @@ def test_cache_directory_from_environment(monkeypatch, tmp_path):
     assert profiler.default_cache_dir().endswith(os.path.join(".cache", "autodist_keras"))
 
 
-def test_multi_input_int_op_nested_and_detected_cpu(tmp_path):
+def test_multi_input_int_op_and_nested_model(testbed, tmp_path):
     tokens = keras.Input((6,), dtype="int32", name="tokens")
     dense_in = keras.Input((8,), name="dense_in")
     e = keras.layers.Embedding(50, 4, name="emb")(tokens)
@@ -187,15 +187,14 @@ def test_multi_input_int_op_nested_and_detected_cpu(tmp_path):
                               keras.layers.BatchNormalization(name="inner_bn")], name="inner")
     model = keras.Model([tokens, dense_in], inner(both), name="mixed")
     graph = ModelGraph.from_keras(model)
-    cluster = Cluster.detect()
-    profile = profile_layers(model, cluster, batch_sizes=(4,), graph=graph, cache_dir=tmp_path,
-                             **FAST)
+    profile = profile_layers(model, testbed, batch_sizes=(4,), devices=["node0/cpu0"],
+                             graph=graph, cache_dir=tmp_path, **FAST)
     assert profile.skipped == []
     profiled = {t.node for t in profile.timings}
     assert profiled == {n.name for n in graph.nodes.values() if n.kind != "input"}
     assert {"emb", "cat", "inner_dense", "inner_bn"} <= profiled
-    assert all(t.details["affinity_used"] is None for t in profile.timings)
-    assert profile.get("emb", cluster.names[0], 4).details["has_backward"] is True
+    assert profile.get("emb", "node0/cpu0", 4).details["has_backward"] is True
+    assert profile.get("flat", "node0/cpu0", 4).details["input_bytes"] == 4 * 6 * 4 * 4
 
 
 def test_subclassed_model_is_one_node(tmp_path):
@@ -209,10 +208,13 @@ def test_subclassed_model_is_one_node(tmp_path):
 
     model = Tiny()
     model(keras.ops.ones((2, 5)))
+    # The detected CPU: no pinning, the process's own threads.
     profile = profile_layers(model, Cluster.detect(), batch_sizes=(4,), cache_dir=tmp_path,
                              **FAST)
     assert [t.node for t in profile.timings] == ["tiny_sub"]
     assert profile.timings[0].forward_s >= 0
+    assert profile.timings[0].details["affinity_used"] is None
+    assert profile.devices[profile.timings[0].device]["sharing"] == 1.0
 
 
 def test_invalid_arguments_raise_estimator_errors(testbed, tmp_path):

@@ -40,7 +40,7 @@ def test_learned_cost_model_on_real_profiles(tmp_path):
         graph = ModelGraph.from_keras(model)
         profile = profile_layers(model, cluster, batch_sizes=(4, 16), devices=[DEVICE],
                                  graph=graph, cache_dir=tmp_path / "cache", warmup=1, repeats=3,
-                                 min_run_s=5e-4, progress=False)
+                                 min_run_s=2e-4, progress=False)
         assert profile.skipped == []
         graphs[model.name] = graph
         samples += samples_from_profile(profile, graph, cluster)

@@ -398,8 +398,8 @@ def evaluate_regressor(samples, regressor="ridge", hyperparameters=None, by="aut
         "held_out_by": by,
         "folds": k,
         "samples": len(samples),
-        "learned_mape": float(ape_learned.mean()),
-        "analytic_mape": float(ape_analytic.mean()),
+        "learned_mape": mape(predicted, measured),
+        "analytic_mape": mape(analytic, measured),
         "learned_median_ape": float(np.median(ape_learned)),
         "analytic_median_ape": float(np.median(ape_analytic)),
     }

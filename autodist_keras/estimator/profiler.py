@@ -4,8 +4,9 @@ Two measurements feed the estimator:
 
 - `profile_layers(model, cluster, batch_sizes)` times each layer's forward and
   backward pass, in isolation, on each local device of `cluster`, on the active
-  Keras backend (TensorFlow: `tf.function` and `tf.GradientTape`; PyTorch:
-  autograd). Each layer is rebuilt from its config
+  Keras backend (TensorFlow: a `tf.while_loop` in a `tf.function` with
+  `tf.GradientTape`; PyTorch: eager calls and autograd). Each layer is
+  rebuilt from its config
   (`layer.__class__.from_config(layer.get_config())`) under `keras.device(...)`
   and called with random inputs of the shapes and dtypes of its call in the
   model (falling back to the model's own layer object when the rebuild fails).
@@ -65,6 +66,8 @@ from autodist_keras.errors import EstimatorError
 
 CACHE_ENV = "AUTODIST_KERAS_CACHE"
 CACHE_VERSION = 1
+# Bumped when the way a layer is timed changes, so old figures are not reused.
+MEASUREMENT_VERSION = 2
 DEFAULT_BATCH_SIZES = (8, 32)
 DEFAULT_WARMUP = 2
 DEFAULT_REPEATS = 5
@@ -1235,11 +1238,14 @@ def profile_layers(
     """Measures every layer's forward and backward time on local devices.
 
     Each layer of the model's graph is timed in isolation on each device for
-    each batch size, on the active Keras backend: `warmup` calls, then the
-    median of `repeats` runs (a run repeats the call until it lasts at least
-    `min_run_s`, so microsecond layers are timed over many calls). Backward is
-    `median(forward + backward) - median(forward)`, both compiled as in
-    training (`tf.function` on TensorFlow, eager autograd on PyTorch).
+    each batch size, on the active Keras backend, as it runs in training:
+    on TensorFlow inside a compiled `tf.while_loop` (per-iteration time, minus
+    the loop's own per-iteration cost, so neither the `tf.function` call nor
+    the loop is counted), on PyTorch as eager Keras calls with autograd.
+    `warmup` untimed calls, then the median of `repeats` runs; a run repeats
+    the call until it lasts at least `min_run_s`, so microsecond layers are
+    timed over many calls. Backward is `median(forward + backward) -
+    median(forward)` (gradients of the inputs and the trainable weights).
 
     Args:
         model: A built Keras model.
@@ -1307,7 +1313,9 @@ def profile_layers(
         graph = ModelGraph.from_keras(model)
     cache = ProfileCache(cache_dir) if use_cache else None
     versions = _framework_versions(backend)
-    sharing = sharing_factors(cluster, names)
+    # Contention is among all of the cluster's devices (the testbed's peak
+    # FLOP/s are split the same way), also when only some are profiled.
+    sharing = sharing_factors(cluster)
     calls = _graph_calls(model)
     nodes = [n for n in graph.nodes.values() if not _is_input_node(n)]
 
@@ -1345,6 +1353,7 @@ def profile_layers(
                 args_b, kwargs_b = _fill_batch((args_t, kwargs_t), b, unknown_dim)
                 fields = {
                     "kind": "layer",
+                    "method": MEASUREMENT_VERSION,
                     "backend": backend,
                     "versions": versions,
                     "layer": layer_signature(layer, args_b, kwargs_b),
@@ -1428,8 +1437,7 @@ def profile_layers(
                     cache.put(fields, record)
             elif from_cache:
                 reused += 1
-            else:
-                reused += 0  # deduplicated within this run: same signature as a measured node
+            # else: same signature as a node measured earlier in this run.
             timings.append(LayerTiming(
                 node=node.name,
                 layer_type=node.layer_type,
