@@ -34,7 +34,9 @@ whether it is never slower than either; on 8xV100, whether it is never slower
 than data parallelism; on mixed16, each planner's planning time.
 
 Usage: `python benchmarks/plan_quality.py [--models ResNet50,VGG19]
-[--clusters hetero_testbed,mixed16] [--batch-per-device 32] [--no-auto]`.
+[--clusters hetero_testbed,mixed16] [--batch-per-device 32] [--no-auto]
+[--no-budget]` (`--no-budget`: families stop only at their deterministic
+work limits, so a loaded machine gives the same plans as an idle one).
 The last line of output is one JSON object.
 """
 
@@ -106,7 +108,7 @@ def families():
     return found, missing, auto
 
 
-def run_case(graph, cluster, batch, planners, auto):
+def run_case(graph, cluster, batch, planners, auto, budget=None):
     """Plans one model on one cluster with everything; returns a record."""
     from autodist_keras.errors import AutodistError
     from autodist_keras.estimator import simulate
@@ -131,7 +133,8 @@ def run_case(graph, cluster, batch, planners, auto):
         started = time.perf_counter()
         cpu = time.process_time()
         try:
-            plan = plan_fn(graph, cluster, batch)
+            kwargs = {} if budget is None else {"time_budget_s": budget}
+            plan = plan_fn(graph, cluster, batch, **kwargs)
             elapsed = time.perf_counter() - started
             entry = {
                 "step_time_s": plan.prediction.step_time_s,
@@ -268,6 +271,11 @@ def main(argv=None):
     parser.add_argument("--batch-per-device", type=int, default=None,
                         help="samples per device for every model (default 32; BERT-large 8)")
     parser.add_argument("--no-auto", action="store_true", help="skip the auto search column")
+    parser.add_argument(
+        "--no-budget", action="store_true",
+        help="run each family without its wall-time budget (time_budget_s=1e9): its search "
+        "then stops only at its deterministic work limits, so the figures do not depend on "
+        "the machine's load (the auto search keeps its own budgets)")
     args = parser.parse_args(argv)
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import keras
@@ -293,6 +301,9 @@ def main(argv=None):
     print(f"Planner families: {', '.join(planners) or 'none'}"
           + (f"; missing (skipped): {', '.join(missing)}" if missing else ""))
     print(f"Auto search: {auto[0] if auto else 'not run (skipped or not exposed)'}")
+    if args.no_budget:
+        print("Families run without wall-time budgets (--no-budget): only their work limits "
+              "stop them.")
     print("Step times are predictions of the simulator (analytic cost model, catalog GPU "
           "figures); planning times are measured wall time, one run each.")
     cluster_objs = {name: Cluster.resolve(CLUSTERS[name]) for name in clusters}
@@ -307,7 +318,8 @@ def main(argv=None):
         for name in clusters:
             cluster = cluster_objs[name]
             per = args.batch_per_device or PER_DEVICE.get(model, 32)
-            rec = run_case(graph, cluster, per * len(cluster), planners, auto)
+            rec = run_case(graph, cluster, per * len(cluster), planners, auto,
+                           budget=1e9 if args.no_budget else None)
             records[(model, name)] = rec
             line = ", ".join(
                 f"{k} {v['step_time_s'] * 1e3:.1f} ms" + ("" if v["feasible"] else " (OOM)")
@@ -339,6 +351,7 @@ def main(argv=None):
         "batch_rule": "32 x devices (BERT-large: 8 x devices)" if not args.batch_per_device
         else f"{args.batch_per_device} x devices",
         "repetitions": 1,
+        "family_budgets": "none (--no-budget)" if args.no_budget else "defaults",
         "total_time_s": time.perf_counter() - started,
         "cases": [
             dict(model=m, cluster=c, **{k: v for k, v in rec.items()})
