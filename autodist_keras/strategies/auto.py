@@ -111,6 +111,7 @@ class AutoStrategy:
         self.graph = None
         self.measured = {}
         self.candidates = []
+        self._plans = {}
         self._adapter = None
         self._models = []
 
@@ -192,8 +193,10 @@ class AutoStrategy:
     def plan_for(self, model, batch_size):
         """Returns the plan to run `model` with global batches of `batch_size`.
 
-        The plan is made once per strategy (at the first training step) and
-        reused; a fixed plan given to the constructor is validated and used.
+        The plan is made once per model (at its first training step) and
+        reused by later fits; a fixed plan given to the constructor is
+        validated and used. `strategy.plan` is the plan of the model that
+        asked last.
 
         Args:
             model: The Keras model.
@@ -204,16 +207,19 @@ class AutoStrategy:
         """
         from autodist_keras.graph import ModelGraph
 
-        if self.plan is not None and self.graph is not None:
+        known = self._plans.get(id(model))
+        if known is not None and known[0] is model:
+            _, self.graph, self.plan = known
             return self.plan
         started = time.perf_counter()
         self.graph = ModelGraph.from_keras(model)
         if self._fixed_plan is not None:
             self.plan = self._fixed_plan
             self.plan.validate(self.graph, self.cluster)
-            return self.plan
-        self.plan = self._build_plan(self.graph, batch_size)
-        self.plan.provenance.planning_time_s = time.perf_counter() - started
+        else:
+            self.plan = self._build_plan(self.graph, batch_size)
+            self.plan.provenance.planning_time_s = time.perf_counter() - started
+        self._plans[id(model)] = (model, self.graph, self.plan)
         return self.plan
 
     def _build_plan(self, graph, batch_size):

@@ -1,0 +1,65 @@
+"""AutoStrategy's user API without training: options, planning per model, explain, plot, trace."""
+
+import json
+
+import keras
+import pytest
+
+from autodist_keras import AutoStrategy
+from autodist_keras import Cluster
+from autodist_keras.errors import StrategyError
+from autodist_keras.graph import zoo
+
+
+def test_unknown_names_and_options_list_the_valid_ones():
+    with pytest.raises(StrategyError, match="Valid names: auto") as info:
+        AutoStrategy("magic")
+    assert "Received: strategy='magic'" in str(info.value)
+    with pytest.raises(StrategyError, match="Valid options: sync"):
+        AutoStrategy("proportional", cluster=Cluster.cpu_testbed(), bucket_size=3)
+    with pytest.raises(StrategyError, match="Unknown device"):
+        AutoStrategy(cluster=Cluster.cpu_testbed(), devices=["node7/gpu0"])
+
+
+def test_plan_per_model_and_explain(tmp_path):
+    strategy = AutoStrategy("proportional", cluster=Cluster.cpu_testbed())
+    assert "No plan yet" in strategy.explain()
+    small = zoo.mlp(input_dim=8, hidden=(16,), name="small")
+    big = zoo.mlp(input_dim=8, hidden=(32, 32), name="big")
+    plan_small = strategy.plan_for(small, 64)
+    plan_big = strategy.plan_for(big, 64)
+    assert plan_small is not plan_big
+    assert strategy.plan_for(small, 64) is plan_small and strategy.plan is plan_small
+    assert [r.batch_share for r in plan_small.replicas] == [32, 16, 16]
+    assert strategy.num_replicas_in_sync == 3
+    data = strategy.explain(format="json")
+    json.dumps(data)
+    assert data["chosen"] == "proportional"
+    assert data["predicted"]["source"] == "simulator (predicted)"
+    assert {"data_parallel_even", "proportional"} <= {c["name"] for c in data["candidates"]}
+    text = strategy.explain()
+    assert "predicted step time" in text
+    png = strategy.plot(tmp_path / "timeline.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trace = json.loads(strategy.export_trace(tmp_path / "trace.json").read_text())
+    assert any(e["ph"] == "X" for e in trace["traceEvents"])
+
+
+def test_fixed_plan_from_file(tmp_path):
+    strategy = AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed())
+    model = zoo.mlp(input_dim=8, hidden=(16,), name="fixed")
+    path = tmp_path / "plan.json"
+    strategy.plan_for(model, 48).to_json(path)
+    again = AutoStrategy(cluster=Cluster.cpu_testbed(), plan=str(path))
+    assert again.plan_for(model, 48).to_dict() == strategy.plan.to_dict()
+    other = zoo.mlp(input_dim=8, hidden=(20,), name="other")
+    with pytest.raises(Exception, match="unknown layer|unknown variable"):
+        AutoStrategy(cluster=Cluster.cpu_testbed(), plan=str(path)).plan_for(other, 48)
+
+
+def test_scope_restores_compile():
+    original = keras.Model.compile
+    strategy = AutoStrategy("single_device", cluster=Cluster.cpu_testbed())
+    with strategy.scope():
+        assert keras.Model.compile is not original
+    assert keras.Model.compile is original
