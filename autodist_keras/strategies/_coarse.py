@@ -30,6 +30,8 @@ result = simulate(coarse.graph, cluster, coarse_plan, cost_model=cost)
 
 import bisect
 
+import networkx
+
 from autodist_keras.estimator.cost_model import CostModel
 from autodist_keras.graph.model_graph import LayerNode
 from autodist_keras.graph.model_graph import ModelGraph
@@ -76,10 +78,22 @@ def chain_partition(graph, cost_of, max_cost=None, max_bytes=None, bytes_of=None
             chain_of[name] = len(units)
             units.append([name])
             totals.append([cost_of(node), bytes_of(node) if bytes_of else 0])
-    order = list(graph.nodes)
-    position = {n: i for i, n in enumerate(order)}
-    units.sort(key=lambda u: position[u[0]])
-    return units
+    return _topological_units(graph, units, chain_of)
+
+
+def _topological_units(graph, units, unit_index):
+    """Orders units topologically in the fused graph (networkx), ties by first layer."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    fused = networkx.DiGraph()
+    fused.add_nodes_from(range(len(units)))
+    for src, dst, _ in graph.edges:
+        a, b = unit_index[src], unit_index[dst]
+        if a != b:
+            fused.add_edge(a, b)
+    order = networkx.lexicographical_topological_sort(
+        fused, key=lambda k: position[units[k][0]]
+    )
+    return [units[k] for k in order]
 
 
 def contiguous_partition(graph, k, cost_of):
