@@ -195,6 +195,13 @@ def test_multi_input_int_op_and_nested_model(testbed, tmp_path):
     assert {"emb", "cat", "inner_dense", "inner_bn"} <= profiled
     assert profile.get("emb", "node0/cpu0", 4).details["has_backward"] is True
     assert profile.get("flat", "node0/cpu0", 4).details["input_bytes"] == 4 * 6 * 4 * 4
+    # A graph read back from JSON keeps no Keras calls: the same calls are
+    # found again, so every figure comes from the cache.
+    reread = ModelGraph.from_dict(graph.to_dict())
+    assert reread.calls == {}
+    again = profile_layers(model, testbed, batch_sizes=(4,), devices=["node0/cpu0"],
+                           graph=reread, cache_dir=tmp_path, **FAST)
+    assert again.measured == 0 and again.reused == len(profile.timings)
 
 
 def test_subclassed_model_is_one_node(tmp_path):

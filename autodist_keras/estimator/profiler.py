@@ -620,36 +620,19 @@ class LayerProfile:
 
 
 # ---------------------------------------------------------- model plumbing
-def _graph_calls(model):
-    """Dict from `ModelGraph` node name to `(operation, keras Node)` of that call.
+def _graph_calls(model, graph):
+    """Dict from `ModelGraph` node name to `(operation, keras Node or None)`.
 
-    Walks the model exactly as `ModelGraph.from_keras` does (its builder, with
-    nested models flattened and shared layers named `"name#k"`), recording
-    which Keras call each node stands for. Returns an empty dict for a
-    subclassed model, or when the graph builder cannot be hooked.
+    `ModelGraph.from_keras` records the Keras call behind every node
+    (`graph.calls`: nested models flattened, shared layers as `"name#k"`); a
+    graph read from JSON has none, so the model's graph is rebuilt for them.
     """
-    try:
-        from autodist_keras.graph import model_graph as mg
+    calls = getattr(graph, "calls", None)
+    if calls:
+        return calls
+    from autodist_keras.graph import ModelGraph
 
-        functional = mg._functional_of(model)
-        if functional is None:
-            return {}
-
-        class _Recorder(mg._Builder):
-            def __init__(self, m):
-                super().__init__(m)
-                self.calls = {}
-
-            def _add_call(self, op, node, produced, container):
-                name = super()._add_call(op, node, produced, container)
-                self.calls[name] = (op, node)
-                return name
-
-        recorder = _Recorder(model)
-        recorder.walk(functional, container=model.name, seed=None, top=True)
-        return recorder.calls
-    except (AttributeError, TypeError, ImportError):
-        return {}
+    return ModelGraph.from_keras(model).calls
 
 
 def _find_layer(model, name):
@@ -680,8 +663,8 @@ def _call_template(model, node, calls):
     from keras import tree
 
     found = calls.get(node.name)
-    if found is not None:
-        op, keras_node = found
+    op, keras_node = found if found is not None else (None, None)
+    if keras_node is not None:
 
         def to_spec(x):
             if isinstance(x, keras.KerasTensor):
@@ -691,9 +674,10 @@ def _call_template(model, node, calls):
         args = tree.map_structure(to_spec, keras_node.arguments.args)
         kwargs = dict(tree.map_structure(to_spec, keras_node.arguments.kwargs))
     else:
-        if getattr(node, "kind", None) == "model" or node.layer_name == model.name:
+        if op is None and (getattr(node, "kind", None) == "model"
+                           or node.layer_name == model.name):
             op = model
-        else:
+        elif op is None:
             op = _find_layer(model, node.layer_name)
         if op is None:
             raise EstimatorError(
@@ -1316,7 +1300,7 @@ def profile_layers(
     # Contention is among all of the cluster's devices (the testbed's peak
     # FLOP/s are split the same way), also when only some are profiled.
     sharing = sharing_factors(cluster)
-    calls = _graph_calls(model)
+    calls = _graph_calls(model, graph)
     nodes = [n for n in graph.nodes.values() if not _is_input_node(n)]
 
     templates = {}
