@@ -806,6 +806,7 @@ def run_steps(
     processes=None,
     timeout_s=600,
     options=None,
+    devices=None,
 ):
     """Times training steps of a model under a plan (measured wall time).
 
@@ -832,6 +833,9 @@ def run_steps(
             when the cluster's devices have CPU affinities.
         timeout_s: Give up (and kill workers) after this many seconds.
         options: Extra `AutoStrategy` options (e.g. `{"sync": "ps"}`).
+        devices: Device names to use (default: all of the cluster's). With
+            `processes=True` one pinned worker runs per device, so a
+            single-device plan is timed with `devices=[that device]`.
 
     Returns:
         A list of `steps` step times in seconds.
@@ -867,14 +871,17 @@ def run_steps(
             options=options,
             timeout_s=timeout_s,
             drop_remainder=True,
+            devices=devices,
         )
         return list(results[0]["step_times_s"][warmup:])
     from autodist_keras.strategies.auto import AutoStrategy
 
     if isinstance(plan_or_strategy_name, Plan):
-        strategy = AutoStrategy(cluster=cluster, plan=plan_or_strategy_name, **options)
+        strategy = AutoStrategy(cluster=cluster, plan=plan_or_strategy_name, devices=devices,
+                                **options)
     else:
-        strategy = AutoStrategy(strategy=plan_or_strategy_name, cluster=cluster, **options)
+        strategy = AutoStrategy(strategy=plan_or_strategy_name, cluster=cluster, devices=devices,
+                                **options)
     fn = tf_multiworker.resolve_callable(model_fn)
     with strategy.scope():
         model = fn()
@@ -904,7 +911,8 @@ def fit_repeating(model, x, y, batch_size, steps, callbacks, drop_remainder=Fals
         batch_size, drop_remainder=drop_remainder
     )
     dataset = dataset.repeat()
-    return model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=callbacks)
+    return model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=callbacks,
+                     shuffle=False)
 
 
 def _step_timer_class():

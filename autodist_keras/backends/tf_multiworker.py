@@ -325,8 +325,9 @@ def launch_local_workers(
     timeout_s=600,
     return_weights=False,
     drop_remainder=False,
+    devices=None,
 ):
-    """Starts one worker process per strategy device on this machine and trains.
+    """Starts one worker process per device on this machine and trains.
 
     Each worker gets `TF_CONFIG` for a loopback cluster on free ports, pins
     itself to its device's cores (testbed devices), builds the model with
@@ -349,6 +350,8 @@ def launch_local_workers(
         timeout_s: Kill every worker and fail after this many seconds.
         return_weights: Also return each worker's final weights.
         drop_remainder: Drop the last partial batch of each pass over the data.
+        devices: Device names to use (one worker each); default all of the
+            cluster's. With one device, one pinned process runs the plan.
 
     Returns:
         A list, by rank, of dicts: `step_times_s`, `loss` (per epoch),
@@ -371,7 +374,10 @@ def launch_local_workers(
         if plan is not None:
             plan_path = os.path.join(workdir, "plan.json")
             plan.to_json(plan_path)
-        num = len(cluster.names)
+        devices = list(devices or cluster.names)
+        for name in devices:
+            cluster.device(name)  # unknown names fail here, not in a worker
+        num = len(devices)
         job = {
             "model_fn": callable_spec(model_fn),
             "strategy": strategy,
@@ -387,6 +393,7 @@ def launch_local_workers(
             "out_dir": workdir,
             "return_weights": bool(return_weights),
             "drop_remainder": bool(drop_remainder),
+            "devices": devices,
             "sys_path": [p for p in sys.path if p and os.path.isdir(p)],
         }
         job_path = os.path.join(workdir, "job.json")

@@ -37,8 +37,15 @@ def main(argv=None):
     # Import the model function first (fail fast); it must not run TensorFlow ops at import.
     model_fn = tf_multiworker.resolve_callable(job["model_fn"])
     cluster = Cluster.from_dict(job["cluster"])
+    devices = list(job.get("devices") or cluster.names)
+    worker = tf_multiworker.parse_tf_config()
+    device = cluster.device(devices[worker.rank if worker is not None else 0])
+    if device.cpu_affinity is not None:
+        # Before TensorFlow starts its thread pools (the adapter pins again, harmlessly).
+        tf_multiworker.pin_process(device.cpu_affinity, device.threads)
     plan = Plan.from_json(job["plan"]) if job.get("plan") else None
     kwargs = dict(job.get("options") or {})
+    kwargs["devices"] = devices
     if plan is not None:
         strategy = AutoStrategy(cluster=cluster, plan=plan, **kwargs)
     else:
@@ -74,7 +81,7 @@ def main(argv=None):
         "rank": rank,
         "step_times_s": timer.times_s,
         "loss": losses,
-        "device": strategy.devices[rank],
+        "device": device.name,
         "affinity": sorted(os.sched_getaffinity(0)),
         "runtime": adapter.runtime_info,
         "phases_s": phases,
