@@ -443,10 +443,10 @@ class _Runtime:
             raise BackendError(f"A {kind} batch has no input tensors. Received: {type(data).__name__}")
         batch_size = int(leaves[0].shape[0])
         if self.plan is None:
-            if kind != "train" and self.adapter.strategy.plan is None:
+            if kind != "train":
+                # The plan is made at the first training step; until then, one device.
                 return self._single_device_step(kind, x, y, sw)
-            self.prepare((x, y, sw), self.adapter.strategy.plan.global_batch_size
-                         if kind != "train" else batch_size)
+            self.prepare((x, y, sw), batch_size)
         shares = self.shares(batch_size)
         key = (kind, shares)
         fn = self.fns.get(key)
@@ -465,10 +465,20 @@ class _Runtime:
         """Evaluate/predict before any plan exists: Keras' own step on the home device."""
         import tensorflow as tf
 
-        with tf.device(self.adapter.home):
-            if kind == "predict":
-                return self.model.predict_step((x,))
-            return self.model.test_step((x, y, sw))
+        key = ("single", kind)
+        if key not in self.fns:
+            model = self.model
+
+            def step(x, y, sw):
+                with tf.device(self.adapter.home):
+                    if kind == "predict":
+                        return model.predict_step((x,))
+                    return model.test_step((x, y, sw))
+
+            self.fns[key] = step if model.run_eagerly else tf.function(
+                step, reduce_retracing=True, autograph=False
+            )
+        return self.fns[key](x, y, sw)
 
     # ---------------------------------------------------------- step bodies
     def _forward(self, replica, share, x, training):
@@ -833,9 +843,10 @@ def run_steps(
             when the cluster's devices have CPU affinities.
         timeout_s: Give up (and kill workers) after this many seconds.
         options: Extra `AutoStrategy` options (e.g. `{"sync": "ps"}`).
-        devices: Device names to use (default: all of the cluster's). With
-            `processes=True` one pinned worker runs per device, so a
-            single-device plan is timed with `devices=[that device]`.
+        devices: Device names to use (default: the plan's devices for a
+            `Plan`, else all of the cluster's). With `processes=True` one
+            pinned worker runs per device, so a single-device strategy is
+            timed with `devices=[that device]`.
 
     Returns:
         A list of `steps` step times in seconds.
@@ -854,6 +865,8 @@ def run_steps(
 
     cluster = Cluster.resolve(cluster)
     options = dict(options or {})
+    if devices is None and isinstance(plan_or_strategy_name, Plan):
+        devices = list(plan_or_strategy_name.devices)
     if processes is None:
         processes = any(d.cpu_affinity is not None for d in cluster.devices)
     x = np.asarray(x)
