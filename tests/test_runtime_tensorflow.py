@@ -37,11 +37,14 @@ ZERO_GRADIENT_ATOL = 1e-3  # Adam on a zero-true-gradient variable (see module d
 
 # ------------------------------------------------------------------ models
 def _mlp():
-    # The L2 regulariser checks that model.losses count once over the replicas.
+    # The regularisers check that model.losses count once over the replicas: a weight
+    # regulariser (the same on every replica) and an activity regulariser (added with
+    # add_loss during each replica's forward pass).
     inputs = keras.Input((8,), name="mlp_input")
     x = keras.layers.Dense(32, activation="relu", name="mlp_dense0",
                            kernel_regularizer=keras.regularizers.L2(1e-3))(inputs)
-    outputs = keras.layers.Dense(3, name="mlp_logits")(x)
+    outputs = keras.layers.Dense(3, name="mlp_logits",
+                                 activity_regularizer=keras.regularizers.L2(1e-2))(x)
     return keras.Model(inputs, outputs, name="mlp")
 
 

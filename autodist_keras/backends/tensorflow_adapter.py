@@ -40,30 +40,43 @@ from autodist_keras.errors import BackendError
 SUPPORTED_LOSS_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
-class _RecordingScope:
-    """A Keras `StatelessScope` that also remembers which variables were assigned."""
+def _recording_scope():
+    """A Keras `StatelessScope` that also remembers which variables were assigned.
 
-    def __init__(self):
-        from keras.src.backend.common.stateless_scope import StatelessScope
+    Assignments made inside (BatchNormalization statistics, seed counters)
+    are recorded instead of applied; losses added with `add_loss` (activity
+    regularisers) are collected, and `_restore_losses` hands them back to
+    their layers afterwards.
+    """
+    from keras.src.backend.common.stateless_scope import StatelessScope
 
-        class Scope(StatelessScope):
-            def __init__(self):
-                super().__init__(initialize_variables=False)
-                self.assigned = []
+    class RecordingScope(StatelessScope):
+        def __init__(self):
+            super().__init__(collect_losses=True, initialize_variables=False)
+            self.assigned = []
 
-            def add_update(self, update):
-                variable, _ = update
-                if all(v is not variable for v in self.assigned):
-                    self.assigned.append(variable)
-                super().add_update(update)
+        def add_update(self, update):
+            variable, _ = update
+            if all(v is not variable for v in self.assigned):
+                self.assigned.append(variable)
+            super().add_update(update)
 
-        self.scope = Scope()
+    return RecordingScope()
 
-    def __enter__(self):
-        return self.scope.__enter__()
 
-    def __exit__(self, *args):
-        return self.scope.__exit__(*args)
+def _restore_losses(model, scope):
+    """Puts the losses collected in `scope` back on the layers that added them.
+
+    Outside a stateless scope Keras keeps `add_loss` losses on each layer
+    (`layer._losses`), where `model.losses` (and so `compute_loss`) finds
+    them; this restores that state for the replica just run.
+    """
+    if not scope.losses:
+        return
+    for layer in model._flatten_layers():
+        ids = getattr(layer, "_loss_ids", None)
+        if ids:
+            layer._losses[:] = [loss for loss in scope.losses if id(loss) in ids]
 
 
 class _Replica:
@@ -481,15 +494,15 @@ class _Runtime:
         return self.fns[key](x, y, sw)
 
     # ---------------------------------------------------------- step bodies
-    def _forward(self, replica, share, x, training):
+    def _forward(self, x, training):
         """One replica's forward pass; assignments (BN statistics, seeds) are recorded, not applied."""
         model = self.model
-        recorder = _RecordingScope()
-        with recorder as scope:
+        with _recording_scope() as scope:
             if model._call_has_training_arg:
                 y_pred = model(x, training=training)
             else:
                 y_pred = model(x)
+        _restore_losses(model, scope)
         updates = [(v, scope.get_current_value(v)) for v in scope.assigned]
         return y_pred, updates
 
@@ -520,7 +533,7 @@ class _Runtime:
                 xi, yi, swi = _slice((x, y, sw), start, share)
                 with tf.device(replica.device):
                     with tf.GradientTape() as tape:
-                        y_pred, updates = self._forward(replica, share, xi, training=True)
+                        y_pred, updates = self._forward(xi, training=True)
                         loss = model._compute_loss(
                             x=xi, y=yi, y_pred=y_pred, sample_weight=swi, training=True
                         )
@@ -593,7 +606,7 @@ class _Runtime:
             for replica, share, start in local:
                 xi, yi, swi = _slice((x, y, sw), start, share)
                 with tf.device(replica.device):
-                    y_pred, _ = self._forward(replica, share, xi, training=False)
+                    y_pred, _ = self._forward(xi, training=False)
                     loss = model._compute_loss(
                         x=xi, y=yi, y_pred=y_pred, sample_weight=swi, training=False
                     )
@@ -620,7 +633,7 @@ class _Runtime:
             for replica, share, start in local:
                 (xi,) = _slice((x,), start, share)
                 with tf.device(replica.device):
-                    y_pred, _ = self._forward(replica, share, xi, training=False)
+                    y_pred, _ = self._forward(xi, training=False)
                 y_preds.append(y_pred)
             with tf.device(self.adapter.home):
                 return self._gather_predictions(y_preds, shares)
