@@ -207,6 +207,13 @@ def build_candidates(
                 time_budget_s=FAMILY_BUDGET_S.get(family), progress=None,
             )
             _score(graph, cluster, candidate, cost_model)
+            if not candidate.plan.is_data_parallel:
+                candidate.plan.notes.append(
+                    "execution: this placement/hybrid plan has "
+                    f"{len(candidate.plan.groups)} layer groups; the TensorFlow and PyTorch "
+                    "adapters of this version run data-parallel plans only, so AutoStrategy "
+                    "picks the fastest plan that can run and reports this one as an alternative."
+                )
         except AutodistError as e:
             candidate.plan = None
             candidate.reason = f"{family} planner failed: {e}"
