@@ -169,6 +169,14 @@ class TensorFlowAdapter(BackendAdapter):
             tf_multiworker.pin_process(device.cpu_affinity, device.threads)
         timeout = self.strategy.options.get("timeout_s", 300)
         self.collective = tf_multiworker.make_collective_strategy(timeout)
+        local = list(self.collective.extended.worker_devices)
+        if len(local) != 1:
+            raise BackendError(
+                f"Each worker runs one replica, but this worker sees {len(local)} devices "
+                f"({local}). Give each worker process one visible GPU, e.g. "
+                "CUDA_VISIBLE_DEVICES=<its GPU index>. "
+                f"Received: {len(local)} local devices"
+            )
         replica_id = tf_multiworker.replica_id(self.collective)
         if replica_id != worker.rank:
             raise BackendError(
