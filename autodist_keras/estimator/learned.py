@@ -1,0 +1,1042 @@
+"""The learned iteration estimator: the simulator corrected by measured step times.
+
+The discrete-event simulator (`simulator.simulate`) predicts a plan's step
+time from an analytic cost model; on real machines it misses framework
+overheads, thread contention and runtime costs it does not model.
+`LearnedEstimator` learns the correction from measured steps
+(`measurements.Record`):
+
+```
+predicted = simulated x exp(f(graph, cluster, plan, backend))
+```
+
+`f` predicts `log(measured / simulated)`. Four variants:
+
+- `"constant"`: one median log ratio per backend (a calibrated simulator;
+  the floor every other variant must beat).
+- `"ridge"`: ridge regression on standardised plan features (`FEATURES`),
+  its penalty chosen by leave-one-out on the training cases:
+  the simulator's own breakdown, per-device work on the critical device,
+  gradient bytes, device count, share imbalance, core sharing, layer-type
+  mix, layer and variable counts, backend.
+- `"gbr"`: gradient-boosted trees on the same features.
+- `"gnn"`: a small graph neural network over the plan-annotated layer graph
+  (in the spirit of Disco's GNN estimator): each layer node carries its
+  FLOPs, bytes, work on its group's critical replica and gradient traffic;
+  two rounds of message passing along and against the data flow, mean and
+  max pooling, then an MLP with the plan features. Trained in PyTorch,
+  predicted in NumPy.
+
+Every variant persists as JSON (the numbers of its fitted parameters: ridge
+coefficients, every tree's nodes, the GNN's weight matrices) and predicts with
+NumPy only, so a TensorFlow-only installation runs a saved estimator; only
+training the GNN needs PyTorch. Nothing is pickled.
+
+`evaluate(records, variant)` is the honest test: leave one model out, fit on
+the others, predict the held-out model's plans, and report the mean absolute
+percentage error and the Kendall tau of each held-out model's plan ranking.
+`variant="auto"` fits the variant with the lowest held-out error.
+
+Example:
+
+```python
+records, _ = load_measurements("benchmarks/data/measurements_torch.json")
+estimator = LearnedEstimator().fit(records)          # variant="auto"
+print(estimator.report["held_out"]["mape"])
+estimator.save("estimator.json")
+estimator = LearnedEstimator.load("estimator.json")
+seconds = estimator.predict(graph, cluster, plan, backend="torch")
+```
+"""
+
+import json
+import math
+import os
+import statistics
+
+from autodist_keras.errors import EstimatorError
+
+SCHEMA = "autodist_keras.learned_estimator/1"
+VARIANTS = ("constant", "ridge", "gbr", "gnn")
+BACKENDS = ("tensorflow", "torch")
+CATEGORIES = ("matmul", "depthwise", "other", "free")
+FEATURES = (
+    "log_sim_s",
+    "log_sim_compute_s",
+    "sim_exposed_comm_frac",
+    "sim_idle_frac",
+    "log_devices",
+    "max_share_frac",
+    "load_imbalance",
+    "log_critical_flops",
+    "log_total_flops",
+    "log_critical_activation_bytes",
+    "log_gradient_traffic_bytes",
+    "log_param_bytes",
+    "log_layers",
+    "log_variables",
+    "log_buckets",
+    "matmul_flop_frac",
+    "depthwise_flop_frac",
+    "other_flop_frac",
+    "max_core_sharing",
+    "mean_core_sharing",
+    "backend_torch",
+)
+NODE_FEATURES = (
+    "log_forward_flops",
+    "log_backward_flops",
+    "log_param_bytes",
+    "log_output_bytes",
+    "log_critical_work",
+    "log_gradient_traffic",
+    "log_replicas",
+    "has_variables",
+) + tuple(f"is_{c}" for c in CATEGORIES)
+# variant="auto" compares the variants by holding out groups of models, at most
+# this many folds (leave-one-model-out when there are this many models or fewer).
+AUTO_FOLDS = 4
+# Predicted log-corrections are clipped to the training range widened by this
+# much: a plan far from the training data gets a bounded correction.
+CLIP_MARGIN = math.log(1.5)
+DEFAULT_HYPERPARAMETERS = {
+    "constant": {},
+    "ridge": {"alphas": [0.3, 1.0, 3.0, 10.0, 30.0, 100.0]},
+    "gbr": {"n_estimators": 200, "max_depth": 2, "learning_rate": 0.05,
+            "min_samples_leaf": 3, "subsample": 1.0, "random_state": 0},
+    "gnn": {"hidden": 16, "rounds": 2, "epochs": 200, "learning_rate": 0.01,
+            "weight_decay": 1e-3, "seeds": 2},
+}
+
+
+# ----------------------------------------------------------------- features
+def _log(x):
+    return math.log(max(float(x), 1e-30))
+
+
+def _device_speed(cluster, name):
+    return float(cluster.device(name).peak_flops_fp32)
+
+
+def _replica_loads(graph, cluster, plan):
+    """Per device: FLOPs it computes and its speed-normalised work."""
+    flops = {}
+    for group in plan.groups:
+        per_sample = sum(
+            graph.nodes[name].forward_flops + graph.nodes[name].backward_flops
+            for name in group.layers
+        )
+        for replica in group.replicas:
+            flops[replica.device] = flops.get(replica.device, 0.0) + per_sample * replica.batch_share
+    return flops
+
+
+def _gradient_traffic(graph, plan):
+    """Bytes each device sends and receives to synchronise gradients (ring estimate)."""
+    owner = {}
+    for group in plan.groups:
+        for name in group.layers:
+            owner[name] = group
+    traffic = 0.0
+    for node in graph.nodes.values():
+        group = owner.get(node.name)
+        if group is None:
+            continue
+        n = len(group.replicas)
+        if n > 1:
+            traffic += 2.0 * (n - 1) / n * node.param_bytes
+    return traffic
+
+
+def core_sharing(cluster, devices):
+    """Contention factor of each device when all of `devices` run at once.
+
+    A device on cores `C` where core `c` is used by `n_c` of the devices runs
+    `len(C) / sum(1 / n_c)` times slower than alone (1 for devices without
+    a CPU affinity).
+
+    Args:
+        cluster: The `Cluster`.
+        devices: Device names.
+
+    Returns:
+        Dict from device name to a float >= 1.
+    """
+    users = {}
+    for name in devices:
+        for core in cluster.device(name).cpu_affinity or ():
+            users[core] = users.get(core, 0) + 1
+    factors = {}
+    for name in devices:
+        cores = set(cluster.device(name).cpu_affinity or ())
+        if not cores:
+            factors[name] = 1.0
+            continue
+        factors[name] = len(cores) / sum(1.0 / users[c] for c in cores)
+    return factors
+
+
+def plan_features(graph, cluster, plan, sim, backend):
+    """The features of one (graph, cluster, plan, backend) case, by name.
+
+    Args:
+        graph: The `ModelGraph`.
+        cluster: The `Cluster`.
+        plan: The `Plan`.
+        sim: Its `SimResult` from the analytic simulator.
+        backend: `"tensorflow"` or `"torch"`.
+
+    Returns:
+        A dict with the keys of `FEATURES`, in that order.
+    """
+    devices = plan.devices
+    step = max(sim.step_time_s, 1e-12)
+    critical = sim.per_device.get(sim.critical_device)
+    flops = _replica_loads(graph, cluster, plan)
+    speeds = {d: _device_speed(cluster, d) for d in devices}
+    normalised = {d: flops.get(d, 0.0) / speeds[d] for d in devices}
+    mean_work = sum(flops.values()) / max(sum(speeds.values()), 1e-30)
+    imbalance = max(normalised.values()) / mean_work if mean_work > 0 else 1.0
+    critical_device = max(devices, key=lambda d: normalised[d])
+    shares = {}
+    for group in plan.groups:
+        for replica in group.replicas:
+            shares[replica.device] = max(shares.get(replica.device, 0), replica.batch_share)
+    activation = sum(n.output_bytes for n in graph.nodes.values())
+    by_category = {c: 0.0 for c in CATEGORIES}
+    from autodist_keras.estimator.cost_model import op_category
+
+    for node in graph.nodes.values():
+        by_category[op_category(node.layer_type)] += node.forward_flops + node.backward_flops
+    total_per_sample = sum(by_category.values()) or 1.0
+    sharing = core_sharing(cluster, devices)
+    values = {
+        "log_sim_s": _log(step),
+        "log_sim_compute_s": _log(critical.busy_s if critical else step),
+        "sim_exposed_comm_frac": (critical.exposed_comm_s if critical else 0.0) / step,
+        "sim_idle_frac": (critical.idle_s if critical else 0.0) / step,
+        "log_devices": math.log(len(devices)),
+        "max_share_frac": max(shares.values()) / plan.global_batch_size,
+        "load_imbalance": imbalance,
+        "log_critical_flops": math.log1p(flops.get(critical_device, 0.0)),
+        "log_total_flops": math.log1p(sum(flops.values())),
+        "log_critical_activation_bytes": math.log1p(activation * shares.get(critical_device, 0)),
+        "log_gradient_traffic_bytes": math.log1p(_gradient_traffic(graph, plan)),
+        "log_param_bytes": math.log1p(graph.param_bytes),
+        "log_layers": math.log(max(len(graph.nodes), 1)),
+        "log_variables": math.log1p(len(graph.variables)),
+        "log_buckets": math.log1p(len(plan.buckets)),
+        "matmul_flop_frac": by_category["matmul"] / total_per_sample,
+        "depthwise_flop_frac": by_category["depthwise"] / total_per_sample,
+        "other_flop_frac": by_category["other"] / total_per_sample,
+        "max_core_sharing": max(sharing.values()),
+        "mean_core_sharing": sum(sharing.values()) / len(sharing),
+        "backend_torch": 1.0 if backend == "torch" else 0.0,
+    }
+    return {name: float(values[name]) for name in FEATURES}
+
+
+def node_arrays(graph, cluster, plan):
+    """The plan-annotated layer graph as arrays (the GNN's input).
+
+    Args:
+        graph: The `ModelGraph`.
+        cluster: The `Cluster`.
+        plan: The `Plan`.
+
+    Returns:
+        `(x, edges)`: a NumPy array `(nodes, len(NODE_FEATURES))` and an
+        int array `(edges, 2)` of `(src, dst)` node indices along the data
+        flow.
+    """
+    import numpy as np
+
+    from autodist_keras.estimator.cost_model import op_category
+
+    owner = {}
+    for group in plan.groups:
+        for name in group.layers:
+            owner[name] = group
+    fastest = max(_device_speed(cluster, d) for d in plan.devices)
+    index = {name: i for i, name in enumerate(graph.nodes)}
+    rows = []
+    for node in graph.nodes.values():
+        group = owner[node.name]
+        work_share = max(
+            r.batch_share * fastest / _device_speed(cluster, r.device) for r in group.replicas
+        )
+        n = len(group.replicas)
+        category = op_category(node.layer_type)
+        per_sample = node.forward_flops + node.backward_flops
+        row = [
+            math.log1p(node.forward_flops),
+            math.log1p(node.backward_flops),
+            math.log1p(node.param_bytes),
+            math.log1p(node.output_bytes),
+            math.log1p(per_sample * work_share),
+            math.log1p(2.0 * (n - 1) / n * node.param_bytes),
+            math.log(n),
+            1.0 if node.variables else 0.0,
+        ] + [1.0 if category == c else 0.0 for c in CATEGORIES]
+        rows.append(row)
+    edges = [(index[a], index[b]) for a, b, _ in graph.edges if a in index and b in index]
+    x = np.asarray(rows, dtype=float).reshape(len(rows), len(NODE_FEATURES))
+    e = np.asarray(edges, dtype=int).reshape(len(edges), 2)
+    return x, e
+
+
+# ---------------------------------------------------------------- examples
+class _Example:
+    """One training or query case: features, node arrays and (maybe) the target."""
+
+    def __init__(self, graph, cluster, plan, backend, model, name, measured_s=None,
+                 sim=None):
+        from autodist_keras.estimator.simulator import simulate
+
+        if backend not in BACKENDS:
+            raise EstimatorError(f"backend must be one of {BACKENDS}. Received: {backend!r}")
+        self.sim = sim if sim is not None else simulate(graph, cluster, plan)
+        self.sim_s = float(self.sim.step_time_s)
+        if not self.sim_s > 0:
+            raise EstimatorError(
+                f"The simulator predicts a non-positive step time for {name}; the learned "
+                f"estimator corrects positive times only. Received: {self.sim_s!r}"
+            )
+        self.features = plan_features(graph, cluster, plan, self.sim, backend)
+        self.nodes, self.edges = node_arrays(graph, cluster, plan)
+        self.backend = backend
+        self.model = model
+        self.name = name
+        self.measured_s = measured_s
+
+    @property
+    def target(self):
+        return _log(self.measured_s) - _log(self.sim_s)
+
+
+def examples_from_records(records):
+    """Turns measurement records into training examples (re-simulating each plan)."""
+    examples = []
+    for i, record in enumerate(records):
+        if isinstance(record, dict):
+            from autodist_keras.estimator.measurements import Record
+
+            record = Record.from_dict(record, source=f"records[{i}]")
+        if not hasattr(record, "measured_s") or not hasattr(record, "plan"):
+            raise EstimatorError(
+                "Training needs measurement records (measurements.Record or their dicts). "
+                f"Received: records[{i}] of type {type(record).__name__}"
+            )
+        if not record.measured_s > 0:
+            raise EstimatorError(
+                f"Record {record.name} has a non-positive measured time. "
+                f"Received: measured_s={record.measured_s!r}"
+            )
+        examples.append(_Example(
+            record.graph, record.cluster, record.plan, record.backend, record.model,
+            record.name, measured_s=record.measured_s,
+        ))
+    return examples
+
+
+# ------------------------------------------------------------------ metrics
+def mape(predicted, measured):
+    """Mean absolute percentage error in percent: `mean(|p - m| / m) x 100`."""
+    import numpy as np
+
+    predicted = np.asarray(predicted, dtype=float)
+    measured = np.asarray(measured, dtype=float)
+    if predicted.shape != measured.shape or predicted.size == 0:
+        raise EstimatorError(
+            "mape needs two non-empty sequences of the same length. "
+            f"Received: {predicted.size} predictions and {measured.size} measurements"
+        )
+    return float(np.mean(np.abs(predicted - measured) / measured) * 100.0)
+
+
+def kendall_tau(a, b):
+    """Kendall's tau-b rank correlation of two sequences (ties counted as tau-b does).
+
+    `(concordant - discordant) / sqrt((n0 - ties_a) (n0 - ties_b))` over all
+    pairs, `n0 = n (n - 1) / 2`; NaN when either sequence is constant.
+
+    Args:
+        a, b: Sequences of numbers of the same length (at least 2).
+
+    Returns:
+        A float in [-1, 1], or NaN.
+    """
+    import numpy as np
+
+    a = np.asarray(a, dtype=float)
+    b = np.asarray(b, dtype=float)
+    if a.shape != b.shape or a.ndim != 1 or a.size < 2:
+        raise EstimatorError(
+            "kendall_tau needs two 1-D sequences of the same length, at least 2. "
+            f"Received: shapes {a.shape} and {b.shape}"
+        )
+    i, j = np.triu_indices(a.size, k=1)
+    da = np.sign(a[i] - a[j])
+    db = np.sign(b[i] - b[j])
+    n0 = float(i.size)
+    ties_a = float(np.sum(da == 0))
+    ties_b = float(np.sum(db == 0))
+    denominator = math.sqrt((n0 - ties_a) * (n0 - ties_b))
+    if denominator == 0:
+        return float("nan")
+    return float(np.sum(da * db) / denominator)
+
+
+def ranking_tau(models, predicted, measured):
+    """Mean over models of the Kendall tau of that model's plan ranking.
+
+    For each model with at least two cases, the tau between the predicted and
+    the measured step times of its plans; models whose tau is undefined
+    (a constant sequence) are left out.
+
+    Args:
+        models: The model label of each case.
+        predicted: Predicted step times.
+        measured: Measured step times.
+
+    Returns:
+        `(mean tau, {model: tau})`; the mean is NaN when no model qualifies.
+    """
+    by_model = {}
+    for m, p, t in zip(models, predicted, measured):
+        by_model.setdefault(m, ([], []))
+        by_model[m][0].append(p)
+        by_model[m][1].append(t)
+    taus = {}
+    for m, (p, t) in by_model.items():
+        if len(p) >= 2:
+            tau = kendall_tau(p, t)
+            if not math.isnan(tau):
+                taus[m] = tau
+    mean = sum(taus.values()) / len(taus) if taus else float("nan")
+    return mean, taus
+
+
+def metrics(models, predicted, measured):
+    """MAPE, median APE, per-model ranking tau and pooled tau of predictions."""
+    import numpy as np
+
+    predicted = np.asarray(predicted, dtype=float)
+    measured = np.asarray(measured, dtype=float)
+    tau, per_model = ranking_tau(models, predicted, measured)
+    ape = np.abs(predicted - measured) / measured * 100.0
+    return {
+        "mape": mape(predicted, measured),
+        "median_ape": float(np.median(ape)),
+        "max_ape": float(np.max(ape)),
+        "kendall_tau": tau,
+        "kendall_tau_per_model": per_model,
+        "kendall_tau_pooled": kendall_tau(predicted, measured) if len(predicted) > 1 else float("nan"),
+        "cases": int(len(predicted)),
+    }
+
+
+# ------------------------------------------------------------------ scalers
+def _standardiser(x):
+    import numpy as np
+
+    mean = x.mean(axis=0)
+    scale = x.std(axis=0)
+    scale[scale < 1e-12] = 1.0
+    return mean, scale
+
+
+def _matrix(examples):
+    import numpy as np
+
+    return np.asarray([[e.features[name] for name in FEATURES] for e in examples], dtype=float)
+
+
+# ------------------------------------------------------------ the variants
+def _fit_constant(examples, hp):
+    by_backend = {}
+    for e in examples:
+        by_backend.setdefault(e.backend, []).append(e.target)
+    return {"log_ratio": {b: float(statistics.median(v)) for b, v in by_backend.items()}}
+
+
+def _predict_constant(params, examples):
+    import numpy as np
+
+    return np.asarray([params["log_ratio"][e.backend] for e in examples], dtype=float)
+
+
+def _fit_ridge(examples, hp):
+    import numpy as np
+    from sklearn.linear_model import Ridge
+    from sklearn.linear_model import RidgeCV
+
+    x = _matrix(examples)
+    y = np.asarray([e.target for e in examples])
+    mean, scale = _standardiser(x)
+    z = (x - mean) / scale
+    if "alpha" in hp:
+        ridge = Ridge(alpha=float(hp["alpha"])).fit(z, y)
+        alpha = float(hp["alpha"])
+    else:
+        # The penalty is chosen on the training cases alone (efficient leave-one-out).
+        ridge = RidgeCV(alphas=[float(a) for a in hp["alphas"]]).fit(z, y)
+        alpha = float(ridge.alpha_)
+    return {
+        "mean": mean.tolist(), "scale": scale.tolist(), "alpha": alpha,
+        "coef": ridge.coef_.tolist(), "intercept": float(ridge.intercept_),
+    }
+
+
+def _predict_ridge(params, examples):
+    import numpy as np
+
+    z = (_matrix(examples) - np.asarray(params["mean"])) / np.asarray(params["scale"])
+    return z @ np.asarray(params["coef"]) + params["intercept"]
+
+
+def _fit_gbr(examples, hp):
+    import numpy as np
+    from sklearn.ensemble import GradientBoostingRegressor
+
+    x = _matrix(examples)
+    y = np.asarray([e.target for e in examples])
+    gbr = GradientBoostingRegressor(loss="squared_error", **hp).fit(x, y)
+    trees = []
+    for estimator in gbr.estimators_[:, 0]:
+        t = estimator.tree_
+        trees.append({
+            "left": t.children_left.tolist(),
+            "right": t.children_right.tolist(),
+            "feature": t.feature.tolist(),
+            "threshold": t.threshold.tolist(),
+            "value": t.value[:, 0, 0].tolist(),
+        })
+    init = float(np.ravel(gbr.init_.predict(x[:1]))[0])
+    return {"init": init, "learning_rate": float(gbr.learning_rate), "trees": trees}
+
+
+def _predict_gbr(params, examples):
+    import numpy as np
+
+    x = _matrix(examples)
+    out = np.full(len(examples), params["init"], dtype=float)
+    for tree in params["trees"]:
+        left, right = tree["left"], tree["right"]
+        feature, threshold, value = tree["feature"], tree["threshold"], tree["value"]
+        for row in range(len(examples)):
+            node = 0
+            while left[node] != -1:
+                node = left[node] if x[row, feature[node]] <= threshold[node] else right[node]
+            out[row] += params["learning_rate"] * value[node]
+    return out
+
+
+class _Batch:
+    """Graphs of several examples as one disjoint graph (edge lists, pooling segments)."""
+
+    def __init__(self, examples, node_mean, node_scale, feat_mean, feat_scale):
+        import numpy as np
+
+        xs, src, dst, offsets = [], [], [], [0]
+        for e in examples:
+            xs.append((e.nodes - node_mean) / node_scale)
+            base = offsets[-1]
+            src.append(e.edges[:, 0] + base)
+            dst.append(e.edges[:, 1] + base)
+            offsets.append(base + len(e.nodes))
+        self.total = offsets[-1]
+        self.count = len(examples)
+        self.x = np.concatenate(xs, axis=0)
+        self.src = np.concatenate(src).astype(int)
+        self.dst = np.concatenate(dst).astype(int)
+        # Mean over a node's producers (in) and over its consumers (out).
+        self.in_degree = np.maximum(np.bincount(self.dst, minlength=self.total), 1)[:, None]
+        self.out_degree = np.maximum(np.bincount(self.src, minlength=self.total), 1)[:, None]
+        self.offsets = offsets
+        self.segment = np.repeat(np.arange(self.count), np.diff(offsets))
+        self.sizes = np.diff(offsets)[:, None].astype(float)
+        self.g = (_matrix(examples) - feat_mean) / feat_scale
+
+
+def _gnn_forward_numpy(weights, batch):
+    """The GNN's forward pass in NumPy: message passing, mean and max pooling, MLP head."""
+    import numpy as np
+
+    h = batch.x
+    for layer in weights["rounds"]:
+        from_producers = np.zeros_like(h)
+        np.add.at(from_producers, batch.dst, h[batch.src])
+        from_consumers = np.zeros_like(h)
+        np.add.at(from_consumers, batch.src, h[batch.dst])
+        h = (h @ np.asarray(layer["self"])
+             + (from_producers / batch.in_degree) @ np.asarray(layer["in"])
+             + (from_consumers / batch.out_degree) @ np.asarray(layer["out"])
+             + np.asarray(layer["bias"]))
+        h = np.maximum(h, 0.0)
+    mean = np.zeros((batch.count, h.shape[1]))
+    np.add.at(mean, batch.segment, h)
+    mean /= batch.sizes
+    peak = np.full((batch.count, h.shape[1]), -np.inf)
+    np.maximum.at(peak, batch.segment, h)
+    z = np.concatenate([mean, peak, batch.g], axis=1)
+    z = np.maximum(z @ np.asarray(weights["head1"]) + np.asarray(weights["head1_bias"]), 0.0)
+    return (z @ np.asarray(weights["head2"]) + np.asarray(weights["head2_bias"]))[:, 0]
+
+
+def _fit_gnn(examples, hp):
+    try:
+        import torch
+    except ImportError:
+        raise EstimatorError(
+            "Training the 'gnn' variant needs PyTorch (prediction does not). Install torch, "
+            "or use variant='ridge' or 'gbr'. Received: variant='gnn'"
+        ) from None
+    import numpy as np
+
+    nodes = np.concatenate([e.nodes for e in examples], axis=0)
+    node_mean, node_scale = _standardiser(nodes)
+    feat_mean, feat_scale = _standardiser(_matrix(examples))
+    batch = _Batch(examples, node_mean, node_scale, feat_mean, feat_scale)
+    y = np.asarray([e.target for e in examples])
+    y_mean = float(y.mean())
+    # Tiny matrices: one thread is fastest, and spinning thread pools crawl on a busy machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ensemble = [_train_gnn_member(torch, seed, hp, batch, y - y_mean, y_mean)
+                    for seed in range(int(hp["seeds"]))]
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "node_mean": node_mean.tolist(), "node_scale": node_scale.tolist(),
+        "feature_mean": feat_mean.tolist(), "feature_scale": feat_scale.tolist(),
+        "ensemble": ensemble,
+    }
+
+
+def _train_gnn_member(torch, seed, hp, batch, target, y_mean):
+    """Trains one network of the ensemble (full-batch Adam on the squared error).
+
+    The forward pass is `_gnn_forward_numpy`'s, written with torch ops.
+    """
+    f64 = torch.float64
+    hidden, rounds = int(hp["hidden"]), int(hp["rounds"])
+    generator = torch.Generator().manual_seed(seed)
+
+    def param(*shape, scale=None):
+        s = scale if scale is not None else 1.0 / math.sqrt(shape[0])
+        return (torch.randn(*shape, generator=generator, dtype=f64) * s).requires_grad_()
+
+    def zeros(n):
+        return torch.zeros(n, dtype=f64, requires_grad=True)
+
+    layers = []
+    width = batch.x.shape[1]
+    for _ in range(rounds):
+        layers.append({"self": param(width, hidden), "in": param(width, hidden),
+                       "out": param(width, hidden), "bias": zeros(hidden)})
+        width = hidden
+    head1, head1_bias = param(2 * hidden + batch.g.shape[1], hidden), zeros(hidden)
+    head2, head2_bias = param(hidden, 1, scale=0.01), zeros(1)
+    params = [p for layer in layers for p in layer.values()] + [head1, head1_bias, head2, head2_bias]
+    optimizer = torch.optim.Adam(params, lr=float(hp["learning_rate"]),
+                                 weight_decay=float(hp["weight_decay"]))
+    x = torch.tensor(batch.x, dtype=f64)
+    g = torch.tensor(batch.g, dtype=f64)
+    y = torch.tensor(target, dtype=f64)
+    src = torch.tensor(batch.src, dtype=torch.long)
+    dst = torch.tensor(batch.dst, dtype=torch.long)
+    in_degree = torch.tensor(batch.in_degree, dtype=f64)
+    out_degree = torch.tensor(batch.out_degree, dtype=f64)
+    segment = torch.tensor(batch.segment, dtype=torch.long)
+    sizes = torch.tensor(batch.sizes, dtype=f64)
+    for _ in range(int(hp["epochs"])):
+        h = x
+        for layer in layers:
+            from_producers = torch.zeros_like(h).index_add_(0, dst, h[src]) / in_degree
+            from_consumers = torch.zeros_like(h).index_add_(0, src, h[dst]) / out_degree
+            h = torch.relu(h @ layer["self"] + from_producers @ layer["in"]
+                           + from_consumers @ layer["out"] + layer["bias"])
+        index = segment[:, None].expand(-1, h.shape[1])
+        mean = torch.zeros(batch.count, h.shape[1], dtype=f64).index_add_(0, segment, h) / sizes
+        peak = torch.zeros(batch.count, h.shape[1], dtype=f64).scatter_reduce(
+            0, index, h, reduce="amax", include_self=False)
+        z = torch.cat([mean, peak, g], dim=1)
+        out = (torch.relu(z @ head1 + head1_bias) @ head2 + head2_bias)[:, 0]
+        loss = torch.mean((out - y) ** 2)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return {
+        "rounds": [{k: v.detach().numpy().tolist() for k, v in layer.items()}
+                   for layer in layers],
+        "head1": head1.detach().numpy().tolist(),
+        "head1_bias": head1_bias.detach().numpy().tolist(),
+        "head2": head2.detach().numpy().tolist(),
+        "head2_bias": (head2_bias.detach().numpy() + y_mean).tolist(),
+    }
+
+
+def _predict_gnn(params, examples):
+    import numpy as np
+
+    batch = _Batch(examples, np.asarray(params["node_mean"]), np.asarray(params["node_scale"]),
+                   np.asarray(params["feature_mean"]), np.asarray(params["feature_scale"]))
+    return np.mean([_gnn_forward_numpy(w, batch) for w in params["ensemble"]], axis=0)
+
+
+_FIT = {"constant": _fit_constant, "ridge": _fit_ridge, "gbr": _fit_gbr, "gnn": _fit_gnn}
+_PREDICT = {"constant": _predict_constant, "ridge": _predict_ridge, "gbr": _predict_gbr,
+            "gnn": _predict_gnn}
+
+
+def _check_variant(variant, allow_auto=True):
+    allowed = VARIANTS + (("auto",) if allow_auto else ())
+    if variant not in allowed:
+        raise EstimatorError(f"variant must be one of {allowed}. Received: variant={variant!r}")
+
+
+def _torch_available():
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
+# ----------------------------------------------------------- the estimator
+class LearnedEstimator:
+    """Predicts a plan's measured step time: the simulator times a learned correction.
+
+    Args:
+        variant: `"constant"`, `"ridge"`, `"gbr"`, `"gnn"`, or `"auto"`
+            (the default: at `fit`, evaluate every variant that can train
+            here by holding out models (`AUTO_FOLDS` groups of them, or one
+            at a time when there are that few), and keep the lowest held-out
+            MAPE).
+        hyperparameters: Overrides of `DEFAULT_HYPERPARAMETERS[variant]`;
+            with `"auto"`, a dict of such overrides per variant (e.g.
+            `{"gnn": {"epochs": 200}}`).
+        candidates: The variants `"auto"` compares (default: all of
+            `VARIANTS`, `"gnn"` only where PyTorch is installed).
+
+    Attributes:
+        report: What `fit` found: the chosen variant, the held-out metrics
+            of every evaluated variant and of the analytic simulator, and
+            the training cases.
+
+    Example:
+
+    ```python
+    estimator = LearnedEstimator(variant="ridge").fit(records)
+    t = estimator.predict(graph, Cluster.cpu_testbed(), plan, backend="torch")
+    ```
+    """
+
+    def __init__(self, variant="auto", hyperparameters=None, candidates=None):
+        _check_variant(variant)
+        if candidates is not None:
+            candidates = list(candidates)
+            for c in candidates:
+                _check_variant(c, allow_auto=False)
+            if not candidates:
+                raise EstimatorError("candidates must name at least one variant. Received: []")
+        self.variant = variant
+        self.candidates = candidates
+        self.hyperparameters = dict(hyperparameters or {})
+        self.params = None
+        self.report = {}
+        self.clip = None
+        self.backends = []
+
+    @property
+    def trained(self):
+        """True once fitted (or loaded)."""
+        return self.params is not None
+
+    # ------------------------------------------------------------ training
+    def fit(self, records, evaluate=None):
+        """Fits the correction on measurement records; returns `self`.
+
+        Args:
+            records: `measurements.Record` objects (or their dicts), at
+                least two, from one or both backends.
+            evaluate: Run the leave-one-model-out evaluation and store it in
+                `report` (default: only when `variant="auto"`, which needs
+                it to choose; needs records of at least two models).
+
+        Raises:
+            EstimatorError: With fewer than two records, or records of only
+                one model when the variant is `"auto"`.
+        """
+        examples = records if _all_examples(records) else examples_from_records(records)
+        if len(examples) < 2:
+            raise EstimatorError(
+                "The learned estimator needs at least two measured cases to fit. "
+                f"Received: {len(examples)} record(s)"
+            )
+        variant = self.variant
+        evaluate = (variant == "auto") if evaluate is None else bool(evaluate)
+        report = {"training_cases": len(examples),
+                  "training_models": sorted({e.model for e in examples}),
+                  "backends": sorted({e.backend for e in examples})}
+        if evaluate:
+            candidates = self.candidates or [v for v in VARIANTS
+                                             if v != "gnn" or _torch_available()]
+            if variant != "auto":
+                candidates = [variant]
+            results = {v: evaluate_examples(examples, v, self._hp(v), folds=AUTO_FOLDS)
+                       for v in candidates}
+            report["held_out_by_variant"] = {v: r["learned"] for v, r in results.items()}
+            report["held_out_analytic"] = next(iter(results.values()))["analytic"]
+            if variant == "auto":
+                variant = min(candidates, key=lambda v: (results[v]["learned"]["mape"],
+                                                         -_nan_to(results[v]["learned"]["kendall_tau"])))
+            report["held_out"] = results[variant]["learned"]
+        report["variant"] = variant
+        if self.variant == "auto":
+            self.hyperparameters = dict(self.hyperparameters.get(variant) or {})
+        self.variant = variant
+        self._fit_examples(examples)
+        self.report = report
+        return self
+
+    def _hp(self, variant):
+        hp = dict(DEFAULT_HYPERPARAMETERS[variant])
+        if variant == self.variant:
+            hp.update(self.hyperparameters)
+        elif self.variant == "auto":
+            hp.update(self.hyperparameters.get(variant) or {})
+        return hp
+
+    def _fit_examples(self, examples):
+        import numpy as np
+
+        _check_variant(self.variant, allow_auto=False)
+        hp = self._hp(self.variant)
+        self.params = _FIT[self.variant](examples, hp)
+        self.hyperparameters = hp
+        targets = np.asarray([e.target for e in examples])
+        self.clip = [float(targets.min() - CLIP_MARGIN), float(targets.max() + CLIP_MARGIN)]
+        self.backends = sorted({e.backend for e in examples})
+        return self
+
+    # ---------------------------------------------------------- prediction
+    def _require_trained(self):
+        if self.params is None:
+            raise EstimatorError(
+                "This LearnedEstimator is not trained; call fit(records) or "
+                "LearnedEstimator.load(path) first. Received: an untrained estimator"
+            )
+
+    def _log_ratios(self, examples):
+        import numpy as np
+
+        self._require_trained()
+        for e in examples:
+            if e.backend not in self.backends:
+                raise EstimatorError(
+                    f"This estimator was trained on {self.backends} measurements and cannot "
+                    f"correct {e.backend!r} plans; train it on measurements of that backend "
+                    f"(see estimator/measurements.py). Received: backend={e.backend!r}"
+                )
+        raw = _PREDICT[self.variant](self.params, examples)
+        return np.clip(np.asarray(raw, dtype=float), self.clip[0], self.clip[1])
+
+    def predict(self, graph, cluster, plan, backend=None, sim=None):
+        """Predicted step time of `plan` in seconds (simulated, then corrected).
+
+        Args:
+            graph: The `ModelGraph`.
+            cluster: The `Cluster`.
+            plan: The `Plan`.
+            backend: `"tensorflow"` or `"torch"`; default the active Keras
+                backend (or `$KERAS_BACKEND`).
+            sim: The plan's `SimResult` from the analytic simulator, if
+                already computed.
+
+        Returns:
+            Seconds (a prediction).
+        """
+        from autodist_keras.estimator.measurements import _resolve_backend
+
+        example = _Example(graph, cluster, plan, _resolve_backend(backend), model="?",
+                           name="query", sim=sim)
+        return float(example.sim_s * math.exp(self._log_ratios([example])[0]))
+
+    def predict_records(self, records):
+        """Predicted step times (seconds) for measurement records' plans."""
+        examples = records if _all_examples(records) else examples_from_records(records)
+        ratios = self._log_ratios(examples)
+        return [float(e.sim_s * math.exp(r)) for e, r in zip(examples, ratios)]
+
+    # --------------------------------------------------------- persistence
+    def to_dict(self):
+        """JSON-ready dict of the fitted parameters (no samples, no pickle)."""
+        self._require_trained()
+        return {
+            "schema": SCHEMA,
+            "variant": self.variant,
+            "hyperparameters": self.hyperparameters,
+            "features": list(FEATURES),
+            "node_features": list(NODE_FEATURES),
+            "backends": list(self.backends),
+            "clip": list(self.clip),
+            "params": self.params,
+            "report": _jsonable(self.report),
+            "base": "simulator with AnalyticCostModel (default constants)",
+        }
+
+    def save(self, path):
+        """Writes the estimator as JSON (atomically); returns the path."""
+        from autodist_keras.estimator.profiler import write_json_atomic
+
+        write_json_atomic(path, self.to_dict())
+        return path
+
+    @classmethod
+    def from_dict(cls, data, source="<dict>"):
+        """Rebuilds an estimator from `to_dict()` output."""
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            raise EstimatorError(
+                f"{source}: not a learned estimator (expected schema {SCHEMA!r}). Write it "
+                "with LearnedEstimator.save(). Received: "
+                f"{data.get('schema') if isinstance(data, dict) else type(data).__name__!r}"
+            )
+        if list(data.get("features", [])) != list(FEATURES) or list(
+            data.get("node_features", [])
+        ) != list(NODE_FEATURES):
+            raise EstimatorError(
+                f"{source}: the estimator was trained on other features than this version "
+                "of autodist_keras computes; retrain it on the measurements. Received: "
+                f"features={data.get('features')!r}"
+            )
+        try:
+            estimator = cls(variant=data["variant"], hyperparameters=data.get("hyperparameters"))
+            if estimator.variant == "auto":
+                raise KeyError("variant")
+            estimator.params = data["params"]
+            estimator.clip = [float(c) for c in data["clip"]]
+            estimator.backends = list(data["backends"])
+            estimator.report = dict(data.get("report") or {})
+        except (KeyError, TypeError, ValueError) as e:
+            raise EstimatorError(
+                f"{source}: malformed learned estimator ({type(e).__name__}: {e}). Write it "
+                "with LearnedEstimator.save()."
+            ) from None
+        return estimator
+
+    @classmethod
+    def load(cls, path):
+        """Reads an estimator written by `save` (JSON; no pickle)."""
+        path = os.fspath(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError as e:
+            raise EstimatorError(
+                f"Cannot read learned estimator {path}: {e.strerror}. Received: {path!r}"
+            ) from None
+        except ValueError as e:
+            raise EstimatorError(f"{path} is not valid JSON ({e}). Received: {path!r}") from None
+        return cls.from_dict(data, source=path)
+
+
+def _all_examples(items):
+    return bool(items) and all(isinstance(i, _Example) for i in items)
+
+
+def _nan_to(value, default=-1.0):
+    return default if value is None or (isinstance(value, float) and math.isnan(value)) else value
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        return None
+    return value
+
+
+# --------------------------------------------------------------- held out
+def evaluate_examples(examples, variant, hyperparameters=None, folds=None):
+    """Leave-one-model-out predictions and metrics of one variant (see `evaluate`)."""
+    _check_variant(variant)
+    models = sorted({e.model for e in examples})
+    if len(models) < 2:
+        raise EstimatorError(
+            "Held-out evaluation leaves one model out at a time and needs measurements of "
+            f"at least two models. Received: models {models}"
+        )
+    if variant == "auto" and len(models) < 3:
+        raise EstimatorError(
+            "Evaluating variant='auto' chooses the variant inside each fold by leaving one "
+            "more model out, which needs measurements of at least three models. "
+            f"Received: models {models}"
+        )
+    predicted = [None] * len(examples)
+    chosen = []
+    groups = [[m] for m in models]
+    if folds is not None and 2 <= int(folds) < len(models):
+        groups = [models[k::int(folds)] for k in range(int(folds))]
+    for group in groups:
+        held = "+".join(group)
+        train = [e for e in examples if e.model not in group]
+        test_idx = [i for i, e in enumerate(examples) if e.model in group]
+        train_backends = {e.backend for e in train}
+        estimator = LearnedEstimator(variant, hyperparameters)
+        if variant == "auto":
+            estimator.fit(train)
+            chosen.append({"held_out": held, "variant": estimator.variant})
+        else:
+            estimator._fit_examples(train)
+        usable = [i for i in test_idx if examples[i].backend in train_backends]
+        if usable:
+            for i, p in zip(usable, estimator.predict_records([examples[i] for i in usable])):
+                predicted[i] = p
+    keep = [i for i, p in enumerate(predicted) if p is not None]
+    names = [examples[i].model for i in keep]
+    measured = [examples[i].measured_s for i in keep]
+    learned = [predicted[i] for i in keep]
+    analytic = [examples[i].sim_s for i in keep]
+    return {
+        "variant": variant,
+        "held_out_by": "model" if len(groups) == len(models) else f"{len(groups)} groups of models",
+        "cases": [
+            {"case": examples[i].name, "model": examples[i].model,
+             "backend": examples[i].backend, "measured_s": examples[i].measured_s,
+             "analytic_s": examples[i].sim_s, "learned_s": predicted[i]}
+            for i in keep
+        ],
+        "learned": metrics(names, learned, measured),
+        "analytic": metrics(names, analytic, measured),
+        "chosen": chosen,
+    }
+
+
+def evaluate(records, variant="ridge", hyperparameters=None, folds=None):
+    """Leave-one-model-out evaluation of a variant on measurement records.
+
+    For every model, a fresh estimator is fitted on the other models' records
+    and predicts the held-out model's plans; the metrics compare those
+    predictions (and the analytic simulator's) with the measurements.
+
+    Args:
+        records: `measurements.Record` objects of at least two models.
+        variant: One of `VARIANTS`, or `"auto"`: each fold then chooses its
+            variant by a leave-one-model-out evaluation of its own training
+            models (nested, so the held-out models never influence the
+            choice; needs at least three models). `chosen` lists the picks.
+        hyperparameters: Overrides of the variant's defaults.
+        folds: Hold out groups of models instead, this many folds (models
+            dealt round-robin in name order); None holds out one at a time.
+
+    Returns:
+        A dict: `variant`, `held_out_by`, `cases` (per case: measured,
+        analytic and learned seconds), `learned` and `analytic` metrics
+        (`mape`, `median_ape`, `max_ape` in percent; `kendall_tau`, the mean
+        per-model plan-ranking tau; `kendall_tau_pooled` over every case;
+        `cases`).
+    """
+    return evaluate_examples(examples_from_records(records), variant, hyperparameters, folds)

@@ -1,0 +1,434 @@
+"""Estimator accuracy: measured step times vs the analytic simulator and the learned estimators.
+
+Cases: 9 models (3 MLPs, 3 CNNs, 3 Transformer encoders from graph/zoo.py) x
+4 data-parallel plans on the CPU testbed (node0/cpu0 owns core 0, node0/cpu1
+and node0/cpu2 share core 1): single device, even over all three devices,
+speed-proportional over all three, even over the two fastest. Global batch 96.
+
+For every case the benchmark compares the measured median step time with:
+- the simulator with the analytic cost model (`estimator.simulate`);
+- the simulator with the learned cost model (`estimator.learned_cost`), when
+  profiled layer samples are available (`--profile`, or the stored file);
+- the learned iteration estimator (`estimator.learned`), every variant.
+
+Every learned figure is held out: leave one model out, train on the other
+models' cases, predict the held-out model's plans. The `auto` estimator
+(the default one) also chooses its variant inside each fold, on the
+training models only, so its figures carry no selection on the test data.
+
+Measurements come from `benchmarks/data/measurements_<backend>.json` (made by
+an earlier `--measure` run; its provenance is printed) unless `--measure` is
+given, which re-measures every case on this machine and rewrites the file.
+
+Usage:
+    python benchmarks/estimator_accuracy.py                      # stored measurements
+    python benchmarks/estimator_accuracy.py --measure --backend torch --passes 2
+    python benchmarks/estimator_accuracy.py --profile            # learned cost model column
+
+The last line printed is one JSON object with `mape`, `kendall_tau` and
+`cases` (held-out, the `auto` learned estimator) and the same for every
+other predictor.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+DATA_DIR = os.path.join(HERE, "data")
+ZOO = "autodist_keras.graph.zoo"
+MODELS = [
+    ("mlp_small", f"{ZOO}:mlp", {"input_dim": 64, "hidden": [128, 128]}),
+    ("mlp_wide", f"{ZOO}:mlp", {"input_dim": 256, "hidden": [1024, 1024]}),
+    ("mlp_deep", f"{ZOO}:mlp", {"input_dim": 128, "hidden": [256] * 6}),
+    ("cnn_tiny", f"{ZOO}:small_cnn", {"input_shape": [16, 16, 3], "filters": [8, 16]}),
+    ("cnn_small", f"{ZOO}:small_cnn", {"input_shape": [32, 32, 3], "filters": [16, 32]}),
+    ("cnn_wide", f"{ZOO}:small_cnn", {"input_shape": [32, 32, 3], "filters": [32, 64, 96]}),
+    ("transformer_tiny", f"{ZOO}:transformer_encoder",
+     {"num_layers": 1, "d_model": 32, "heads": 2, "seq_len": 16, "vocab": 500}),
+    ("transformer_small", f"{ZOO}:transformer_encoder",
+     {"num_layers": 2, "d_model": 64, "heads": 4, "seq_len": 32, "vocab": 1000}),
+    ("transformer_wide", f"{ZOO}:transformer_encoder",
+     {"num_layers": 2, "d_model": 128, "heads": 4, "seq_len": 32, "vocab": 2000}),
+]
+PLANS = ["single_device", "data_parallel", "proportional", "data_parallel_2"]
+BATCH_SIZE = 96
+PROFILE_BATCH_SIZES = (24, 32, 48, 96)
+
+
+def cases(models=None, plans=None):
+    """The benchmark's `Case` list (optionally restricted to some models / plans)."""
+    from autodist_keras.estimator.measurements import Case
+
+    out = []
+    for name, builder, kwargs in MODELS:
+        if models and name not in models:
+            continue
+        for plan in plans or PLANS:
+            out.append(Case(name, builder, kwargs, plan, BATCH_SIZE))
+    return out
+
+
+def data_path(backend, data_dir=DATA_DIR):
+    return os.path.join(data_dir, f"measurements_{backend}.json")
+
+
+def profile_path(backend, data_dir=DATA_DIR):
+    return os.path.join(data_dir, f"profile_samples_{backend}.json")
+
+
+# --------------------------------------------------------------- measuring
+def measure(backend, args):
+    from autodist_keras.estimator.measurements import load_average
+    from autodist_keras.estimator.measurements import measure_cases
+    from autodist_keras.estimator.measurements import save_measurements
+
+    todo = cases(args.models, args.plans)
+    print(f"Measuring {len(todo)} cases on {backend}, {args.passes} pass(es), {args.steps} "
+          f"steps after {args.warmup} warm-up steps each; load average now {load_average()}",
+          flush=True)
+    started = time.time()
+    records, failures = measure_cases(
+        todo, "cpu_testbed", backend=backend, steps=args.steps, warmup=args.warmup,
+        passes=args.passes, timeout_s=args.timeout,
+    )
+    for name, error in failures:
+        print(f"FAILED {name}: {error[-1500:]}", flush=True)
+    path = data_path(backend, args.data_dir)
+    save_measurements(records, path, provenance={
+        "command": " ".join(["python"] + sys.argv),
+        "cluster": "Cluster.cpu_testbed() (node0/cpu0: core 0; node0/cpu1, node0/cpu2: core 1)",
+        "steps": args.steps, "warmup": args.warmup, "passes": args.passes,
+        "batch_size": BATCH_SIZE,
+        "failures": [[n, e[-600:]] for n, e in failures],
+        "measuring_wall_s": round(time.time() - started, 1),
+    })
+    print(f"Wrote {len(records)} records to {os.path.relpath(path)}", flush=True)
+    return records
+
+
+def profile(backend, records, args):
+    """Profiles every model's layers on the testbed (in a fresh process per backend)."""
+    import subprocess
+
+    path = profile_path(backend, args.data_dir)
+    env = dict(os.environ, KERAS_BACKEND=backend)
+    code = subprocess.call(
+        [sys.executable, os.path.abspath(__file__), "--profile-worker", "--backend", backend,
+         "--data-dir", args.data_dir] + (["--models"] + args.models if args.models else []),
+        env=env,
+    )
+    if code != 0:
+        print(f"Profiling on {backend} failed (exit code {code}); no learned cost column.")
+    return path
+
+
+def profile_worker(args):
+    """Runs in a fresh process: profile_layers for each model, samples saved as JSON."""
+    import keras
+
+    from autodist_keras.devices import Cluster
+    from autodist_keras.estimator.learned_cost import samples_from_profile
+    from autodist_keras.estimator.measurements import build_model
+    from autodist_keras.estimator.measurements import machine_info
+    from autodist_keras.estimator.profiler import profile_layers
+    from autodist_keras.estimator.profiler import write_json_atomic
+    from autodist_keras.graph import ModelGraph
+
+    backend = keras.backend.backend()
+    cluster = Cluster.cpu_testbed()
+    samples, seen = [], set()
+    started = time.time()
+    for case in cases(args.models, ["single_device"]):
+        if case.model in seen:
+            continue
+        seen.add(case.model)
+        keras.utils.set_random_seed(0)
+        model = build_model(case)
+        graph = ModelGraph.from_keras(model)
+        # node0/cpu2 is node0/cpu1's twin (same core, same threads): profile two devices.
+        prof = profile_layers(model, cluster, batch_sizes=PROFILE_BATCH_SIZES,
+                              devices=["node0/cpu0", "node0/cpu1"], graph=graph,
+                              progress=False)
+        got = samples_from_profile(prof, graph, cluster, model_name=case.model)
+        samples.extend(got)
+        print(f"profiled {case.model}: {len(got)} samples", flush=True)
+    write_json_atomic(profile_path(backend, args.data_dir), {
+        "schema": "autodist_keras.profile_samples/1",
+        "provenance": {"machine": machine_info(), "backend": backend,
+                       "batch_sizes": list(PROFILE_BATCH_SIZES),
+                       "devices": ["node0/cpu0", "node0/cpu1"],
+                       "wall_s": round(time.time() - started, 1),
+                       "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+        "samples": samples,
+    })
+
+
+def load_profile_samples(backend, data_dir):
+    path = profile_path(backend, data_dir)
+    if not os.path.exists(path):
+        return None, None
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return data.get("samples") or None, data.get("provenance") or {}
+
+
+# ---------------------------------------------------------------- evaluating
+def learned_cost_predictions(records, samples):
+    """Held-out (leave one model out) simulator times with the learned cost model."""
+    from autodist_keras.estimator.learned_cost import LearnedCostModel
+    from autodist_keras.estimator.simulator import simulate
+
+    out = {}
+    models = sorted({r.model for r in records})
+    for held in models:
+        train = [s for s in samples if s["model"] != held]
+        if not train:
+            continue
+        cost = LearnedCostModel(samples=train, regressor="auto", evaluate=False)
+        for r in records:
+            if r.model == held:
+                out[r.name] = simulate(r.graph, r.cluster, r.plan, cost_model=cost).step_time_s
+    return out
+
+
+def evaluate_backend(records, samples, variants):
+    from autodist_keras.estimator import learned
+
+    examples = learned.examples_from_records(records)
+    results = {}
+    timings = {}
+    for variant in variants:
+        started = time.perf_counter()
+        results[variant] = learned.evaluate_examples(examples, variant)
+        timings[variant] = time.perf_counter() - started
+    started = time.perf_counter()
+    results["auto"] = learned.evaluate_examples(examples, "auto")
+    timings["auto"] = time.perf_counter() - started
+    learned_cost = learned_cost_predictions(records, samples) if samples else {}
+    return examples, results, learned_cost, timings
+
+
+def _fmt(value, digits=2):
+    if value is None:
+        return "-"
+    if isinstance(value, float) and value != value:
+        return "nan"
+    return f"{value:.{digits}f}"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", choices=["tensorflow", "torch", "both"], default="both")
+    parser.add_argument("--measure", action="store_true", help="re-measure every case now")
+    parser.add_argument("--measure-only", action="store_true",
+                        help="with --measure and/or --profile: write the data files, skip the evaluation")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile every model's layers now (learned cost model column)")
+    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per case")
+    parser.add_argument("--models", nargs="*", default=None)
+    parser.add_argument("--plans", nargs="*", default=None)
+    parser.add_argument("--variants", nargs="*", default=None,
+                        help="learned estimator variants to evaluate (default: all)")
+    parser.add_argument("--data-dir", default=DATA_DIR)
+    parser.add_argument("--profile-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.profile_worker:
+        profile_worker(args)
+        return None
+    return run(args)
+
+
+def run(args):
+    from autodist_keras.estimator import learned
+    from autodist_keras.estimator.measurements import load_measurements
+
+    backends = ["tensorflow", "torch"] if args.backend == "both" else [args.backend]
+    variants = args.variants or [v for v in learned.VARIANTS
+                                 if v != "gnn" or learned._torch_available()]
+    summary = {"benchmark": "estimator_accuracy", "held_out": "leave one model out",
+               "backends": {}, "source": {}}
+    pooled = {}
+    for backend in backends:
+        path = data_path(backend, args.data_dir)
+        if args.measure:
+            measure(backend, args)
+            source = f"measured now on this machine, written to {os.path.relpath(path)}"
+        elif os.path.exists(path):
+            source = f"stored measurements {os.path.relpath(path)} (not re-measured; --measure to redo)"
+        else:
+            print(f"No measurements for {backend} at {os.path.relpath(path)}; skipping it "
+                  "(run with --measure).")
+            continue
+        records, provenance = load_measurements(path)
+        if args.models:
+            records = [r for r in records if r.model in args.models]
+        if args.plans:
+            records = [r for r in records if r.case.plan in args.plans]
+        if args.profile:
+            profile(backend, records, args)
+        if args.measure_only:
+            continue
+        samples, sprov = load_profile_samples(backend, args.data_dir)
+        print(f"\n=== {backend}: {len(records)} cases; source: {source}")
+        print(f"    provenance: written {provenance.get('written')}, machine "
+              f"{provenance.get('machine', {}).get('cpu')} "
+              f"({provenance.get('machine', {}).get('cores')} cores), steps "
+              f"{provenance.get('steps')} after {provenance.get('warmup')} warm-up, passes "
+              f"{provenance.get('passes')}, versions {provenance.get('versions')}")
+        loads = [l for r in records for p in r.passes for l in p.get("load_average") or []
+                 if l is not None]
+        if loads:
+            print(f"    1-min load average during measurement: median {statistics.median(loads):.1f}, "
+                  f"max {max(loads):.1f} (2-core machine; measured times include that contention)")
+        spreads = [r.spread for r in records if len(r.passes) > 1]
+        if spreads:
+            print(f"    pass-to-pass spread of the measured medians: median "
+                  f"{statistics.median(spreads) * 100:.1f}%, max {max(spreads) * 100:.1f}% "
+                  f"({len(spreads)} cases with several passes): the noise floor of any MAPE")
+        if samples:
+            print(f"    learned cost model: {len(samples)} profiled layer samples "
+                  f"({sprov.get('written')}), trained leave-one-model-out")
+        else:
+            print("    learned cost model: no profiled samples (run with --profile); column omitted")
+        examples, results, lc, timings = evaluate_backend(records, samples, variants)
+        _print_cases(examples, results, lc)
+        entry = _print_metrics(examples, results, lc, variants, timings)
+        entry["source"] = source
+        summary["backends"][backend] = entry
+        summary["source"][backend] = source
+        for key, result in results.items():
+            pooled.setdefault(key, []).extend(result["cases"])
+        if lc:
+            pooled.setdefault("learned_cost", []).extend(
+                dict(c, learned_s=lc[c["case"]]) for c in results["auto"]["cases"]
+                if c["case"] in lc
+            )
+    if not summary["backends"]:
+        print(json.dumps({"mape": None, "kendall_tau": None, "cases": 0,
+                          "error": "no evaluation (--measure-only, or no measurements)"}))
+        return summary
+    final = {}
+    for key, rows in pooled.items():
+        names = [f"{r['backend']}/{r['model']}" for r in rows]
+        final[key] = learned.metrics(names, [r["learned_s"] for r in rows],
+                                     [r["measured_s"] for r in rows])
+    rows = pooled["auto"]
+    names = [f"{r['backend']}/{r['model']}" for r in rows]
+    analytic = learned.metrics(names, [r["analytic_s"] for r in rows],
+                               [r["measured_s"] for r in rows])
+    head = final["auto"]
+    line = {
+        "mape": round(head["mape"], 2),
+        "kendall_tau": _round(head["kendall_tau"]),
+        "cases": head["cases"],
+        "predictor": "learned estimator (auto variant, chosen inside each fold), held out",
+        "targets": {"mape_max": 10.0, "kendall_tau_min": 0.8},
+        "analytic": _short(analytic),
+        "learned_cost": _short(final["learned_cost"]) if "learned_cost" in final else None,
+        "variants": {v: _short(final[v]) for v in variants if v in final},
+        "backends": {b: {k: v for k, v in e.items() if k != "cases_table"}
+                     for b, e in summary["backends"].items()},
+        "source": summary["source"],
+    }
+    print(json.dumps(_clean(line)))
+    return line
+
+
+def _round(value, digits=3):
+    if value is None or value != value:
+        return None
+    return round(value, digits)
+
+
+def _short(m):
+    return {"mape": round(m["mape"], 2), "median_ape": round(m["median_ape"], 2),
+            "kendall_tau": _round(m["kendall_tau"]),
+            "kendall_tau_pooled": _round(m["kendall_tau_pooled"]), "cases": m["cases"]}
+
+
+def _clean(value):
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    if isinstance(value, float) and value != value:
+        return None
+    return value
+
+
+def _print_cases(examples, results, lc):
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # pragma: no cover
+        Console = None
+    by_case = {v: {c["case"]: c for c in r["cases"]} for v, r in results.items()}
+    headers = ["case", "measured ms", "analytic ms"]
+    if lc:
+        headers.append("learned-cost ms")
+    headers += ["learned-est. ms (auto)", "err %"]
+    rows = []
+    for e in examples:
+        auto = by_case["auto"].get(e.name)
+        row = [e.name, _fmt(e.measured_s * 1e3), _fmt(e.sim_s * 1e3)]
+        if lc:
+            row.append(_fmt(lc[e.name] * 1e3) if e.name in lc else "-")
+        if auto:
+            row += [_fmt(auto["learned_s"] * 1e3),
+                    _fmt((auto["learned_s"] - e.measured_s) / e.measured_s * 100, 1)]
+        else:
+            row += ["-", "-"]
+        rows.append(row)
+    if Console is not None:
+        table = Table(title="Step time per case (measured vs predicted; learned figures held out)")
+        for h in headers:
+            table.add_column(h, justify="left" if h == "case" else "right")
+        for row in rows:
+            table.add_row(*row)
+        Console(width=140).print(table)
+    else:
+        print(" | ".join(headers))
+        for row in rows:
+            print(" | ".join(row))
+
+
+def _print_metrics(examples, results, lc, variants, timings):
+    from autodist_keras.estimator import learned
+
+    names = [e.model for e in examples]
+    measured = [e.measured_s for e in examples]
+    table = {"analytic simulator": learned.metrics(names, [e.sim_s for e in examples], measured)}
+    if lc:
+        keep = [i for i, e in enumerate(examples) if e.name in lc]
+        table["learned cost model (simulator)"] = learned.metrics(
+            [names[i] for i in keep], [lc[examples[i].name] for i in keep],
+            [measured[i] for i in keep])
+    for v in variants + ["auto"]:
+        table[f"learned estimator: {v}"] = results[v]["learned"]
+    print(f"{'predictor (held out)':<38}{'MAPE %':>9}{'median APE %':>14}"
+          f"{'tau/model':>11}{'tau pooled':>12}{'cases':>7}{'eval s':>8}")
+    for name, m in table.items():
+        key = name.split(": ")[-1]
+        print(f"{name:<38}{_fmt(m['mape'], 1):>9}{_fmt(m['median_ape'], 1):>14}"
+              f"{_fmt(m['kendall_tau'], 3):>11}{_fmt(m['kendall_tau_pooled'], 3):>12}"
+              f"{m['cases']:>7}{_fmt(timings.get(key), 1):>8}")
+    chosen = {}
+    for row in results["auto"].get("chosen", []):
+        chosen[row["variant"]] = chosen.get(row["variant"], 0) + 1
+    if chosen:
+        print(f"auto chose, per fold: {chosen}")
+    return {"metrics": {k: _short(m) for k, m in table.items()},
+            "auto_choices": chosen}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""The learned iteration estimator and the step-time measurements it learns from.
+
+Every record here is a real measurement: tiny Keras models trained for a few
+steps on this machine (in this process, pinned to a CPU testbed device, and
+once through the runtime adapter in a fresh process). Nothing is mocked.
+"""
+
+import json
+import math
+import os
+
+import keras
+import numpy as np
+import pytest
+import scipy.stats
+
+from autodist_keras.devices import Cluster
+from autodist_keras.errors import EstimatorError
+from autodist_keras.estimator import learned
+from autodist_keras.estimator.learned import LearnedEstimator
+from autodist_keras.estimator.measurements import Case
+from autodist_keras.estimator.measurements import load_measurements
+from autodist_keras.estimator.measurements import measure_case
+from autodist_keras.estimator.measurements import save_measurements
+from autodist_keras.estimator.simulator import simulate
+
+BACKEND = keras.backend.backend()
+ZOO = "autodist_keras.graph.zoo"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Three tiny models, each at two batch sizes: six single-device cases.
+MODELS = [
+    ("mlp_tiny", f"{ZOO}:mlp", {"input_dim": 16, "hidden": [32]}),
+    ("mlp_deeper", f"{ZOO}:mlp", {"input_dim": 32, "hidden": [64, 64, 64]}),
+    ("cnn_tiny", f"{ZOO}:small_cnn", {"input_shape": [8, 8, 3], "filters": [4, 8]}),
+]
+BATCHES = (8, 64)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return Cluster.cpu_testbed()
+
+
+@pytest.fixture(scope="module")
+def records(cluster):
+    out = []
+    for name, builder, kwargs in MODELS:
+        for batch in BATCHES:
+            case = Case(name, builder, kwargs, "single_device", batch)
+            out.append(measure_case(case, cluster, steps=6, warmup=2, isolate=False))
+    return out
+
+
+def test_in_process_measurements_are_real_and_round_trip(records, tmp_path):
+    for r in records:
+        assert r.backend == BACKEND and r.mode == "inprocess"
+        times = r.passes[0]["step_times_s"]
+        assert len(times) == 6 and all(t > 0 for t in times)
+        assert r.measured_s == pytest.approx(float(np.median(times)))
+        assert r.plan.devices == ["node0/cpu0"]
+        assert r.passes[0]["runtime"]["affinity"] == [0]
+        assert r.predicted_analytic_s == pytest.approx(
+            simulate(r.graph, r.cluster, r.plan).step_time_s)
+    # A bigger batch of the same model takes longer (measured, 8 vs 64 samples).
+    by_name = {r.name: r for r in records}
+    assert by_name["cnn_tiny/single_device/b64"].measured_s > by_name[
+        "cnn_tiny/single_device/b8"].measured_s
+
+    path = tmp_path / "m.json"
+    save_measurements(records, path, provenance={"note": "test"})
+    data = json.loads(path.read_text())
+    assert data["provenance"]["machine"]["cores"] >= 1 and data["provenance"]["note"] == "test"
+    assert len(data["graphs"]) == 3 and len(data["clusters"]) == 1
+    loaded, provenance = load_measurements(path)
+    assert provenance["backends"] == [BACKEND]
+    for a, b in zip(records, loaded):
+        assert a.case == b.case and a.measured_s == b.measured_s
+        assert a.graph.fingerprint() == b.graph.fingerprint()
+        assert a.cluster.fingerprint() == b.cluster.fingerprint()
+        assert a.plan.to_dict() == b.plan.to_dict()
+
+
+def test_isolated_measurement_runs_the_plan_through_the_adapter(cluster):
+    case = Case("mlp_tiny", f"{ZOO}:mlp", {"input_dim": 16, "hidden": [32]},
+                "single_device", 16)
+    record = measure_case(case, cluster, backend=BACKEND, steps=3, warmup=1, timeout_s=300)
+    assert record.mode == "adapter" and record.backend == BACKEND
+    assert len(record.passes[0]["step_times_s"]) == 3 and record.measured_s > 0
+    runner = record.passes[0]["runtime"]["runner"]
+    assert ("AutoStrategy" if BACKEND == "torch" else "run_steps") in runner
+    assert record.plan.devices == ["node0/cpu0"]
+
+
+def _need_torch_backend():
+    # Training the GNN imports torch: cheap under the torch backend, seconds of
+    # start-up under TensorFlow, so the GNN is tested under torch only.
+    if BACKEND != "torch":
+        pytest.skip("GNN training (PyTorch) is tested under KERAS_BACKEND=torch")
+
+
+def _lomo_by_hand(records, variant):
+    """Leave-one-model-out predictions computed directly with fit/predict."""
+    out = {}
+    for held in sorted({r.model for r in records}):
+        est = LearnedEstimator(variant).fit([r for r in records if r.model != held])
+        for r in records:
+            if r.model == held:
+                out[r.name] = est.predict(r.graph, r.cluster, r.plan, backend=r.backend)
+    return out
+
+
+@pytest.mark.parametrize("variant", ["constant", "ridge", "gbr", "gnn"])
+def test_fit_predict_save_load_round_trip(records, variant, tmp_path):
+    if variant == "gnn":
+        _need_torch_backend()
+    hp = {"epochs": 150, "seeds": 1} if variant == "gnn" else None
+    est = LearnedEstimator(variant, hyperparameters=hp).fit(records)
+    assert est.trained and est.variant == variant and est.backends == [BACKEND]
+    predicted = [est.predict(r.graph, r.cluster, r.plan, backend=r.backend) for r in records]
+    assert all(p > 0 for p in predicted)
+    assert np.allclose(predicted, est.predict_records(records), rtol=1e-12)
+
+    path = tmp_path / f"{variant}.json"
+    est.save(path)
+    text = path.read_text()
+    data = json.loads(text)  # plain JSON: parameters as numbers, nothing pickled
+    assert data["schema"] == learned.SCHEMA and data["variant"] == variant
+    assert "pickle" not in text and "\\x80" not in text
+    again = LearnedEstimator.load(path)
+    reloaded = [again.predict(r.graph, r.cluster, r.plan, backend=r.backend) for r in records]
+    assert np.allclose(predicted, reloaded, rtol=1e-12, atol=0)
+
+    # In-sample, every learned variant is far closer to the measurements than the
+    # analytic simulator, which ignores per-step framework overhead.
+    measured = [r.measured_s for r in records]
+    analytic = [r.predicted_analytic_s for r in records]
+    assert learned.mape(predicted, measured) < learned.mape(analytic, measured)
+
+
+def test_gbr_numpy_trees_match_scikit_learn(records):
+    from sklearn.ensemble import GradientBoostingRegressor
+
+    examples = learned.examples_from_records(records)
+    hp = dict(learned.DEFAULT_HYPERPARAMETERS["gbr"])
+    params = learned._fit_gbr(examples, hp)
+    x = learned._matrix(examples)
+    y = np.asarray([e.target for e in examples])
+    reference = GradientBoostingRegressor(loss="squared_error", **hp).fit(x, y)
+    assert np.allclose(learned._predict_gbr(params, examples), reference.predict(x), atol=1e-10)
+
+
+def test_gnn_numpy_forward_reproduces_its_training(records):
+    _need_torch_backend()
+    examples = learned.examples_from_records(records)
+    hp = dict(learned.DEFAULT_HYPERPARAMETERS["gnn"], epochs=300, seeds=1)
+    params = learned._fit_gnn(examples, hp)
+    y = np.asarray([e.target for e in examples])
+    fitted = learned._predict_gnn(params, examples)
+    # The NumPy forward pass of the stored weights fits the training targets far
+    # better than their mean: it is the network torch trained.
+    assert np.mean((fitted - y) ** 2) < 0.25 * np.var(y)
+
+
+def test_held_out_evaluation_matches_fit_and_predict(records):
+    result = learned.evaluate(records, "ridge")
+    by_hand = _lomo_by_hand(records, "ridge")
+    assert {c["case"] for c in result["cases"]} == set(by_hand)
+    for c in result["cases"]:
+        assert c["learned_s"] == pytest.approx(by_hand[c["case"]], rel=1e-9)
+    measured = np.asarray([c["measured_s"] for c in result["cases"]])
+    predicted = np.asarray([c["learned_s"] for c in result["cases"]])
+    assert result["learned"]["mape"] == pytest.approx(
+        float(np.mean(np.abs(predicted - measured) / measured)) * 100)
+    analytic = np.asarray([c["analytic_s"] for c in result["cases"]])
+    assert result["analytic"]["mape"] == pytest.approx(
+        float(np.mean(np.abs(analytic - measured) / measured)) * 100)
+    # Per-model ranking tau: scipy's tau-b on each model's cases, then the mean.
+    per_model = {}
+    for c in result["cases"]:
+        per_model.setdefault(c["model"], ([], []))
+        per_model[c["model"]][0].append(c["learned_s"])
+        per_model[c["model"]][1].append(c["measured_s"])
+    taus = [scipy.stats.kendalltau(p, m).statistic for p, m in per_model.values()]
+    taus = [t for t in taus if not math.isnan(t)]
+    if taus:
+        assert result["learned"]["kendall_tau"] == pytest.approx(np.mean(taus))
+    assert result["learned"]["kendall_tau_pooled"] == pytest.approx(
+        scipy.stats.kendalltau(predicted, measured).statistic)
+
+
+def test_kendall_tau_matches_scipy_with_ties():
+    rng = np.random.default_rng(0)
+    for n in (2, 3, 7, 30):
+        for _ in range(20):
+            a = rng.integers(0, 4, n).astype(float)
+            b = rng.integers(0, 4, n).astype(float)
+            expected = scipy.stats.kendalltau(a, b).statistic
+            got = learned.kendall_tau(a, b)
+            assert (math.isnan(expected) and math.isnan(got)) or got == pytest.approx(expected)
+    tau, per_model = learned.ranking_tau(
+        ["a", "a", "a", "b", "b", "c"], [1, 2, 3, 2, 1, 5], [1, 3, 2, 1, 2, 5])
+    assert per_model == pytest.approx({"a": 1 / 3, "b": -1.0})
+    assert tau == pytest.approx((1 / 3 - 1.0) / 2)
+
+
+def test_auto_keeps_the_variant_with_the_lowest_held_out_error(records):
+    candidates = ["constant", "ridge", "gbr"] + (["gnn"] if BACKEND == "torch" else [])
+    est = LearnedEstimator(hyperparameters={"gnn": {"epochs": 100, "seeds": 1}},
+                           candidates=candidates).fit(records)
+    by_variant = est.report["held_out_by_variant"]
+    assert set(by_variant) == set(candidates)
+    best = min(by_variant.values(), key=lambda m: m["mape"])["mape"]
+    assert by_variant[est.variant]["mape"] == best
+    assert est.report["held_out"] == by_variant[est.variant]
+
+
+def test_committed_dataset_trains_an_estimator_that_beats_the_simulator():
+    path = os.path.join(ROOT, "benchmarks", "data", f"measurements_{BACKEND}.json")
+    if not os.path.exists(path):
+        pytest.skip(f"no committed measurements for {BACKEND}")
+    recs, provenance = load_measurements(path)
+    assert provenance["machine"]["cpu"] and provenance["steps"] >= 1
+    assert all(r.mode == "adapter" and r.backend == BACKEND for r in recs)
+    assert len({r.model for r in recs}) >= 5 and len({r.case.plan for r in recs}) >= 3
+    result = learned.evaluate(recs, "ridge")
+    assert result["learned"]["mape"] < result["analytic"]["mape"]
+
+
+def test_errors_name_the_problem(records, cluster, tmp_path):
+    with pytest.raises(EstimatorError, match="not trained.*Received"):
+        LearnedEstimator("ridge").predict(records[0].graph, cluster, records[0].plan)
+    with pytest.raises(EstimatorError, match="variant must be one of.*Received: variant='svm'"):
+        LearnedEstimator("svm")
+    est = LearnedEstimator("ridge").fit(records)
+    other = "torch" if BACKEND == "tensorflow" else "tensorflow"
+    with pytest.raises(EstimatorError, match=f"trained on.*Received: backend='{other}'"):
+        est.predict(records[0].graph, cluster, records[0].plan, backend=other)
+    with pytest.raises(EstimatorError, match="at least two measured cases"):
+        LearnedEstimator("ridge").fit(records[:1])
+    with pytest.raises(EstimatorError, match="at least two models"):
+        learned.evaluate([r for r in records if r.model == "mlp_tiny"], "ridge")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema": "something else"}))
+    with pytest.raises(EstimatorError, match="not a learned estimator.*Received: 'something else'"):
+        LearnedEstimator.load(bad)
+    with pytest.raises(EstimatorError, match="Cannot read learned estimator"):
+        LearnedEstimator.load(tmp_path / "missing.json")
+    with pytest.raises(EstimatorError, match="not a measurements file"):
+        load_measurements(bad)
+    with pytest.raises(EstimatorError, match="unknown plan kind 'zigzag'"):
+        measure_case(Case("m", f"{ZOO}:mlp", {}, "zigzag"), cluster, isolate=False)
+    with pytest.raises(EstimatorError, match="steps must be an integer >= 1. Received: steps=0"):
+        measure_case(Case("m", f"{ZOO}:mlp", {}), cluster, steps=0, isolate=False)
+    with pytest.raises(EstimatorError, match="uses 3 devices.*isolate=True"):
+        measure_case(Case("m", f"{ZOO}:mlp", {"input_dim": 4, "hidden": [4]}, "data_parallel", 6),
+                     cluster, steps=1, warmup=0, isolate=False)
+    with pytest.raises(EstimatorError, match="cannot import builder 'nowhere:model'"):
+        measure_case(Case("m", "nowhere:model", {}), cluster, isolate=False)
