@@ -210,8 +210,9 @@ def evaluate_backend(records, samples, variants):
     started = time.perf_counter()
     results["auto"] = learned.evaluate_examples(examples, "auto")
     timings["auto"] = time.perf_counter() - started
+    by_plan = {v: learned.evaluate_examples(examples, v, by="plan") for v in variants}
     learned_cost = learned_cost_predictions(records, samples) if samples else {}
-    return examples, results, learned_cost, timings
+    return examples, results, by_plan, learned_cost, timings
 
 
 def _fmt(value, digits=2):
@@ -299,9 +300,16 @@ def run(args):
                   f"({sprov.get('written')}), trained leave-one-model-out")
         else:
             print("    learned cost model: no profiled samples (run with --profile); column omitted")
-        examples, results, lc, timings = evaluate_backend(records, samples, variants)
+        examples, results, by_plan, lc, timings = evaluate_backend(records, samples, variants)
         _print_cases(examples, results, lc)
         entry = _print_metrics(examples, results, lc, variants, timings)
+        print("Held out by plan kind instead (train on the other plan kinds of every model):")
+        print(f"{'predictor':<38}{'MAPE %':>9}{'median APE %':>14}{'tau/model':>11}")
+        for v, r in by_plan.items():
+            m = r["learned"]
+            print(f"{'learned estimator: ' + v:<38}{_fmt(m['mape'], 1):>9}"
+                  f"{_fmt(m['median_ape'], 1):>14}{_fmt(m['kendall_tau'], 3):>11}")
+        entry["held_out_by_plan_kind"] = {v: _short(r["learned"]) for v, r in by_plan.items()}
         entry["source"] = source
         summary["backends"][backend] = entry
         summary["source"][backend] = source

@@ -256,3 +256,37 @@ def test_errors_name_the_problem(records, cluster, tmp_path):
                      cluster, steps=1, warmup=0, isolate=False)
     with pytest.raises(EstimatorError, match="cannot import builder 'nowhere:model'"):
         measure_case(Case("m", "nowhere:model", {}), cluster, isolate=False)
+
+
+def test_saved_estimators_predict_with_numpy_only(records, tmp_path):
+    """A saved estimator predicts in a process without Keras, TF, torch or scikit-learn."""
+    import subprocess
+    import sys
+
+    variants = ["ridge", "gbr"] + (["gnn"] if BACKEND == "torch" else [])
+    expected = {}
+    for variant in variants:
+        hp = {"epochs": 60, "seeds": 1} if variant == "gnn" else None
+        est = LearnedEstimator(variant, hyperparameters=hp).fit(records)
+        est.save(tmp_path / f"{variant}.json")
+        expected[variant] = est.predict_records(records)
+    save_measurements(records, tmp_path / "m.json")
+    script = (
+        "import json, sys\n"
+        "from autodist_keras.estimator.learned import LearnedEstimator\n"
+        "from autodist_keras.estimator.measurements import load_measurements\n"
+        f"recs, _ = load_measurements({str(tmp_path / 'm.json')!r})\n"
+        "out = {}\n"
+        f"for v in {variants!r}:\n"
+        f"    est = LearnedEstimator.load({str(tmp_path)!r} + '/' + v + '.json')\n"
+        "    out[v] = [est.predict(r.graph, r.cluster, r.plan, backend=r.backend) for r in recs]\n"
+        "out['modules'] = [m for m in ('keras', 'tensorflow', 'torch', 'sklearn') if m in sys.modules]\n"
+        "print(json.dumps(out))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120, check=True)
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["modules"] == []
+    for variant in variants:
+        assert np.allclose(out[variant], expected[variant], rtol=1e-12)

@@ -290,7 +290,7 @@ class _Example:
     """One training or query case: features, node arrays and (maybe) the target."""
 
     def __init__(self, graph, cluster, plan, backend, model, name, measured_s=None,
-                 sim=None):
+                 sim=None, plan_kind=None):
         from autodist_keras.estimator.simulator import simulate
 
         if backend not in BACKENDS:
@@ -306,6 +306,7 @@ class _Example:
         self.nodes, self.edges = node_arrays(graph, cluster, plan)
         self.backend = backend
         self.model = model
+        self.plan_kind = plan_kind or plan.provenance.planner
         self.name = name
         self.measured_s = measured_s
 
@@ -334,7 +335,7 @@ def examples_from_records(records):
             )
         examples.append(_Example(
             record.graph, record.cluster, record.plan, record.backend, record.model,
-            record.name, measured_s=record.measured_s,
+            record.name, measured_s=record.measured_s, plan_kind=record.case.plan,
         ))
     return examples
 
@@ -960,30 +961,33 @@ def _jsonable(value):
 
 
 # --------------------------------------------------------------- held out
-def evaluate_examples(examples, variant, hyperparameters=None, folds=None):
-    """Leave-one-model-out predictions and metrics of one variant (see `evaluate`)."""
+def evaluate_examples(examples, variant, hyperparameters=None, folds=None, by="model"):
+    """Held-out predictions and metrics of one variant (see `evaluate`)."""
     _check_variant(variant)
-    models = sorted({e.model for e in examples})
-    if len(models) < 2:
+    if by not in ("model", "plan"):
+        raise EstimatorError(f"by must be 'model' or 'plan'. Received: by={by!r}")
+    key = (lambda e: e.model) if by == "model" else (lambda e: e.plan_kind)
+    values = sorted({key(e) for e in examples})
+    if len(values) < 2:
         raise EstimatorError(
-            "Held-out evaluation leaves one model out at a time and needs measurements of "
-            f"at least two models. Received: models {models}"
+            f"Held-out evaluation leaves one {by} out at a time and needs measurements of "
+            f"at least two {by}s. Received: {by}s {values}"
         )
-    if variant == "auto" and len(models) < 3:
+    if variant == "auto" and len({e.model for e in examples}) < 3:
         raise EstimatorError(
-            "Evaluating variant='auto' chooses the variant inside each fold by leaving one "
-            "more model out, which needs measurements of at least three models. "
-            f"Received: models {models}"
+            "Evaluating variant='auto' chooses the variant inside each fold by holding out "
+            "models again, which needs measurements of at least three models. "
+            f"Received: models {sorted({e.model for e in examples})}"
         )
     predicted = [None] * len(examples)
     chosen = []
-    groups = [[m] for m in models]
-    if folds is not None and 2 <= int(folds) < len(models):
-        groups = [models[k::int(folds)] for k in range(int(folds))]
+    groups = [[v] for v in values]
+    if folds is not None and 2 <= int(folds) < len(values):
+        groups = [values[k::int(folds)] for k in range(int(folds))]
     for group in groups:
         held = "+".join(group)
-        train = [e for e in examples if e.model not in group]
-        test_idx = [i for i, e in enumerate(examples) if e.model in group]
+        train = [e for e in examples if key(e) not in group]
+        test_idx = [i for i, e in enumerate(examples) if key(e) in group]
         train_backends = {e.backend for e in train}
         estimator = LearnedEstimator(variant, hyperparameters)
         if variant == "auto":
@@ -1002,7 +1006,7 @@ def evaluate_examples(examples, variant, hyperparameters=None, folds=None):
     analytic = [examples[i].sim_s for i in keep]
     return {
         "variant": variant,
-        "held_out_by": "model" if len(groups) == len(models) else f"{len(groups)} groups of models",
+        "held_out_by": by if len(groups) == len(values) else f"{len(groups)} groups of {by}s",
         "cases": [
             {"case": examples[i].name, "model": examples[i].model,
              "backend": examples[i].backend, "measured_s": examples[i].measured_s,
@@ -1015,12 +1019,14 @@ def evaluate_examples(examples, variant, hyperparameters=None, folds=None):
     }
 
 
-def evaluate(records, variant="ridge", hyperparameters=None, folds=None):
-    """Leave-one-model-out evaluation of a variant on measurement records.
+def evaluate(records, variant="ridge", hyperparameters=None, folds=None, by="model"):
+    """Leave-one-model-out (or leave-one-plan-kind-out) evaluation on measurement records.
 
     For every model, a fresh estimator is fitted on the other models' records
     and predicts the held-out model's plans; the metrics compare those
-    predictions (and the analytic simulator's) with the measurements.
+    predictions (and the analytic simulator's) with the measurements. With
+    `by="plan"`, every plan kind is held out in turn instead (predicting, say,
+    every model's proportional plan from the other plans' measurements).
 
     Args:
         records: `measurements.Record` objects of at least two models.
@@ -1029,8 +1035,10 @@ def evaluate(records, variant="ridge", hyperparameters=None, folds=None):
             models (nested, so the held-out models never influence the
             choice; needs at least three models). `chosen` lists the picks.
         hyperparameters: Overrides of the variant's defaults.
-        folds: Hold out groups of models instead, this many folds (models
-            dealt round-robin in name order); None holds out one at a time.
+        folds: Hold out groups of models (or plan kinds) instead, this many
+            folds (dealt round-robin in name order); None holds out one at
+            a time.
+        by: `"model"` (default) or `"plan"`.
 
     Returns:
         A dict: `variant`, `held_out_by`, `cases` (per case: measured,
@@ -1039,4 +1047,5 @@ def evaluate(records, variant="ridge", hyperparameters=None, folds=None):
         per-model plan-ranking tau; `kendall_tau_pooled` over every case;
         `cases`).
     """
-    return evaluate_examples(examples_from_records(records), variant, hyperparameters, folds)
+    return evaluate_examples(examples_from_records(records), variant, hyperparameters, folds,
+                             by)

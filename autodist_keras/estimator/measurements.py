@@ -569,7 +569,8 @@ def _job(case, cluster, backend, steps, warmup, seed, timeout_s, tf_processes):
     }
 
 
-def _run_isolated(cases, cluster, backend, steps, warmup, seed, timeout_s, tf_processes):
+def _run_isolated(cases, cluster, backend, steps, warmup, seed, timeout_s, tf_processes,
+                  on_result=None):
     """Measures `cases` in order in fresh processes (one for as many cases as it survives).
 
     The measuring process appends one JSON line per case to a results file;
@@ -578,8 +579,14 @@ def _run_isolated(cases, cluster, backend, steps, warmup, seed, timeout_s, tf_pr
     process carries on with the next one.
 
     Returns:
-        A list of `(case, Record or error message)` in case order.
+        A list of `(case, Record or error message)` in case order; each is
+        also passed to `on_result(case, result)` as soon as it is known.
     """
+    def report(case, result):
+        results.append((case, result))
+        if on_result is not None:
+            on_result(case, result)
+
     results = []
     remaining = list(cases)
     workdir = tempfile.mkdtemp(prefix="autodist_measure_")
@@ -611,6 +618,8 @@ def _run_isolated(cases, cluster, backend, steps, warmup, seed, timeout_s, tf_pr
                     while True:
                         lines = _read_lines(out_path)
                         if len(lines) > len(done):
+                            for case, line in zip(remaining[len(done):], lines[len(done):]):
+                                report(case, _result(case, line, backend, out_path))
                             done = lines
                             deadline = time.monotonic() + timeout_s
                         code = proc.poll()
@@ -628,13 +637,10 @@ def _run_isolated(cases, cluster, backend, steps, warmup, seed, timeout_s, tf_pr
                             proc.wait(timeout=60)
                         except subprocess.TimeoutExpired:
                             _kill_group(proc)
-            done = _read_lines(out_path)
-            for case, line in zip(remaining, done):
-                if line.get("ok"):
-                    results.append((case, Record.from_dict(line["record"], source=out_path)))
-                else:
-                    results.append((case, f"Measuring {case.name} on {backend} failed: "
-                                          f"{line.get('error')}"))
+            lines = _read_lines(out_path)
+            for case, line in zip(remaining[len(done):], lines[len(done):]):
+                report(case, _result(case, line, backend, out_path))
+            done = lines
             if len(done) < len(remaining):
                 case = remaining[len(done)]
                 if code == "timeout":
@@ -642,8 +648,8 @@ def _run_isolated(cases, cluster, backend, steps, warmup, seed, timeout_s, tf_pr
                            f"Received: timeout_s={timeout_s}")
                 else:
                     why = f"ended the measuring process (exit code {code})"
-                results.append((case, f"Measuring {case.name} on {backend} {why}. Log tail:\n"
-                                      f"{_tail(log_path)}"))
+                report(case, f"Measuring {case.name} on {backend} {why}. Log tail:\n"
+                             f"{_tail(log_path)}")
                 remaining = remaining[len(done) + 1:]
             else:
                 remaining = []
@@ -652,6 +658,12 @@ def _run_isolated(cases, cluster, backend, steps, warmup, seed, timeout_s, tf_pr
 
         shutil.rmtree(workdir, ignore_errors=True)
     return results
+
+
+def _result(case, line, backend, source):
+    if line.get("ok"):
+        return Record.from_dict(line["record"], source=source)
+    return f"Measuring {case.name} on {backend} failed: {line.get('error')}"
 
 
 def _read_lines(path):
@@ -874,16 +886,14 @@ def measure_cases(cases, cluster="cpu_testbed", backend=None, steps=DEFAULT_STEP
     cluster = Cluster.resolve(cluster)
     merged, failures = {}, []
     for number in range(passes):
-        todo = [c for c in cases if c.name not in dict(failures)]
-        results = _run_isolated(todo, cluster, backend, steps, warmup, 0, timeout_s,
-                                tf_processes)
-        for case, result in results:
+
+        def collect(case, result, number=number):
             if isinstance(result, str):
                 failures.append((case.name, result))
                 merged.pop(case.name, None)
                 if progress:
                     print(f"[pass {number + 1}/{passes}] {case.name}: FAILED", flush=True)
-                continue
+                return
             previous = merged.get(case.name)
             merged[case.name] = previous.merged(result) if previous else result
             if progress:
@@ -891,6 +901,11 @@ def measure_cases(cases, cluster="cpu_testbed", backend=None, steps=DEFAULT_STEP
                       f"{result.measured_s * 1e3:.2f} ms (simulated "
                       f"{result.predicted_analytic_s * 1e3:.2f} ms), load "
                       f"{result.passes[0]['load_average']}", flush=True)
+
+        failed = {name for name, _ in failures}
+        todo = [c for c in cases if c.name not in failed]
+        _run_isolated(todo, cluster, backend, steps, warmup, 0, timeout_s, tf_processes,
+                      on_result=collect)
     return [merged[c.name] for c in cases if c.name in merged], failures
 
 
