@@ -34,7 +34,18 @@ MODELS = {
 
 
 def run_case(model_name, strategy_name, steps, warmup):
-    """Trains one case in this process and returns its measured step times."""
+    """Trains one case and returns its measured step times.
+
+    PyTorch: `AutoStrategy` in this process (the adapter starts one pinned
+    process per testbed device). TensorFlow: one process drives logical
+    devices that share the process's threads, so the testbed's cores cannot
+    be given to them; the case runs through the TensorFlow adapter's
+    multi-worker path instead (`run_steps`: one pinned worker per device).
+    """
+    import keras
+
+    if keras.backend.backend() == "tensorflow":
+        return _run_case_tensorflow(model_name, strategy_name, steps, warmup)
     import numpy as np
 
     from autodist_keras import AutoStrategy
@@ -68,6 +79,31 @@ def run_case(model_name, strategy_name, steps, warmup):
         "predicted_step_s": strategy.plan.prediction.step_time_s
         if strategy.plan.prediction is not None else None,
     }
+
+
+def _run_case_tensorflow(model_name, strategy_name, steps, warmup):
+    import statistics
+
+    import numpy as np
+
+    from autodist_keras import Cluster
+    from autodist_keras.backends.tensorflow_adapter import run_steps
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (here, ROOT, os.environ.get("PYTHONPATH")) if p)
+    sys.path.insert(0, here)
+    _, shape, classes, batch = MODELS[model_name]
+    n = batch * (steps + warmup)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, *shape)).astype("float32")
+    y = rng.integers(0, classes, size=(n,)).astype("int32")
+    times = run_steps(f"_testbed_models:build_{model_name}", strategy_name,
+                      Cluster.cpu_testbed(), x, y, batch_size=batch, steps=steps,
+                      warmup=warmup, processes=True, timeout_s=1500)
+    return {"median_step_s": statistics.median(times), "steps": len(times),
+            "shares": None, "predicted_step_s": None,
+            "how": "TensorFlow multi-worker, one pinned process per testbed device"}
 
 
 def main():
