@@ -7,6 +7,12 @@ gives it twice their batch share. The demo trains with that plan (Keras's own
 progress bar), then with the even split, and prints the plan, the predicted
 step times and the measured ones side by side.
 
+On the PyTorch backend each testbed device is its own pinned process, so the
+heterogeneity is real. On the TensorFlow backend one process drives three
+logical devices that share TensorFlow's thread pools (per-device core pinning
+is not possible in one process; see docs/runtime_tensorflow.md), so the plan
+and the arithmetic are the same but the measured times show no heterogeneity.
+
 Run: `make demo` (or `KERAS_BACKEND=torch make demo`).
 """
 
@@ -75,6 +81,12 @@ def main():
         f"  measured speedup of proportional over even: "
         f"{t_even.median_s / t_prop.median_s:.2f}x"
     )
+    import keras
+
+    if keras.backend.backend() == "tensorflow":
+        print("note: on TensorFlow the three testbed devices are logical devices of one "
+              "process and share its threads, so the measured times show no heterogeneity; "
+              "run `KERAS_BACKEND=torch make demo` for real per-device cores.")
 
 
 if __name__ == "__main__":
