@@ -111,7 +111,7 @@ def _lomo_by_hand(records, variant):
     return out
 
 
-@pytest.mark.parametrize("variant", ["constant", "ridge", "gbr", "gnn"])
+@pytest.mark.parametrize("variant", ["constant", "additive", "ridge", "gbr", "gnn"])
 def test_fit_predict_save_load_round_trip(records, variant, tmp_path):
     if variant == "gnn":
         _need_torch_backend()
@@ -137,6 +137,19 @@ def test_fit_predict_save_load_round_trip(records, variant, tmp_path):
     measured = [r.measured_s for r in records]
     analytic = [r.predicted_analytic_s for r in records]
     assert learned.mape(predicted, measured) < learned.mape(analytic, measured)
+
+
+def test_additive_terms_and_weights_reproduce_the_prediction(records):
+    est = LearnedEstimator("additive").fit(records)
+    weights = np.asarray(est.params["weights"][BACKEND])
+    assert np.all(weights >= 0)
+    for r in records:
+        terms = learned.additive_terms(r.graph, r.cluster, r.plan)
+        # One device: no distributed terms.
+        assert terms["extra_devices"] == 0 and terms["gradient_traffic_bytes"] == 0
+        seconds = float(np.asarray([terms[k] for k in learned.ADDITIVE_TERMS]) @ weights)
+        assert est.predict(r.graph, r.cluster, r.plan, backend=BACKEND) == pytest.approx(
+            seconds, rel=1e-9)
 
 
 def test_gbr_numpy_trees_match_scikit_learn(records):
@@ -206,7 +219,7 @@ def test_kendall_tau_matches_scipy_with_ties():
 
 
 def test_auto_keeps_the_variant_with_the_lowest_held_out_error(records):
-    candidates = ["constant", "ridge", "gbr"] + (["gnn"] if BACKEND == "torch" else [])
+    candidates = ["constant", "additive", "ridge", "gbr"] + (["gnn"] if BACKEND == "torch" else [])
     est = LearnedEstimator(hyperparameters={"gnn": {"epochs": 100, "seeds": 1}},
                            candidates=candidates).fit(records)
     by_variant = est.report["held_out_by_variant"]
@@ -224,7 +237,7 @@ def test_committed_dataset_trains_an_estimator_that_beats_the_simulator():
     assert provenance["machine"]["cpu"] and provenance["steps"] >= 1
     assert all(r.mode == "adapter" and r.backend == BACKEND for r in recs)
     assert len({r.model for r in recs}) >= 5 and len({r.case.plan for r in recs}) >= 3
-    result = learned.evaluate(recs, "ridge")
+    result = learned.evaluate(recs, "additive")
     assert result["learned"]["mape"] < result["analytic"]["mape"]
 
 
@@ -265,7 +278,7 @@ def test_saved_estimators_predict_with_numpy_only(records, tmp_path):
     import subprocess
     import sys
 
-    variants = ["ridge", "gbr"] + (["gnn"] if BACKEND == "torch" else [])
+    variants = ["additive", "ridge", "gbr"] + (["gnn"] if BACKEND == "torch" else [])
     expected = {}
     for variant in variants:
         hp = {"epochs": 60, "seeds": 1} if variant == "gnn" else None

@@ -10,10 +10,19 @@ overheads, thread contention and runtime costs it does not model.
 predicted = simulated x exp(f(graph, cluster, plan, backend))
 ```
 
-`f` predicts `log(measured / simulated)`. Four variants:
+`f` predicts `log(measured / simulated)`. Five variants:
 
 - `"constant"`: one median log ratio per backend (a calibrated simulator;
   the floor every other variant must beat).
+- `"additive"`: a step-time model of non-negative terms fitted to the
+  measurements (`ADDITIVE_TERMS`): the analytic compute time of the most
+  loaded replica (matmul-like layers and the rest, each with its own factor;
+  devices that share a core in the cluster but not in the plan get their
+  whole core), a per-step and a per-layer overhead, per-layer and
+  per-variable overheads of distributed steps, gradient bytes exchanged,
+  input bytes scattered to other replicas, and a cost per extra device. The
+  weights are non-negative least squares on the relative error
+  (`scipy.optimize.nnls`), one set per backend.
 - `"ridge"`: ridge regression on standardised plan features (`FEATURES`),
   its penalty chosen by leave-one-out on the training cases:
   the simulator's own breakdown, per-device work on the critical device,
@@ -57,7 +66,7 @@ import statistics
 from autodist_keras.errors import EstimatorError
 
 SCHEMA = "autodist_keras.learned_estimator/1"
-VARIANTS = ("constant", "ridge", "gbr", "gnn")
+VARIANTS = ("constant", "additive", "ridge", "gbr", "gnn")
 BACKENDS = ("tensorflow", "torch")
 CATEGORIES = ("matmul", "depthwise", "other", "free")
 FEATURES = (
@@ -72,6 +81,7 @@ FEATURES = (
     "log_total_flops",
     "log_critical_activation_bytes",
     "log_gradient_traffic_bytes",
+    "log_scattered_input_bytes",
     "log_param_bytes",
     "log_layers",
     "log_variables",
@@ -82,6 +92,17 @@ FEATURES = (
     "max_core_sharing",
     "mean_core_sharing",
     "backend_torch",
+)
+ADDITIVE_TERMS = (
+    "compute_matmul_s",
+    "compute_other_s",
+    "step",
+    "layers",
+    "distributed_layers",
+    "distributed_variables",
+    "gradient_traffic_bytes",
+    "scattered_input_bytes",
+    "extra_devices",
 )
 NODE_FEATURES = (
     "log_forward_flops",
@@ -101,6 +122,7 @@ AUTO_FOLDS = 4
 CLIP_MARGIN = math.log(1.5)
 DEFAULT_HYPERPARAMETERS = {
     "constant": {},
+    "additive": {},
     "ridge": {"alphas": [0.3, 1.0, 3.0, 10.0, 30.0, 100.0]},
     "gbr": {"n_estimators": 200, "max_depth": 2, "learning_rate": 0.05,
             "min_samples_leaf": 3, "subsample": 1.0, "random_state": 0},
@@ -146,6 +168,18 @@ def _gradient_traffic(graph, plan):
         if n > 1:
             traffic += 2.0 * (n - 1) / n * node.param_bytes
     return traffic
+
+
+def _scattered_input_bytes(graph, plan):
+    """Input bytes per step that leave the first device (batch shards of other replicas)."""
+    per_sample = sum(graph.nodes[name].output_bytes for name in graph.inputs
+                     if name in graph.nodes)
+    first = plan.devices[0]
+    elsewhere = sum(
+        r.batch_share for g in plan.groups for r in g.replicas
+        if r.device != first and any(layer in graph.inputs for layer in g.layers)
+    )
+    return per_sample * elsewhere
 
 
 def core_sharing(cluster, devices):
@@ -222,6 +256,7 @@ def plan_features(graph, cluster, plan, sim, backend):
         "log_total_flops": math.log1p(sum(flops.values())),
         "log_critical_activation_bytes": math.log1p(activation * shares.get(critical_device, 0)),
         "log_gradient_traffic_bytes": math.log1p(_gradient_traffic(graph, plan)),
+        "log_scattered_input_bytes": math.log1p(_scattered_input_bytes(graph, plan)),
         "log_param_bytes": math.log1p(graph.param_bytes),
         "log_layers": math.log(max(len(graph.nodes), 1)),
         "log_variables": math.log1p(len(graph.variables)),
@@ -234,6 +269,59 @@ def plan_features(graph, cluster, plan, sim, backend):
         "backend_torch": 1.0 if backend == "torch" else 0.0,
     }
     return {name: float(values[name]) for name in FEATURES}
+
+
+def additive_terms(graph, cluster, plan):
+    """The terms of the `"additive"` step-time model, by name (`ADDITIVE_TERMS`).
+
+    Args:
+        graph: The `ModelGraph`.
+        cluster: The `Cluster`.
+        plan: The `Plan`.
+
+    Returns:
+        A dict of floats (seconds, counts or bytes).
+    """
+    from autodist_keras.estimator.cost_model import AnalyticCostModel
+    from autodist_keras.estimator.cost_model import op_category
+
+    cost = AnalyticCostModel(cluster)
+    devices = plan.devices
+    in_cluster = core_sharing(cluster, cluster.names)
+    in_plan = core_sharing(cluster, devices)
+    work = {}
+    for group in plan.groups:
+        layers = [graph.nodes[name] for name in group.layers]
+        for replica in group.replicas:
+            device = cluster.device(replica.device)
+            # The analytic peak assumes every cluster device shares its cores; in this
+            # plan the device shares them only with the plan's devices.
+            factor = in_plan[replica.device] / in_cluster[replica.device]
+            parts = work.setdefault(replica.device, {"matmul": 0.0, "other": 0.0})
+            for node in layers:
+                key = "matmul" if op_category(node.layer_type) == "matmul" else "other"
+                for phase in ("forward", "backward"):
+                    parts[key] += factor * cost.layer_time(node, device, replica.batch_share,
+                                                           phase)
+    for name in devices:
+        parts = work[name]
+        factor = in_plan[name] / in_cluster[name]
+        parts["other"] += factor * cost.update_time(
+            graph.param_bytes, cluster.device(name), max(len(graph.variables), 1))
+    critical = max(devices, key=lambda d: work[d]["matmul"] + work[d]["other"])
+    distributed = 1.0 if len(devices) > 1 else 0.0
+    values = {
+        "compute_matmul_s": work[critical]["matmul"],
+        "compute_other_s": work[critical]["other"],
+        "step": 1.0,
+        "layers": float(len(graph.nodes)),
+        "distributed_layers": distributed * len(graph.nodes),
+        "distributed_variables": distributed * len(graph.variables),
+        "gradient_traffic_bytes": _gradient_traffic(graph, plan),
+        "scattered_input_bytes": float(_scattered_input_bytes(graph, plan)),
+        "extra_devices": float(len(devices) - 1),
+    }
+    return {name: float(values[name]) for name in ADDITIVE_TERMS}
 
 
 def node_arrays(graph, cluster, plan):
@@ -303,6 +391,7 @@ class _Example:
                 f"estimator corrects positive times only. Received: {self.sim_s!r}"
             )
         self.features = plan_features(graph, cluster, plan, self.sim, backend)
+        self.terms = additive_terms(graph, cluster, plan)
         self.nodes, self.edges = node_arrays(graph, cluster, plan)
         self.backend = backend
         self.model = model
@@ -465,6 +554,40 @@ def _predict_constant(params, examples):
     import numpy as np
 
     return np.asarray([params["log_ratio"][e.backend] for e in examples], dtype=float)
+
+
+def _terms_matrix(examples):
+    import numpy as np
+
+    return np.asarray([[e.terms[name] for name in ADDITIVE_TERMS] for e in examples], dtype=float)
+
+
+def _fit_additive(examples, hp):
+    import numpy as np
+    from scipy.optimize import nnls
+
+    weights = {}
+    for backend in sorted({e.backend for e in examples}):
+        chosen = [e for e in examples if e.backend == backend]
+        x = _terms_matrix(chosen)
+        y = np.asarray([e.measured_s for e in chosen])
+        scale = np.abs(x).max(axis=0)
+        scale[scale == 0] = 1.0
+        # Relative error: each row divided by its measurement.
+        w, _ = nnls((x / scale) / y[:, None], np.ones(len(chosen)))
+        weights[backend] = (w / scale).tolist()
+    return {"weights": weights}
+
+
+def _predict_additive(params, examples):
+    import numpy as np
+
+    x = _terms_matrix(examples)
+    out = []
+    for row, e in zip(x, examples):
+        seconds = float(row @ np.asarray(params["weights"][e.backend]))
+        out.append(_log(max(seconds, 1e-9)) - _log(e.sim_s))
+    return np.asarray(out)
 
 
 def _fit_ridge(examples, hp):
@@ -687,9 +810,10 @@ def _predict_gnn(params, examples):
     return np.mean([_gnn_forward_numpy(w, batch) for w in params["ensemble"]], axis=0)
 
 
-_FIT = {"constant": _fit_constant, "ridge": _fit_ridge, "gbr": _fit_gbr, "gnn": _fit_gnn}
-_PREDICT = {"constant": _predict_constant, "ridge": _predict_ridge, "gbr": _predict_gbr,
-            "gnn": _predict_gnn}
+_FIT = {"constant": _fit_constant, "additive": _fit_additive, "ridge": _fit_ridge,
+        "gbr": _fit_gbr, "gnn": _fit_gnn}
+_PREDICT = {"constant": _predict_constant, "additive": _predict_additive,
+            "ridge": _predict_ridge, "gbr": _predict_gbr, "gnn": _predict_gnn}
 
 
 def _check_variant(variant, allow_auto=True):
@@ -880,6 +1004,7 @@ class LearnedEstimator:
             "hyperparameters": self.hyperparameters,
             "features": list(FEATURES),
             "node_features": list(NODE_FEATURES),
+            "additive_terms": list(ADDITIVE_TERMS),
             "backends": list(self.backends),
             "clip": list(self.clip),
             "params": self.params,
@@ -903,9 +1028,9 @@ class LearnedEstimator:
                 "with LearnedEstimator.save(). Received: "
                 f"{data.get('schema') if isinstance(data, dict) else type(data).__name__!r}"
             )
-        if list(data.get("features", [])) != list(FEATURES) or list(
-            data.get("node_features", [])
-        ) != list(NODE_FEATURES):
+        if (list(data.get("features", [])) != list(FEATURES)
+                or list(data.get("node_features", [])) != list(NODE_FEATURES)
+                or list(data.get("additive_terms", [])) != list(ADDITIVE_TERMS)):
             raise EstimatorError(
                 f"{source}: the estimator was trained on other features than this version "
                 "of autodist_keras computes; retrain it on the measurements. Received: "

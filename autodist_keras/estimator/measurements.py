@@ -255,8 +255,9 @@ def case_model_from_env():
         )
     import keras
 
-    case = Case.from_dict(json.loads(text))
-    keras.utils.set_random_seed(0)
+    data = json.loads(text)
+    case = Case.from_dict(data)
+    keras.utils.set_random_seed(int(data.get("seed", 0)))
     return compile_model(build_model(case))
 
 
@@ -813,7 +814,7 @@ def _measure_with_adapter(case, cluster, plan, x, y, steps, warmup, seed, backen
     if backend == "tensorflow" and _tf_processes(cluster, tf_processes):
         from autodist_keras.backends import tensorflow_adapter
 
-        os.environ[CASE_ENV] = json.dumps(case.to_dict())
+        os.environ[CASE_ENV] = json.dumps(dict(case.to_dict(), seed=int(seed)))
         times = tensorflow_adapter.run_steps(
             "autodist_keras.estimator.measurements:case_model_from_env", plan, cluster,
             x, y, batch_size=case.batch_size, steps=steps, warmup=warmup, processes=True,
