@@ -238,7 +238,10 @@ def test_committed_dataset_trains_an_estimator_that_beats_the_simulator():
     assert all(r.mode == "adapter" and r.backend == BACKEND for r in recs)
     assert len({r.model for r in recs}) >= 5 and len({r.case.plan for r in recs}) >= 3
     result = learned.evaluate(recs, "additive")
+    assert result["held_out_by"] == "model" and len(result["cases"]) == len(recs)
     assert result["learned"]["mape"] < result["analytic"]["mape"]
+    by_plan = learned.evaluate(recs, "additive", by="plan")
+    assert by_plan["held_out_by"] == "plan" and len(by_plan["cases"]) == len(recs)
 
 
 def test_errors_name_the_problem(records, cluster, tmp_path):
@@ -254,6 +257,8 @@ def test_errors_name_the_problem(records, cluster, tmp_path):
         LearnedEstimator("ridge").fit(records[:1])
     with pytest.raises(EstimatorError, match="at least two models"):
         learned.evaluate([r for r in records if r.model == "mlp_tiny"], "ridge")
+    with pytest.raises(EstimatorError, match="at least two plans. Received: plans"):
+        learned.evaluate(records, "ridge", by="plan")
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"schema": "something else"}))
     with pytest.raises(EstimatorError, match="not a learned estimator.*Received: 'something else'"):
