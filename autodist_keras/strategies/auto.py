@@ -246,11 +246,7 @@ class AutoStrategy:
             from autodist_keras.estimator import simulate
             from autodist_keras.strategies import baselines
 
-            builder = {
-                "single_device": baselines.single_device,
-                "data_parallel": baselines.data_parallel_even,
-                "proportional": baselines.proportional,
-            }[self.name]
+            builder = baselines.BASELINES[BASELINE_FOR_NAME[self.name]]
             if self.name == "single_device":
                 plan = builder(graph, self.cluster, batch_size, device=opts.get("device"))
             else:
