@@ -239,15 +239,23 @@ class TensorFlowAdapter(BackendAdapter):
     def can_execute(self, plan):
         """Whether this adapter can run `plan` here.
 
+        Placement and hybrid plans (several layer groups) run in one process
+        on this machine's devices (`tf_placement`); they cannot run in
+        multi-worker mode, and a group with several replicas must hold only
+        layers that can be split along the batch axis.
+
         Returns:
-            `(True, "")`, or `(False, reason)` for placement plans, plans
-            spanning nodes in one process, devices missing on this machine,
-            or (multi-worker) replicas that are not one per worker.
+            `(True, "")`, or `(False, reason)` for plans spanning nodes in one
+            process, devices missing on this machine, (multi-worker)
+            replicas that are not one per worker or placement plans, and
+            placement plans this model cannot run (see
+            `tf_placement.unsupported`).
         """
-        if not plan.is_data_parallel:
+        if not plan.is_data_parallel and self.worker is not None:
             return False, (
-                "the TensorFlow runtime runs data-parallel plans (one layer group); this plan "
-                f"has {len(plan.groups)} groups"
+                "multi-worker mode (TF_CONFIG) runs one data-parallel replica per worker "
+                f"process; this plan has {len(plan.groups)} layer groups, and placement plans "
+                "need every device in one process (run without TF_CONFIG on one node)"
             )
         if self.worker is not None:
             if sorted(plan.devices) != sorted(self.strategy.devices):
@@ -267,6 +275,12 @@ class TensorFlowAdapter(BackendAdapter):
                 self.tf_device(name)
             except (BackendError, KeyError, ValueError) as e:
                 return False, str(e)
+        if not plan.is_data_parallel:
+            from autodist_keras.backends import tf_placement
+
+            reason = tf_placement.unsupported(plan, self.strategy.graph)
+            if reason:
+                return False, reason
         return True, ""
 
     # ------------------------------------------------------------ interface
@@ -321,6 +335,7 @@ class _Runtime:
         self.layout = None
         self.fns = {}
         self.local_index = None
+        self.placement = None  # a tf_placement.PlacementRuntime for multi-group plans
 
     # ------------------------------------------------------------ preparing
     def prepare(self, data, batch_size):
@@ -332,12 +347,8 @@ class _Runtime:
         strategy = self.adapter.strategy
         plan = strategy.plan_for(model, batch_size)
         if not plan.is_data_parallel:
-            raise BackendError(
-                "The TensorFlow adapter runs data-parallel plans (one layer group replicated "
-                "over devices); this plan has several groups (a placement or hybrid plan). "
-                "Use strategy='data_parallel' or 'proportional'. "
-                f"Received: {len(plan.groups)} groups"
-            )
+            self._prepare_placement(plan)
+            return
         replicas = []
         for r in plan.replicas:
             device = self.adapter.cluster.device(r.device)
@@ -383,6 +394,31 @@ class _Runtime:
                 "buckets": len(self.layout),
             }
         )
+
+    def _prepare_placement(self, plan):
+        """Sets up a placement or hybrid plan (several layer groups), run by `tf_placement`."""
+        import tensorflow as tf
+
+        from autodist_keras.backends import tf_placement
+
+        adapter = self.adapter
+        ok, why = adapter.can_execute(plan)
+        if not ok:
+            raise BackendError(
+                f"The TensorFlow adapter cannot run this {plan.provenance.planner} plan with "
+                f"{len(plan.groups)} layer groups here: {why}. Use a data-parallel strategy "
+                "('data_parallel' or 'proportional'), or strategy='auto', which picks a plan "
+                f"that runs. Received: groups {[g.name for g in plan.groups]}"
+            )
+        model = self.model
+        _check_loss_reductions(model)
+        self.placement = tf_placement.PlacementRuntime(adapter, model, plan, adapter.strategy.graph)
+        self.layout = self.placement.layout
+        if model.optimizer is not None and not model.optimizer.built:
+            with tf.device(adapter.home):
+                model.optimizer.build(model.trainable_variables)
+        self.plan = plan
+        adapter.runtime_info = self.placement.info()
 
     def shares(self, batch_size):
         if batch_size == self.plan.global_batch_size:
@@ -468,12 +504,20 @@ class _Runtime:
                 # The plan is made at the first training step; until then, one device.
                 return self._single_device_step(kind, x, y, sw)
             self.prepare((x, y, sw), batch_size)
-        shares = self.shares(batch_size)
-        key = (kind, shares)
+        placement = self.placement
+        if placement is not None:
+            key = ("placement", kind, batch_size)
+        else:
+            shares = self.shares(batch_size)
+            key = (kind, shares)
         fn = self.fns.get(key)
         if fn is None:
-            builder = {"train": self._train_step, "test": self._test_step, "predict": self._predict_step}[kind]
-            body = builder(shares)
+            if placement is not None:
+                body = getattr(placement, f"{kind}_step")(batch_size)
+            else:
+                builder = {"train": self._train_step, "test": self._test_step,
+                           "predict": self._predict_step}[kind]
+                body = builder(shares)
             fn = body if self.model.run_eagerly else tf.function(
                 body, reduce_retracing=True, autograph=False
             )

@@ -1,0 +1,724 @@
+"""Runs placement and hybrid plans (several layer groups) in one TensorFlow process.
+
+FastT plans put runs of layers on single devices and split some layers over
+several; HeteroG hybrid plans replicate some layer groups over a subset of
+the devices with uneven batch shares. This module executes such a plan
+inside the ordinary `model.fit` / `evaluate` / `predict` of a Keras model on
+the TensorFlow backend (wired in from `tensorflow_adapter.py`):
+
+- Every layer call of the model's functional graph runs under the device of
+  the plan group holding its graph node (`tf.device`); TensorFlow moves the
+  activations between devices. The hook is per call: while our traced step
+  runs the model, `Functional._get_operation_for_node` of each functional
+  graph (the top model and any nested model) is replaced on the instance so
+  that each Keras node is called through `_PlacedCall`, which knows the graph
+  node name (`ModelGraph.calls` maps names to Keras nodes, so shared layers
+  called twice are told apart).
+- A group with several replicas runs each of its layer calls as replicas:
+  batch-major inputs are split by the group's shares (rescaled to the actual
+  batch with `split_batch`), the layer runs on each part under its device,
+  and the outputs are concatenated. Consecutive calls of the same split group
+  hand the parts on directly (the concatenation is then unused and pruned).
+- Gradients: one backward pass over the whole step. Each replica device reads
+  its own copy of each variable it uses (a `tf.identity` of the variable on
+  that device, watched as a leaf), so the backward pass yields one gradient
+  per (variable, device); the backward ops are colocated with their forward
+  ops (`tf.gradients` in a traced step). The copies' gradients are fused into
+  the plan's buckets and summed with the plan's sync method (`tf_reduce`:
+  ring, tree, hierarchical or a PS server), exactly as in data parallelism.
+- `plan.order`: in a traced step, each forward layer call on a device gets a
+  control dependency on the outputs of the previous forward entry of that
+  device's order, when that entry was already traced.
+
+See docs/runtime_tensorflow.md ("Placement and hybrid plans") for what is
+and is not honoured.
+
+Example:
+
+```python
+strategy = AutoStrategy("fastt", cluster=Cluster.cpu_testbed())
+with strategy.scope():
+    model = build_model()
+    model.compile(optimizer="sgd", loss="mse")
+model.fit(x, y, batch_size=48)   # each layer runs on its planned device
+```
+"""
+
+import contextlib
+
+from autodist_keras.backends import tf_reduce
+from autodist_keras.errors import BackendError
+from autodist_keras.strategies.plan import split_batch
+
+
+def unsupported(plan, graph):
+    """Why a multi-group plan cannot run on this model in one process, or None.
+
+    Checks the Keras hook this module uses, that the graph has Keras calls
+    (it was made with `ModelGraph.from_keras`, not read from JSON) and is not
+    an opaque subclassed model, and that every layer of a group with several
+    replicas can be split along the batch axis.
+
+    Args:
+        plan: A `Plan` with several layer groups.
+        graph: The `ModelGraph` of the model, or None (then only the
+            graph-independent checks run).
+
+    Returns:
+        A reason string, or None when the plan can run.
+    """
+    from keras.src.models.functional import Functional
+
+    if not hasattr(Functional, "_get_operation_for_node"):
+        return (
+            "this Keras version has no Functional._get_operation_for_node, the hook the "
+            "TensorFlow placement runtime uses to place each layer call"
+        )
+    if graph is None:
+        return None
+    if graph.data_parallel_only or any(n.kind == "model" for n in graph.nodes.values()):
+        return (
+            "the model is subclassed (no functional layer graph), so its layers cannot be "
+            "placed on different devices; use a data-parallel strategy"
+        )
+    if not graph.calls:
+        return (
+            "the model graph has no Keras layer calls (it was read from JSON); build it with "
+            "ModelGraph.from_keras(model)"
+        )
+    for group in plan.groups:
+        if sum(1 for s in group.shares if s > 0) < 2:
+            continue
+        for name in group.layers:
+            reason = _split_problem(graph, name)
+            if reason:
+                return (
+                    f"group {group.name!r} splits layer {name!r} over "
+                    f"{len(group.replicas)} devices, but {reason}"
+                )
+    return None
+
+
+def _split_problem(graph, name):
+    """Why the layer call `name` cannot run as batch-split replicas, or None."""
+    import keras
+
+    node = graph.nodes[name]
+    if node.kind == "input":
+        return None
+    op, knode = graph.calls.get(name, (None, None))
+    if op is None or knode is None:
+        return "its Keras call is unknown"
+    if isinstance(op, keras.layers.BatchNormalization) and op.trainable:
+        return (
+            "BatchNormalization in training mode normalises with the statistics of the "
+            "whole batch, which splitting would change (freeze it with trainable=False, or "
+            "plan without splitting it)"
+        )
+    if getattr(op, "stateful", False):
+        return "it is stateful (its state is per batch row), so it cannot be split"
+    batch_dim = _batch_dim(graph)
+    outputs = list(knode.outputs)
+    if not outputs:
+        return "it has no outputs"
+    for t in outputs:
+        shape = tuple(t.shape)
+        if not shape or shape[0] != batch_dim:
+            return (
+                f"its output of shape {shape} has no leading batch axis, so its result "
+                "depends on the whole batch"
+            )
+    inputs = list(knode.input_tensors)
+    if inputs and not any(tuple(t.shape)[:1] == (batch_dim,) for t in inputs):
+        return "none of its inputs has a leading batch axis"
+    return None
+
+
+def _batch_dim(graph):
+    """The leading dimension of the model's inputs (None unless a batch size is fixed)."""
+    for name in graph.inputs:
+        _, knode = graph.calls.get(name, (None, None))
+        if knode is not None and knode.outputs:
+            shape = tuple(knode.outputs[0].shape)
+            if shape:
+                return shape[0]
+    return None
+
+
+def _functionals(model):
+    """The functional graphs run by `model`: its own and those of nested models."""
+    from autodist_keras.graph.model_graph import _functional_of
+
+    found, stack = [], [_functional_of(model)]
+    while stack:
+        functional = stack.pop()
+        if functional is None or any(f is functional for f in found):
+            continue
+        found.append(functional)
+        for op in functional._operations:
+            inner = _functional_of(op)
+            if inner is not None:
+                stack.append(inner)
+    return found
+
+
+def _placement_scope(runner, tape):
+    """A Keras `StatelessScope` that records assignments and serves per-device variable copies."""
+    import tensorflow as tf
+
+    from keras.src.backend.common.stateless_scope import StatelessScope
+
+    class PlacementScope(StatelessScope):
+        def __init__(self):
+            super().__init__(collect_losses=True, initialize_variables=False)
+            self.assigned = []
+            self.device = None  # TF device of the layer call running now (when copying)
+            self.copies = {}  # (id(variable), device) -> (variable, device, copy)
+
+        def add_update(self, update):
+            variable, _ = update
+            if all(v is not variable for v in self.assigned):
+                self.assigned.append(variable)
+            super().add_update(update)
+
+        def get_current_value(self, variable):
+            value = self.state_mapping.get(id(variable))
+            if value is not None or self.device is None:
+                return value
+            if id(variable) not in runner.trainable_ids:
+                return None
+            key = (id(variable), self.device)
+            if key not in self.copies:
+                with tf.control_dependencies(None), tf.device(self.device):
+                    copy = tf.identity(tf.stop_gradient(variable._value))
+                if tape is not None:
+                    tape.watch(copy)
+                self.copies[key] = (variable, self.device, copy)
+            return self.copies[key][2]
+
+    return PlacementScope()
+
+
+class _PlacedCall:
+    """Stands in for one Keras node's operation: runs it where the plan says."""
+
+    def __init__(self, forward, name, operation):
+        self._forward = forward
+        self._name = name
+        self._operation = operation
+        self._call_context_args = getattr(operation, "_call_context_args", {})
+
+    def __call__(self, *args, **kwargs):
+        return self._forward.call(self._name, self._operation, args, kwargs)
+
+
+class _Forward:
+    """State of one forward pass of the model under a placement plan."""
+
+    def __init__(self, runner, batch_size, training, tape):
+        self.runner = runner
+        self.batch_size = batch_size
+        self.training = training
+        self.graph_mode = tape is None
+        self.scope = _placement_scope(runner, tape if training else None)
+        self.split = {}  # id(whole tensor) -> (whole, shares, parts)
+        self.joined = {}  # (id(whole), device) -> concatenation on that device
+        self.produced = {}  # (node name, plan device) -> output tensors on that device
+        self.keep = []  # tensors whose ids are keys above stay alive for the pass
+        self.order_skipped = 0
+
+    # ------------------------------------------------------------ patching
+    @contextlib.contextmanager
+    def active(self):
+        runner = self.runner
+        patched = []
+        try:
+            for functional in runner.functionals:
+                original = functional._get_operation_for_node
+                by_node = runner.name_of_node
+
+                def get_operation(node, original=original, by_node=by_node):
+                    operation = original(node)
+                    name = by_node.get(id(node))
+                    if name is None:
+                        return operation  # a nested model: its own graph is patched
+                    return _PlacedCall(self, name, operation)
+
+                functional._get_operation_for_node = get_operation
+                patched.append(functional)
+            top = runner.functionals[0]
+            run = top._run_through_graph
+
+            def run_through_graph(inputs, *args, **kwargs):
+                from keras.src import tree
+
+                flat = tree.flatten(inputs)
+                placed = [self.place_input(ref, t) for ref, t in zip(top.inputs, flat)]
+                return run(placed, *args, **kwargs)
+
+            top._run_through_graph = run_through_graph
+            patched.append(top)
+            with self.scope:
+                yield self
+        finally:
+            for functional in patched:
+                for attr in ("_get_operation_for_node", "_run_through_graph"):
+                    functional.__dict__.pop(attr, None)
+
+    # -------------------------------------------------------------- inputs
+    def place_input(self, reference, value):
+        import tensorflow as tf
+
+        name = self.runner.input_names.get(id(reference))
+        if name is None or value is None:
+            return value
+        group = self.runner.group_of[name]
+        devices = self.runner.devices[group.name]
+        with tf.device(devices[0]):
+            whole = tf.identity(value)
+        plan_devices = self.runner.plan_devices[group.name]
+        shares = self.shares(group)
+        if len([s for s in shares if s > 0]) > 1 and _batch_major(whole, self.batch_size):
+            parts = self._split(whole, shares)
+            for share, device, part in zip(shares, plan_devices, parts):
+                if share > 0:
+                    self.produced[(name, device)] = [part]
+        else:
+            self.produced[(name, plan_devices[0])] = [whole]
+        return whole
+
+    def shares(self, group):
+        return tuple(split_batch(group.shares, self.batch_size))
+
+    # -------------------------------------------------------------- calls
+    def call(self, name, operation, args, kwargs):
+        runner = self.runner
+        group = runner.group_of[name]
+        devices = runner.devices[group.name]
+        plan_devices = runner.plan_devices[group.name]
+        shares = self.shares(group)
+        active = [i for i, s in enumerate(shares) if s > 0]
+        if len(active) <= 1:
+            i = active[0] if active else 0
+            args, kwargs = self._joined((args, kwargs), devices[i])
+            out = self._run(name, operation, args, kwargs, devices[i], plan_devices[i])
+            return out
+        return self._run_split(name, operation, args, kwargs, group, shares, active)
+
+    def _run(self, name, operation, args, kwargs, device, plan_device):
+        import tensorflow as tf
+
+        from keras.src import tree
+
+        scope = self.scope
+        with self._ordered(name, plan_device), tf.device(device):
+            previous, scope.device = scope.device, (device if self.training else None)
+            try:
+                out = operation(*args, **kwargs)
+            finally:
+                scope.device = previous
+        self.produced[(name, plan_device)] = [t for t in tree.flatten(out) if _is_tensor(t)]
+        return out
+
+    def _run_split(self, name, operation, args, kwargs, group, shares, active):
+        import tensorflow as tf
+
+        from keras import ops
+        from keras.src import tree
+        from keras.src.backend import get_keras_mask
+        from keras.src.backend import set_keras_mask
+
+        runner = self.runner
+        devices = runner.devices[group.name]
+        plan_devices = runner.plan_devices[group.name]
+        structure = (args, kwargs)
+        leaves = tree.flatten(structure)
+        split_leaves = []
+        for leaf in leaves:
+            if _is_tensor(leaf) and _batch_major(leaf, self.batch_size):
+                split_leaves.append(self._split(leaf, shares))
+            else:
+                split_leaves.append(None)
+        outs = []
+        for i in active:
+            part_leaves = [
+                parts[i] if parts is not None else leaf
+                for leaf, parts in zip(leaves, split_leaves)
+            ]
+            part_args, part_kwargs = tree.pack_sequence_as(structure, part_leaves)
+            first_loss = len(self.scope.losses)
+            out = self._run(name, operation, part_args, part_kwargs, devices[i], plan_devices[i])
+            self._scale_new_losses(operation, first_loss, shares[i] / self.batch_size)
+            outs.append(out)
+
+        def join(*parts):
+            if not _is_tensor(parts[0]):
+                return parts[0]
+            if parts[0].shape.rank == 0:
+                raise BackendError(
+                    f"Layer call {name!r} returned a scalar, which cannot be concatenated "
+                    "along the batch axis after running it as split replicas. Plan without "
+                    f"splitting this layer. Received: output of shape {parts[0].shape}"
+                )
+            with tf.device(devices[active[0]]):
+                whole = tf.concat(list(parts), axis=0)
+                masks = [get_keras_mask(p) for p in parts]
+                if all(m is not None for m in masks):
+                    set_keras_mask(whole, ops.concatenate(masks, axis=0))
+            full = [None] * len(shares)
+            for i, p in zip(active, parts):
+                full[i] = p
+            self.split[id(whole)] = (whole, shares, full)
+            self.keep.append(whole)
+            return whole
+
+        return tree.map_structure(join, *outs)
+
+    def _split(self, tensor, shares):
+        """Parts of a batch-major tensor by `shares` (reusing parts a split call produced)."""
+        import tensorflow as tf
+
+        from keras.src.backend import get_keras_mask
+        from keras.src.backend import set_keras_mask
+
+        known = self.split.get(id(tensor))
+        if known is not None and known[1] == tuple(shares):
+            return known[2]
+        if known is not None:
+            tensor = self._join(tensor, known, known[0].device)
+        with tf.device(tensor.device) if tensor.device else contextlib.nullcontext():
+            pieces = tf.split(tensor, list(shares), axis=0)
+            mask = get_keras_mask(tensor)
+            if mask is not None:
+                for piece, m in zip(pieces, tf.split(mask, list(shares), axis=0)):
+                    set_keras_mask(piece, m)
+        parts = [p if s > 0 else None for p, s in zip(pieces, shares)]
+        self.split[id(tensor)] = (tensor, tuple(shares), parts)
+        self.keep.append(tensor)
+        return parts
+
+    def _joined(self, structure, device):
+        """Replaces split tensors in `structure` by their concatenation on `device`."""
+        from keras.src import tree
+
+        def whole(leaf):
+            known = self.split.get(id(leaf)) if _is_tensor(leaf) else None
+            return leaf if known is None else self._join(leaf, known, device)
+
+        return tree.map_structure(whole, structure)
+
+    def _join(self, tensor, known, device):
+        import tensorflow as tf
+
+        from keras.src.backend import get_keras_mask
+        from keras.src.backend import set_keras_mask
+
+        key = (id(tensor), device)
+        if key not in self.joined:
+            parts = [p for p in known[2] if p is not None]
+            with tf.device(device):
+                joined = tf.concat(parts, axis=0) if len(parts) > 1 else tf.identity(parts[0])
+            mask = get_keras_mask(tensor)
+            if mask is not None:
+                set_keras_mask(joined, mask)
+            self.joined[key] = joined
+        return self.joined[key]
+
+    def _ordered(self, name, plan_device):
+        """Control dependencies that make this call follow the previous entry of its device's order."""
+        import tensorflow as tf
+
+        if not self.graph_mode:
+            return contextlib.nullcontext()
+        previous = self.runner.previous_forward.get((plan_device, name))
+        if previous is None:
+            return contextlib.nullcontext()
+        outputs = self.produced.get((previous, plan_device))
+        if not outputs:
+            self.order_skipped += 1
+            return contextlib.nullcontext()
+        return tf.control_dependencies(outputs)
+
+    def _scale_new_losses(self, operation, first, factor):
+        """Weights losses added by one split replica (activity regularisers) by its share.
+
+        Keras divides an activity regularisation loss by the batch size of
+        the call; over the replicas, `sum_i (n_i / B) * reg(part_i) / n_i`
+        equals `reg(whole) / B`, the loss of the unsplit call.
+        """
+        losses = self.scope.losses
+        if len(losses) <= first:
+            return
+        layers = operation._flatten_layers() if hasattr(operation, "_flatten_layers") else []
+        for k in range(first, len(losses)):
+            old = losses[k]
+            new = old * factor
+            losses[k] = new
+            for layer in layers:
+                ids = getattr(layer, "_loss_ids", None)
+                if ids is not None and id(old) in ids:
+                    ids.discard(id(old))
+                    ids.add(id(new))
+            self.keep.append(old)
+
+
+class PlacementRuntime:
+    """Builds the traced train, test and predict steps of one model under a multi-group plan.
+
+    Args:
+        adapter: The `TensorFlowAdapter`.
+        model: The compiled Keras model.
+        plan: The validated `Plan` (several layer groups).
+        graph: The model's `ModelGraph` (from `ModelGraph.from_keras`).
+
+    Raises:
+        BackendError: If the plan cannot run here (see `unsupported`).
+    """
+
+    def __init__(self, adapter, model, plan, graph):
+        reason = unsupported(plan, graph)
+        if reason:
+            raise BackendError(
+                f"The TensorFlow adapter cannot run this placement plan: {reason}. "
+                f"Received: {len(plan.groups)} groups"
+            )
+        self.adapter = adapter
+        self.model = model
+        self.plan = plan
+        self.graph = graph
+        self.group_of = {layer: g for g in plan.groups for layer in g.layers}
+        self.devices = {g.name: [adapter.tf_device(r.device) for r in g.replicas] for g in plan.groups}
+        self.plan_devices = {g.name: [r.device for r in g.replicas] for g in plan.groups}
+        self.node_of = {n: adapter.cluster.device(n).node for n in plan.devices}
+        self.name_of_node = {
+            id(knode): name for name, (_, knode) in graph.calls.items() if knode is not None
+        }
+        self.functionals = _functionals(model)
+        self.input_names = {}
+        for name in graph.inputs:
+            _, knode = graph.calls[name]
+            for t in knode.outputs:
+                self.input_names[id(t)] = name
+        self.previous_forward = {}
+        for device, entries in plan.order.items():
+            last = None
+            for layer, phase in entries:
+                if phase != "forward":
+                    continue
+                if last is not None:
+                    self.previous_forward[(device, layer)] = last
+                last = layer
+        variables = model.trainable_variables
+        self.trainable_ids = {id(v) for v in variables}
+        self.layout = tf_reduce.bucket_layout(
+            plan, [v.path for v in variables],
+            [_dtype_name(v) for v in variables],
+        )
+        outputs = [self.group_of[n] for n in graph.outputs] or [plan.groups[-1]]
+        self.output_device = self.devices[outputs[-1].name][0]
+        self.last_pass = None
+
+    def info(self):
+        """Where each graph node runs (TF devices), for `adapter.runtime_info`."""
+        return {
+            "mode": "single-process placement",
+            "groups": {
+                g.name: {"layers": list(g.layers), "devices": self.devices[g.name],
+                         "shares": list(g.shares)}
+                for g in self.plan.groups
+            },
+            "home_device": self.adapter.home,
+            "output_device": self.output_device,
+            "buckets": len(self.layout),
+        }
+
+    # ------------------------------------------------------------ forward
+    def _forward(self, x, batch_size, training, tape=None):
+        model = self.model
+        forward = _Forward(self, batch_size, training, tape)
+        with forward.active():
+            if model._call_has_training_arg:
+                y_pred = model(x, training=training)
+            else:
+                y_pred = model(x)
+        from autodist_keras.backends.tensorflow_adapter import _restore_losses
+
+        _restore_losses(model, forward.scope)
+        self.last_pass = forward
+        return y_pred, forward
+
+    def _assign_state(self, forward):
+        import tensorflow as tf
+
+        scope = forward.scope
+        with tf.device(self.adapter.home):
+            for variable in scope.assigned:
+                variable.assign(scope.state_mapping[id(variable)])
+
+    # -------------------------------------------------------------- steps
+    def train_step(self, batch_size):
+        """The body of one traced training step for global batches of `batch_size`."""
+        import tensorflow as tf
+
+        model = self.model
+        adapter = self.adapter
+
+        def step(x, y, sw):
+            variables = model.trainable_variables
+            eager = tf.executing_eagerly()
+            tape = tf.GradientTape(persistent=False) if eager else None
+            with tape if tape is not None else contextlib.nullcontext():
+                y_pred, forward = self._forward(x, batch_size, True, tape)
+                with tf.device(self.output_device):
+                    loss = model._compute_loss(
+                        x=x, y=y, y_pred=y_pred, sample_weight=sw, training=True
+                    )
+                    scaled = model.optimizer.scale_loss(loss) if model.optimizer is not None else loss
+            copies = list(forward.scope.copies.values())
+            xs = [c for _, _, c in copies] + [v._value for v in variables]
+            if eager:
+                grads = tape.gradient(scaled, xs)
+            else:
+                grads = tf.gradients(scaled, xs)
+            copy_grads, direct = grads[:len(copies)], grads[len(copies):]
+            per_var = {}
+            for (variable, device, _), g in zip(copies, copy_grads):
+                if g is not None:
+                    per_var.setdefault(id(variable), []).append((device, g))
+            self._assign_state(forward)
+            with tf.device(adapter.home):
+                reduced = self._reduce(variables, per_var, direct)
+                if model.optimizer is not None:
+                    model.optimizer.apply_gradients(zip(reduced, variables))
+                model._loss_tracker.update_state(loss, sample_weight=batch_size)
+                return model.compute_metrics(x, y, y_pred, sample_weight=sw)
+
+        return step
+
+    def test_step(self, batch_size):
+        """The body of one traced evaluation step."""
+        import tensorflow as tf
+
+        model = self.model
+
+        def step(x, y, sw):
+            y_pred, forward = self._forward(x, batch_size, False)
+            self._assign_state(forward)
+            with tf.device(self.output_device):
+                loss = model._compute_loss(
+                    x=x, y=y, y_pred=y_pred, sample_weight=sw, training=False
+                )
+            with tf.device(self.adapter.home):
+                model._loss_tracker.update_state(loss, sample_weight=batch_size)
+                return model.compute_metrics(x, y, y_pred, sample_weight=sw)
+
+        return step
+
+    def predict_step(self, batch_size):
+        """The body of one traced prediction step."""
+
+        def step(x):
+            y_pred, forward = self._forward(x, batch_size, False)
+            self._assign_state(forward)
+            return y_pred
+
+        return step
+
+    # ---------------------------------------------------------- reduction
+    def _reduce(self, variables, per_var, direct):
+        """Sums each variable's per-device gradients with its planned sync method.
+
+        Per bucket (in plan order), the variables whose gradients come from
+        the same devices are fused into one buffer per device and summed by
+        `tf_reduce.reduce_local` (ring, tree, hierarchical, or on the PS
+        server); sparse gradients are concatenated. A gradient that reaches
+        a variable directly (weight regularisers, computed where the loss
+        is) is added on the home device.
+        """
+        import tensorflow as tf
+
+        adapter = self.adapter
+        home = adapter.home
+        shapes = [tuple(v.shape) for v in variables]
+        reduced = [None] * len(variables)
+        for bucket in self.layout:
+            server = adapter.tf_device(bucket.server) if bucket.method == "ps" else None
+            target = server or home
+            runs = {}
+            for i in bucket.indices:
+                entries = per_var.get(id(variables[i]))
+                if not entries:
+                    continue
+                if any(isinstance(g, tf.IndexedSlices) for _, g in entries):
+                    with tf.device(target):
+                        reduced[i] = _sum_sparse([g for _, g in entries])
+                    continue
+                key = tuple(d for d, _ in entries)
+                runs.setdefault(key, []).append(i)
+            for devices, indices in runs.items():
+                dtype = variables[indices[0]].dtype
+                b_shapes = [shapes[i] for i in indices]
+                grads = {i: dict(per_var[id(variables[i])]) for i in indices}
+                buffers = []
+                for device in devices:
+                    with tf.device(device):
+                        buffers.append(
+                            tf_reduce.fuse([grads[i][device] for i in indices], b_shapes, dtype)
+                        )
+                nodes = [self._node_of_tf_device(d) for d in devices]
+                summed = tf_reduce.reduce_local(
+                    buffers, list(devices), target, bucket.method, bucket.algorithm, server, nodes
+                )
+                with tf.device(target):
+                    for i, g in zip(indices, tf_reduce.unfuse(summed, b_shapes)):
+                        reduced[i] = g
+        with tf.device(home):
+            for i, g in enumerate(direct):
+                if g is None:
+                    continue
+                if reduced[i] is None:
+                    reduced[i] = g
+                elif isinstance(reduced[i], tf.IndexedSlices) or isinstance(g, tf.IndexedSlices):
+                    reduced[i] = tf.convert_to_tensor(reduced[i]) + tf.convert_to_tensor(g)
+                else:
+                    reduced[i] = reduced[i] + g
+        return reduced
+
+    def _node_of_tf_device(self, device):
+        for group in self.plan.groups:
+            for name, tf_name in zip(self.plan_devices[group.name], self.devices[group.name]):
+                if tf_name == device:
+                    return self.node_of[name]
+        return None
+
+
+def _sum_sparse(slices):
+    """Concatenates `IndexedSlices` gradients (one per device) into one."""
+    import tensorflow as tf
+
+    if len(slices) == 1:
+        return slices[0]
+    if not all(isinstance(s, tf.IndexedSlices) for s in slices):
+        return tf.add_n([tf.convert_to_tensor(s) for s in slices])
+    return tf.IndexedSlices(
+        tf.concat([s.values for s in slices], 0),
+        tf.concat([s.indices for s in slices], 0),
+        slices[0].dense_shape,
+    )
+
+
+def _is_tensor(value):
+    import tensorflow as tf
+
+    return isinstance(value, tf.Tensor)
+
+
+def _batch_major(tensor, batch_size):
+    shape = tensor.shape
+    return shape.rank is not None and shape.rank >= 1 and shape[0] == batch_size
+
+
+def _dtype_name(variable):
+    import keras
+
+    return keras.backend.standardize_dtype(variable.dtype)
