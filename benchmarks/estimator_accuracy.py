@@ -58,6 +58,9 @@ MODELS = [
 ]
 PLANS = ["single_device", "data_parallel", "proportional", "data_parallel_2"]
 BATCH_SIZE = 96
+# The variant of the packaged estimators AutoStrategy scores with (best held-out
+# plan ranking on both backends in docs/estimator_accuracy.md).
+DEFAULT_VARIANT = "ensemble"
 PROFILE_BATCH_SIZES = (24, 32, 48, 96)
 
 
@@ -247,12 +250,50 @@ def main(argv=None):
     parser.add_argument("--variants", nargs="*", default=None,
                         help="learned estimator variants to evaluate (default: all)")
     parser.add_argument("--data-dir", default=DATA_DIR)
+    parser.add_argument("--write-default", action="store_true",
+                        help="train the packaged estimators (autodist_keras/estimator/data/"
+                             "learned_<backend>.json) from the stored measurements and exit")
+    parser.add_argument("--default-variant", default=DEFAULT_VARIANT,
+                        help="variant of the packaged estimators (default %(default)s)")
     parser.add_argument("--profile-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.profile_worker:
         profile_worker(args)
         return None
+    if args.write_default:
+        return write_defaults(args)
     return run(args)
+
+
+def write_defaults(args):
+    """Trains the estimators AutoStrategy scores with, one per backend, on every stored case."""
+    from autodist_keras.estimator import learned
+    from autodist_keras.estimator.measurements import load_measurements
+
+    backends = ["tensorflow", "torch"] if args.backend == "both" else [args.backend]
+    written = {}
+    for backend in backends:
+        records, provenance = load_measurements(data_path(backend, args.data_dir))
+        started = time.perf_counter()
+        estimator = learned.LearnedEstimator(variant=args.default_variant).fit(
+            records, evaluate=True)
+        estimator.report["trained_from"] = {
+            "file": os.path.relpath(data_path(backend, args.data_dir), os.path.dirname(HERE)),
+            "written": provenance.get("written"),
+            "command": "python benchmarks/estimator_accuracy.py --write-default",
+        }
+        path = learned.default_path(backend)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        estimator.save(path)
+        held = estimator.report.get("held_out", {})
+        print(f"{backend}: {estimator.variant} on {len(records)} cases "
+              f"({time.perf_counter() - started:.1f} s); held out ({learned.AUTO_FOLDS} groups "
+              f"of models) MAPE {_fmt(held.get('mape'), 1)}%, tau/model "
+              f"{_fmt(held.get('kendall_tau'), 3)}; wrote {os.path.relpath(path)}")
+        written[backend] = {"path": os.path.relpath(path), "variant": estimator.variant,
+                            "held_out": _short(held) if held else None}
+    print(json.dumps({"benchmark": "estimator_accuracy", "write_default": written}))
+    return written
 
 
 def run(args):

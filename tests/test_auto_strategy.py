@@ -35,7 +35,10 @@ def test_plan_per_model_and_explain(tmp_path):
     data = strategy.explain(format="json")
     json.dumps(data)
     assert data["chosen"] == "proportional"
-    assert data["predicted"]["source"] == "simulator (predicted)"
+    # A model far smaller than the learned estimator's training models: the simulator,
+    # scaled by the estimator's calibration, scores it (and says so).
+    assert data["predicted"]["source"].startswith("simulator x ")
+    assert data["predicted"]["source"].endswith("predicted")
     assert {"data_parallel_even", "proportional"} <= {c["name"] for c in data["candidates"]}
     text = strategy.explain()
     assert "predicted step time" in text

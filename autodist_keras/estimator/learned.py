@@ -10,7 +10,7 @@ overheads, thread contention and runtime costs it does not model.
 predicted = simulated x exp(f(graph, cluster, plan, backend))
 ```
 
-`f` predicts `log(measured / simulated)`. Five variants:
+`f` predicts `log(measured / simulated)`. Six variants:
 
 - `"constant"`: one median log ratio per backend (a calibrated simulator;
   the floor every other variant must beat).
@@ -29,6 +29,8 @@ predicted = simulated x exp(f(graph, cluster, plan, backend))
   gradient bytes, device count, share imbalance, core sharing, layer-type
   mix, layer and variable counts, backend.
 - `"gbr"`: gradient-boosted trees on the same features.
+- `"ensemble"`: the mean of several variants' log corrections (default
+  `additive` and `gnn`: a geometric mean of their predicted times).
 - `"gnn"`: a small graph neural network over the plan-annotated layer graph
   (in the spirit of Disco's GNN estimator): each layer node carries its
   FLOPs, bytes, work on its group's critical replica and gradient traffic;
@@ -66,7 +68,10 @@ import statistics
 from autodist_keras.errors import EstimatorError
 
 SCHEMA = "autodist_keras.learned_estimator/1"
-VARIANTS = ("constant", "additive", "ridge", "gbr", "gnn")
+VARIANTS = ("constant", "additive", "ridge", "gbr", "gnn", "ensemble")
+# variant="auto" compares these by default ("ensemble" trains the GNN again, so it is
+# left out of the nested choice to keep it affordable; name it to use it).
+AUTO_VARIANTS = ("constant", "additive", "ridge", "gbr", "gnn")
 BACKENDS = ("tensorflow", "torch")
 CATEGORIES = ("matmul", "depthwise", "other", "free")
 FEATURES = (
@@ -128,6 +133,7 @@ DEFAULT_HYPERPARAMETERS = {
             "min_samples_leaf": 3, "subsample": 1.0, "random_state": 0},
     "gnn": {"hidden": 16, "rounds": 2, "epochs": 200, "learning_rate": 0.01,
             "weight_decay": 1e-3, "seeds": 2},
+    "ensemble": {"members": ["additive", "gnn"]},
 }
 
 
@@ -398,6 +404,7 @@ class _Example:
         self.plan_kind = plan_kind or plan.provenance.planner
         self.name = name
         self.measured_s = measured_s
+        self.domain = plan_domain(graph, cluster, plan)
 
     @property
     def target(self):
@@ -810,10 +817,31 @@ def _predict_gnn(params, examples):
     return np.mean([_gnn_forward_numpy(w, batch) for w in params["ensemble"]], axis=0)
 
 
+def _fit_ensemble(examples, hp):
+    members = list(hp.get("members") or [])
+    bad = [m for m in members if m not in _FIT or m == "ensemble"]
+    if len(members) < 2 or bad:
+        raise EstimatorError(
+            "The 'ensemble' variant needs at least two member variants among "
+            f"{[v for v in VARIANTS if v != 'ensemble']}. Received: members={members!r}"
+        )
+    return {"members": {m: _FIT[m](examples, dict(DEFAULT_HYPERPARAMETERS[m],
+                                                  **(hp.get(m) or {})))
+                        for m in members}}
+
+
+def _predict_ensemble(params, examples):
+    """The mean of the members' log corrections (a geometric mean of their times)."""
+    import numpy as np
+
+    return np.mean([_PREDICT[m](p, examples) for m, p in params["members"].items()], axis=0)
+
+
 _FIT = {"constant": _fit_constant, "additive": _fit_additive, "ridge": _fit_ridge,
-        "gbr": _fit_gbr, "gnn": _fit_gnn}
+        "gbr": _fit_gbr, "gnn": _fit_gnn, "ensemble": _fit_ensemble}
 _PREDICT = {"constant": _predict_constant, "additive": _predict_additive,
-            "ridge": _predict_ridge, "gbr": _predict_gbr, "gnn": _predict_gnn}
+            "ridge": _predict_ridge, "gbr": _predict_gbr, "gnn": _predict_gnn,
+            "ensemble": _predict_ensemble}
 
 
 def _check_variant(variant, allow_auto=True):
@@ -828,12 +856,87 @@ def _torch_available():
     return importlib.util.find_spec("torch") is not None
 
 
+# ------------------------------------------------------------------ domain
+# A graph counts as in the training domain when its parameter bytes and its
+# FLOPs per sample lie within the training models' range widened by this factor.
+DOMAIN_MARGIN = 4.0
+
+
+def device_signature(device):
+    """What identifies a kind of device for the learned estimator's domain.
+
+    Kind, catalog model, peak FP32 FLOP/s, memory bandwidth and, on the CPU
+    testbed, the cores and thread count (not the memory size, which the CPU
+    testbed takes from the machine).
+
+    Args:
+        device: A `Device`.
+
+    Returns:
+        A string.
+    """
+    affinity = ",".join(str(c) for c in (device.cpu_affinity or ()))
+    return (f"{device.kind}:{device.model}:{float(device.peak_flops_fp32):.6g}:"
+            f"{float(device.memory_bandwidth):.6g}:cores={affinity}:threads={device.threads}")
+
+
+def sync_kinds(plan):
+    """The gradient synchronisation kinds of a plan, e.g. `["allreduce/ring"]`."""
+    kinds = set()
+    for spec in plan.sync.values():
+        kinds.add(f"ps@{'replica' if spec.server in plan.devices else 'server'}"
+                  if spec.method == "ps" else f"allreduce/{spec.algorithm}")
+    return sorted(kinds)
+
+
+def plan_domain(graph, cluster, plan):
+    """The properties of one (graph, cluster, plan) the domain rule looks at."""
+    return {
+        "devices": sorted({device_signature(cluster.device(d)) for d in plan.devices}),
+        "structure": "data_parallel" if plan.is_data_parallel else "placement_or_hybrid",
+        "sync": sync_kinds(plan),
+        "op_fusion": bool(plan.op_fusion),
+        "batch_size": float(plan.global_batch_size),
+        "param_bytes": float(graph.param_bytes),
+        "flops_per_sample": float(sum(n.forward_flops + n.backward_flops
+                                      for n in graph.nodes.values())),
+    }
+
+
+def _domain_of(examples):
+    """The training domain of fitted examples (see `LearnedEstimator.in_domain`)."""
+    by_backend = {}
+    for e in examples:
+        by_backend.setdefault(e.backend, []).append(e.target)
+    return {
+        "devices": sorted({d for e in examples for d in e.domain["devices"]}),
+        "structures": sorted({e.domain["structure"] for e in examples}),
+        "sync": sorted({k for e in examples for k in e.domain["sync"]}),
+        "op_fusion": any(e.domain["op_fusion"] for e in examples),
+        "batch_size": [min(e.domain["batch_size"] for e in examples),
+                       max(e.domain["batch_size"] for e in examples)],
+        "param_bytes": [min(e.domain["param_bytes"] for e in examples),
+                        max(e.domain["param_bytes"] for e in examples)],
+        "flops_per_sample": [min(e.domain["flops_per_sample"] for e in examples),
+                             max(e.domain["flops_per_sample"] for e in examples)],
+        "margin": DOMAIN_MARGIN,
+        # Median log(measured / simulated) per backend: the simulator's calibration.
+        "calibration": {b: float(statistics.median(v)) for b, v in by_backend.items()},
+    }
+
+
+def _within(value, bounds, margin):
+    low, high = bounds
+    return low / margin <= value <= high * margin
+
+
 # ----------------------------------------------------------- the estimator
 class LearnedEstimator:
     """Predicts a plan's measured step time: the simulator times a learned correction.
 
     Args:
-        variant: `"constant"`, `"ridge"`, `"gbr"`, `"gnn"`, or `"auto"`
+        variant: `"constant"`, `"additive"`, `"ridge"`, `"gbr"`, `"gnn"`,
+            `"ensemble"`, or `"auto"`
             (the default: at `fit`, evaluate every variant that can train
             here by holding out models (`AUTO_FOLDS` groups of them, or one
             at a time when there are that few), and keep the lowest held-out
@@ -872,6 +975,7 @@ class LearnedEstimator:
         self.report = {}
         self.clip = None
         self.backends = []
+        self.domain = None
 
     @property
     def trained(self):
@@ -905,7 +1009,7 @@ class LearnedEstimator:
                   "training_models": sorted({e.model for e in examples}),
                   "backends": sorted({e.backend for e in examples})}
         if evaluate:
-            candidates = self.candidates or [v for v in VARIANTS
+            candidates = self.candidates or [v for v in AUTO_VARIANTS
                                              if v != "gnn" or _torch_available()]
             if variant != "auto":
                 candidates = [variant]
@@ -943,6 +1047,7 @@ class LearnedEstimator:
         targets = np.asarray([e.target for e in examples])
         self.clip = [float(targets.min() - CLIP_MARGIN), float(targets.max() + CLIP_MARGIN)]
         self.backends = sorted({e.backend for e in examples})
+        self.domain = _domain_of(examples)
         return self
 
     # ---------------------------------------------------------- prediction
@@ -994,6 +1099,97 @@ class LearnedEstimator:
         ratios = self._log_ratios(examples)
         return [float(e.sim_s * math.exp(r)) for e, r in zip(examples, ratios)]
 
+    # -------------------------------------------------------------- domain
+    def cluster_in_domain(self, cluster, devices=None, backend=None):
+        """Whether a search over `devices` of `cluster` can use this estimator at all.
+
+        True when the backend is one it was trained on and every device's
+        signature (`device_signature`) was seen in training.
+
+        Args:
+            cluster: The `Cluster`.
+            devices: Device names (default: every device of the cluster).
+            backend: `"tensorflow"` or `"torch"` (default: the active one).
+
+        Returns:
+            `(bool, reason)`; the reason says what lies outside (empty when inside).
+        """
+        from autodist_keras.estimator.measurements import _resolve_backend
+
+        self._require_trained()
+        backend = _resolve_backend(backend)
+        if backend not in self.backends:
+            return False, (f"the learned estimator was trained on {self.backends} "
+                           f"measurements, not {backend!r}")
+        if self.domain is None:
+            return True, ""
+        known = set(self.domain["devices"])
+        unknown = sorted({device_signature(cluster.device(d))
+                          for d in (devices or cluster.names)} - known)
+        if unknown:
+            return False, (f"device(s) {unknown[:3]} were not in its training measurements "
+                           f"(trained on {sorted(known)})")
+        return True, ""
+
+    def in_domain(self, graph, cluster, plan, backend=None):
+        """Whether `plan` lies in the domain the estimator was trained on.
+
+        The rule: the backend and every plan device's signature were in the
+        training data (`cluster_in_domain`); the plan's structure
+        (data-parallel, or placement/hybrid), every gradient sync kind
+        (`sync_kinds`) and op fusion (none, unless trained with it) were
+        seen in training; and the model's parameter bytes, its FLOPs per
+        sample and the global batch size lie within the training range
+        widened by `DOMAIN_MARGIN` either way. An estimator saved without a domain
+        (older files) checks the backend only.
+
+        Args:
+            graph: The `ModelGraph`.
+            cluster: The `Cluster`.
+            plan: The `Plan`.
+            backend: `"tensorflow"` or `"torch"` (default: the active one).
+
+        Returns:
+            `(bool, reason)`; the reason names what lies outside (empty when inside).
+        """
+        ok, why = self.cluster_in_domain(cluster, plan.devices, backend)
+        if not ok or self.domain is None:
+            return ok, why
+        d = self.domain
+        mine = plan_domain(graph, cluster, plan)
+        if mine["structure"] not in d["structures"]:
+            return False, f"{mine['structure']} plans were not in its training data"
+        other = sorted(set(mine["sync"]) - set(d["sync"]))
+        if other:
+            return False, f"gradient sync {other} was not in its training data (trained: {d['sync']})"
+        if mine["op_fusion"] and not d["op_fusion"]:
+            return False, "op fusion was not in its training data"
+        margin = float(d.get("margin", DOMAIN_MARGIN))
+        for key, label in (("param_bytes", "parameter bytes"),
+                           ("flops_per_sample", "FLOPs per sample"),
+                           ("batch_size", "global batch size")):
+            if key in d and not _within(mine[key], d[key], margin):
+                return False, (f"the {label} ({mine[key]:.3g}) lies outside the "
+                               f"training range [{d[key][0]:.3g}, {d[key][1]:.3g}] widened "
+                               f"{margin:g}x")
+        return True, ""
+
+    def calibration(self, backend):
+        """`exp(median log(measured / simulated))` of the training cases of `backend`.
+
+        The factor that turns the analytic simulator's step time into the
+        scale of measured steps; 1.0 when unknown.
+        """
+        if self.domain is None:
+            if self.variant == "constant":
+                return math.exp(self.params["log_ratio"].get(backend, 0.0))
+            return 1.0
+        return math.exp(self.domain["calibration"].get(backend, 0.0))
+
+    def describe(self, backend=None):
+        """A short label, e.g. `"learned estimator (gnn, torch)"`."""
+        return f"learned estimator ({self.variant}, {backend or '/'.join(self.backends)})"
+
     # --------------------------------------------------------- persistence
     def to_dict(self):
         """JSON-ready dict of the fitted parameters (no samples, no pickle)."""
@@ -1010,6 +1206,7 @@ class LearnedEstimator:
             "params": self.params,
             "report": _jsonable(self.report),
             "base": "simulator with AnalyticCostModel (default constants)",
+            "domain": self.domain,
         }
 
     def save(self, path):
@@ -1044,6 +1241,11 @@ class LearnedEstimator:
             estimator.clip = [float(c) for c in data["clip"]]
             estimator.backends = list(data["backends"])
             estimator.report = dict(data.get("report") or {})
+            estimator.domain = data.get("domain")
+            if estimator.domain is not None:
+                estimator.domain = dict(estimator.domain)
+                estimator.domain["calibration"] = {
+                    b: float(v) for b, v in estimator.domain["calibration"].items()}
         except (KeyError, TypeError, ValueError) as e:
             raise EstimatorError(
                 f"{source}: malformed learned estimator ({type(e).__name__}: {e}). Write it "
@@ -1174,3 +1376,34 @@ def evaluate(records, variant="ridge", hyperparameters=None, folds=None, by="mod
     """
     return evaluate_examples(examples_from_records(records), variant, hyperparameters, folds,
                              by)
+
+
+# --------------------------------------------------- packaged estimators
+DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+_DEFAULTS = {}
+
+
+def default_path(backend):
+    """Path of the packaged estimator of `backend` (`estimator/data/learned_<backend>.json`).
+
+    It is trained from `benchmarks/data/measurements_<backend>.json` by
+    `benchmarks/estimator_accuracy.py --write-default`.
+    """
+    return os.path.join(DATA_DIR, f"learned_{backend}.json")
+
+
+def load_default(backend):
+    """The packaged estimator of `backend`, or None when the package has none.
+
+    Loaded once per process.
+
+    Args:
+        backend: `"tensorflow"` or `"torch"`.
+
+    Returns:
+        A `LearnedEstimator` or None.
+    """
+    if backend not in _DEFAULTS:
+        path = default_path(backend)
+        _DEFAULTS[backend] = LearnedEstimator.load(path) if os.path.exists(path) else None
+    return _DEFAULTS[backend]

@@ -37,6 +37,7 @@ OPTION_NAMES = (
     "buckets",  # explicit bucket layout
     "speeds",  # measured relative device speeds for the proportional plan
     "timeout_s",  # how long the runtime waits for a worker before failing
+    "estimator",  # "learned" (default), "simulator", or a saved LearnedEstimator JSON path
 )
 
 _scope_lock = threading.Lock()
@@ -57,7 +58,11 @@ class AutoStrategy:
         plan: A ready `Plan` (or a path to its JSON) to run instead of planning.
         **options: Planner and runtime options: `sync` (`"allreduce"` or
             `"ps"`), `ps_server`, `algorithm`, `bucket_bytes`, `buckets`,
-            `speeds`, `timeout_s`.
+            `speeds`, `timeout_s`, and `estimator`: what scores the
+            candidate plans, `"learned"` (default: the packaged learned
+            estimator of the backend where the cluster and plan lie in its
+            training domain, the simulator elsewhere), `"simulator"`, or the
+            path of a JSON file written by `LearnedEstimator.save()`.
 
     Example:
 
@@ -90,6 +95,10 @@ class AutoStrategy:
                 f"Unknown option(s) {unknown}. Valid options: {', '.join(OPTION_NAMES)}. "
                 f"Received: {unknown}"
             )
+        if "estimator" in options:
+            from autodist_keras.strategies.selection import check_estimator
+
+            check_estimator(options["estimator"])
         from autodist_keras.devices import Cluster
 
         self.name = strategy
@@ -225,13 +234,14 @@ class AutoStrategy:
     def _build_plan(self, graph, batch_size):
         from autodist_keras.strategies import selection
 
-        opts = {k: v for k, v in self.options.items() if k != "timeout_s"}
+        opts = {k: v for k, v in self.options.items() if k not in ("timeout_s", "estimator")}
+        estimator = self.options.get("estimator", "learned")
         executable = getattr(self.adapter, "can_execute", None)
         if self.name == "auto":
             plan, self.candidates = selection.choose_plan(
                 graph, self.cluster, batch_size, devices=self.devices,
                 options=dict(opts, backend=self.adapter.name),
-                show_progress=True, executable=executable,
+                show_progress=True, executable=executable, estimator=estimator,
             )
             return plan
         families = [self.name] if self.name in FAMILY_NAMES else []
@@ -239,6 +249,7 @@ class AutoStrategy:
         self.candidates = selection.build_candidates(
             graph, self.cluster, batch_size, devices=self.devices, families=families,
             options=sync_opts, executable=executable,
+            scorer=selection.resolve_scorer(estimator, self.adapter.name),
         )
         wanted = BASELINE_FOR_NAME.get(self.name, self.name)
         if self.name in BASELINE_FOR_NAME and set(opts) - {"algorithm", "bucket_bytes"}:

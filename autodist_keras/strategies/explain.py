@@ -1,7 +1,9 @@
 """explain(): what was chosen, why, and what the alternatives would cost.
 
-Every figure from the simulator is labelled "predicted"; step times measured
-during `fit` appear beside them as "measured".
+Every predicted figure is labelled "predicted" and names its scorer (the
+simulator, the learned estimator, or the simulator scaled by the learned
+estimator's calibration); step times measured during `fit` appear beside
+them as "measured".
 """
 
 import io
@@ -43,7 +45,10 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
     for name in plan.devices:
         device = cluster.device(name)
         per = (prediction.per_device.get(name, {}) if prediction is not None else {})
-        step = prediction.step_time_s if prediction is not None else None
+        step = None
+        if prediction is not None:
+            # Busy time is the simulator's: divide by the simulator's step.
+            step = getattr(prediction, "simulated_step_time_s", None) or prediction.step_time_s
         busy = per.get("busy_s")
         device_rows.append(
             {
@@ -68,6 +73,8 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
     why = [n[len("auto: "):] for n in plan.notes if n.startswith("auto: ")]
     if not why:
         why = [f"{plan.provenance.planner} plan requested with strategy={strategy_name!r}"]
+        if prediction is not None:
+            why.append(f"its predicted step time is from the {prediction.source}")
     return {
         "strategy": strategy_name,
         "chosen": plan.provenance.planner,
@@ -81,6 +88,7 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
             "idle_ms": _ms(prediction.idle_s),
             "feasible": prediction.feasible,
             "source": prediction.source,
+            "simulated_step_time_ms": _ms(getattr(prediction, "simulated_step_time_s", None)),
         },
         "measured": dict(measured or {}),
         "speedup_vs_even_predicted": speedup,
@@ -96,6 +104,7 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
                 "name": name,
                 "predicted_step_time_s": c.get("predicted_step_time_s", c.get("step_time_s")),
                 "feasible": c.get("feasible"),
+                "scorer": c.get("scorer"),
                 "executable": c.get("executable"),
                 "planning_time_s": c.get("planning_time_s"),
             }
@@ -132,7 +141,14 @@ def _header_lines(data):
     lines = [f"AutoStrategy({data['strategy']!r}): chose {data['chosen']}"]
     lines += [f"  why: {w}" for w in data["why"]]
     p = data["predicted"]
-    if p is not None:
+    if p is not None and p.get("simulated_step_time_ms") is not None:
+        lines.append(f"  predicted step time: {p['step_time_ms']} ms ({p['source']})")
+        lines.append(
+            f"  simulator's breakdown of its {p['simulated_step_time_ms']} ms step (predicted): "
+            f"compute {p['compute_ms']} ms, exposed communication {p['exposed_comm_ms']} ms, "
+            f"idle {p['idle_ms']} ms"
+        )
+    elif p is not None:
         lines.append(
             f"  predicted step time: {p['step_time_ms']} ms (compute {p['compute_ms']} ms, "
             f"exposed communication {p['exposed_comm_ms']} ms, idle {p['idle_ms']} ms; "
@@ -165,6 +181,7 @@ DEVICE_COLUMNS = [
 CANDIDATE_COLUMNS = [
     ("name", "candidate"), ("predicted_step_time_s", "step ms (pred.)"),
     ("feasible", "feasible"), ("executable", "runs here"), ("planning_time_s", "planning s"),
+    ("scorer", "scored by"),
 ]
 
 
@@ -173,7 +190,20 @@ def _cell(key, value):
         return _fmt(_ms(value))
     if key == "planning_time_s" and value is not None:
         return f"{value:.3f}"
+    if key == "scorer" and value:
+        return _short_scorer(value)
     return _fmt(value)
+
+
+def _short_scorer(source):
+    """`"learned estimator (gnn, torch; predicted)"` -> `"learned (gnn)"`, etc."""
+    if source.startswith("learned estimator ("):
+        return f"learned ({source[len('learned estimator ('):].split(',')[0]})"
+    if source.startswith("simulator x"):
+        return "simulator, rescaled"
+    if source.startswith("simulator"):
+        return "simulator"
+    return source
 
 
 def _render_plain(data):

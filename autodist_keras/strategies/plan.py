@@ -110,7 +110,10 @@ class Prediction:
         infeasible_reason: Which device is short and by how much.
         per_device: Per-device busy/idle/exposed-communication breakdown.
         baselines: The same figures for baseline plans, by name.
-        source: Where the numbers come from.
+        source: Where the step time comes from (e.g. `"simulator (predicted)"`
+            or `"learned estimator (gnn, torch; predicted)"`).
+        simulated_step_time_s: The simulator's step time when `step_time_s`
+            comes from another predictor (the breakdown is the simulator's).
     """
 
     step_time_s: float
@@ -123,6 +126,7 @@ class Prediction:
     per_device: dict = dataclasses.field(default_factory=dict)
     baselines: dict = dataclasses.field(default_factory=dict)
     source: str = "simulator (predicted)"
+    simulated_step_time_s: Optional[float] = None
 
 
 @dataclasses.dataclass

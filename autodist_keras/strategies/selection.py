@@ -7,6 +7,27 @@ scored by the simulator, the one source of predicted times. The fastest
 feasible candidate wins; the others are recorded on the winner's
 `prediction.baselines` so `explain()` can show what they would cost.
 
+Scoring (`estimator=`): every candidate is simulated (memory feasibility and
+the step breakdown always come from the simulator). Its predicted step time
+comes from the scorer:
+
+- `"learned"` (default): the packaged learned estimator of the backend
+  (`estimator/learned.py`, trained on measured CPU-testbed steps). When the
+  search's devices and backend lie in its domain
+  (`LearnedEstimator.cluster_in_domain`), each candidate whose plan lies in
+  it (`LearnedEstimator.in_domain`) gets the learned prediction; each other
+  one gets the simulator's time times `learned / simulated` of the in-domain
+  candidate of the same search closest to it (same devices, nearest
+  simulated time), so every number of one search is on the learned scale
+  and an out-of-domain plan keeps only the simulator's *relative* gain. Outside the domain (e.g. GPU
+  clusters) every candidate gets the plain simulator's time.
+- `"simulator"`: the plain simulator for every candidate.
+- a path to a JSON file written by `LearnedEstimator.save()`: that
+  estimator, with the same domain rule.
+
+Each candidate's `scorer` and its plan's `prediction.source` say which
+produced its number.
+
 Chosen plans are cached on disk as JSON, keyed by the model's and the
 cluster's fingerprints, the batch size and the options, so a repeat run
 reuses the plan without planning again.
@@ -24,6 +45,7 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import math
 import os
 import time
 
@@ -35,7 +57,9 @@ from autodist_keras.strategies.plan import write_text_atomic
 
 FAMILIES = ("fastt", "heterog", "disco")
 FAMILY_BUDGET_S = {"fastt": 3.0, "heterog": 4.0, "disco": 2.0}
-CACHE_VERSION = 1
+CACHE_VERSION = 2
+ESTIMATOR_CHOICES = ("learned", "simulator")
+SCORER_SIMULATOR = "simulator (predicted)"
 
 
 @dataclasses.dataclass
@@ -52,6 +76,9 @@ class Candidate:
         executable: Whether the active backend adapter can run it (None when
             planning without a backend, e.g. from the CLI).
         reason: Why it was not usable, if so.
+        scorer: Which predictor produced `step_time_s`, e.g.
+            `"learned estimator (gnn, torch; predicted)"`.
+        simulated_step_time_s: The plain simulator's step time (predicted).
     """
 
     name: str
@@ -62,12 +89,16 @@ class Candidate:
     planning_time_s: float = 0.0
     executable: bool = None
     reason: str = None
+    scorer: str = None
+    simulated_step_time_s: float = None
 
     def to_dict(self):
         return {
             "name": self.name,
             "family": self.family,
             "predicted_step_time_s": self.step_time_s,
+            "scorer": self.scorer,
+            "simulated_step_time_s": self.simulated_step_time_s,
             "feasible": self.feasible,
             "planning_time_s": self.planning_time_s,
             "executable": self.executable,
@@ -83,11 +114,12 @@ def default_cache_dir():
     return os.path.join(root, "plans")
 
 
-def cache_key(graph, cluster, batch_size, devices, families, options):
-    """A stable key of everything a plan search depends on."""
+def cache_key(graph, cluster, batch_size, devices, families, options, scorer="simulator"):
+    """A stable key of everything a plan search depends on (the scorer's identity included)."""
     payload = json.dumps(
         {
             "version": CACHE_VERSION,
+            "scorer": scorer,
             "graph": graph.fingerprint(),
             "cluster": cluster.fingerprint(),
             "batch_size": batch_size,
@@ -98,6 +130,187 @@ def cache_key(graph, cluster, batch_size, devices, families, options):
         sort_keys=True,
     )
     return hashlib.sha256(payload.encode()).hexdigest()
+
+
+class Scorer:
+    """Gives each candidate its predicted step time (see the module docstring).
+
+    Use `resolve_scorer` to make one.
+
+    Args:
+        estimator: A trained `LearnedEstimator`, or None for the plain simulator.
+        backend: The Keras backend the plan is for.
+        identity: A stable string for the plan cache key.
+        label: What the user asked for (`"learned"`, `"simulator"` or a path).
+        why: Why the learned estimator is not used at all, if so.
+    """
+
+    def __init__(self, estimator=None, backend=None, identity="simulator", label="simulator",
+                 why=""):
+        self.estimator = estimator
+        self.backend = backend
+        self.identity = identity
+        self.label = label
+        self.why = why
+        self.active = False
+        self.active_why = why
+
+    def prepare(self, cluster, devices):
+        """Decides, for one search, whether the learned estimator can score it."""
+        self.active, self.active_why = False, self.why
+        if self.estimator is not None:
+            self.active, why = self.estimator.cluster_in_domain(cluster, devices, self.backend)
+            if not self.active:
+                self.active_why = why
+        return self
+
+    def score(self, graph, cluster, plan, sim):
+        """Returns `(seconds, source, reason)` for a simulated plan (all predicted)."""
+        if not self.active:
+            return sim.step_time_s, SCORER_SIMULATOR, self.active_why
+        from autodist_keras.errors import EstimatorError
+
+        inside, why = self.estimator.in_domain(graph, cluster, plan, self.backend)
+        if inside:
+            try:
+                seconds = self.estimator.predict(graph, cluster, plan, backend=self.backend,
+                                                 sim=sim)
+                return seconds, f"{self.estimator.describe(self.backend)}; predicted", ""
+            except EstimatorError as e:
+                why = f"the learned estimator failed: {e}"
+        # Provisional: `finish` rescales it by an in-domain candidate of the same search.
+        factor = self.estimator.calibration(self.backend)
+        return (sim.step_time_s * factor,
+                f"simulator x {factor:.2f} calibration of the learned estimator; predicted", why)
+
+    def finish(self, candidates):
+        """Puts out-of-domain candidates on the learned scale of this search.
+
+        Each candidate scored outside the estimator's domain gets its
+        simulated time times `learned / simulated` of a reference: the
+        in-domain candidate on the same devices (else any in-domain one)
+        whose simulated time is closest to its own. Where no candidate is in
+        the domain, the estimator's overall calibration (already applied)
+        stays.
+        """
+        if not self.active:
+            return candidates
+        inside = [c for c in candidates if c.plan is not None and c.scorer
+                  and c.scorer.startswith("learned") and c.simulated_step_time_s]
+        if not inside:
+            return candidates
+        for c in candidates:
+            if c.plan is None or not c.scorer or not c.scorer.startswith("simulator x"):
+                continue
+            same = [r for r in inside if set(r.plan.devices) == set(c.plan.devices)] or inside
+            ref = min(same, key=lambda r: abs(math.log(r.simulated_step_time_s
+                                                       / c.simulated_step_time_s)))
+            factor = ref.step_time_s / ref.simulated_step_time_s
+            source = (f"simulator x {factor:.2f} (learned / simulated of {ref.name} in this "
+                      "search); predicted")
+            c.step_time_s = c.simulated_step_time_s * factor
+            c.scorer = source
+            c.plan.prediction.step_time_s = c.step_time_s
+            c.plan.prediction.source = source
+        return candidates
+
+    def summary(self, candidates):
+        """One line saying which scorer produced the candidates' numbers."""
+        if not self.active:
+            reason = f" ({self.active_why})" if self.active_why else ""
+            return f"scored by the simulator{reason}"
+        learned = [c.name for c in candidates if c.scorer and c.scorer.startswith("learned")]
+        other = [c.name for c in candidates
+                 if c.scorer and not c.scorer.startswith("learned")]
+        line = (f"scored by the {self.estimator.describe(self.backend)} for "
+                f"{len(learned)} candidate(s) in its training domain")
+        if other:
+            line += (f"; by the simulator, rescaled by the learned / simulated ratio of an "
+                     f"in-domain candidate, for {', '.join(other)} (outside its domain)")
+        return line
+
+
+def resolve_scorer(estimator="learned", backend=None):
+    """Makes the `Scorer` for an `estimator=` option.
+
+    Args:
+        estimator: `"learned"` (the packaged estimator of the backend, the
+            simulator where there is none), `"simulator"`, a path to a JSON
+            file written by `LearnedEstimator.save()`, or a
+            `LearnedEstimator`.
+        backend: `"tensorflow"` or `"torch"` (default: the active Keras
+            backend, or `$KERAS_BACKEND`).
+
+    Returns:
+        A `Scorer`.
+
+    Raises:
+        StrategyError: For any other value, or a file that is not a learned
+            estimator.
+    """
+    from autodist_keras.errors import EstimatorError
+    from autodist_keras.estimator import learned
+    from autodist_keras.estimator.measurements import _resolve_backend
+
+    check_estimator(estimator)
+    try:
+        backend = _resolve_backend(backend)
+    except EstimatorError as e:
+        raise StrategyError(str(e)) from None
+    if estimator == "simulator":
+        return Scorer(backend=backend, why="estimator='simulator' was requested")
+    if estimator == "learned":
+        path = learned.default_path(backend)
+        found = learned.load_default(backend)
+        if found is None:
+            return Scorer(backend=backend, label="learned",
+                          why=f"no packaged learned estimator for {backend!r}")
+        return Scorer(found, backend, identity=f"learned:{_file_digest(path)}", label="learned")
+    if isinstance(estimator, learned.LearnedEstimator):
+        digest = hashlib.sha256(json.dumps(estimator.to_dict(), sort_keys=True).encode())
+        return Scorer(estimator, backend, identity=f"learned:{digest.hexdigest()[:16]}",
+                      label="LearnedEstimator")
+    try:
+        found = learned.LearnedEstimator.load(estimator)
+    except EstimatorError as e:
+        raise StrategyError(
+            f"estimator={estimator!r} could not be used: {e} Pass 'learned', 'simulator' or "
+            f"the path of a JSON file written by LearnedEstimator.save(). "
+            f"Received: estimator={estimator!r}"
+        ) from None
+    return Scorer(found, backend, identity=f"learned:{_file_digest(estimator)}",
+                  label=os.fspath(estimator))
+
+
+def check_estimator(estimator):
+    """Raises `StrategyError` unless `estimator` is a valid `estimator=` option.
+
+    Valid: `"learned"`, `"simulator"`, a `LearnedEstimator`, or the path of an
+    existing `.json` file.
+    """
+    from autodist_keras.estimator.learned import LearnedEstimator
+
+    if isinstance(estimator, LearnedEstimator):
+        if not estimator.trained:
+            raise StrategyError(
+                "estimator= was given an untrained LearnedEstimator; fit or load it first. "
+                "Received: an untrained LearnedEstimator"
+            )
+        return
+    valid = (isinstance(estimator, (str, os.PathLike))
+             and (estimator in ESTIMATOR_CHOICES
+                  or (os.fspath(estimator).endswith(".json") and os.path.isfile(estimator))))
+    if not valid:
+        raise StrategyError(
+            f"estimator must be one of {', '.join(repr(c) for c in ESTIMATOR_CHOICES)}, or the "
+            "path of an existing JSON file written by LearnedEstimator.save(). "
+            f"Received: estimator={estimator!r}"
+        )
+
+
+def _file_digest(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
 def baseline_candidates(graph, cluster, batch_size, devices, options):
@@ -135,16 +348,25 @@ def available_families():
     return found
 
 
-def _score(graph, cluster, candidate, cost_model):
+def _score(graph, cluster, candidate, cost_model, scorer=None):
     from autodist_keras.estimator import simulate
 
     # Baseline builders validate their plans already; planner plans are checked here.
+    # The simulator always runs: memory feasibility and the breakdown come from it.
     result = simulate(graph, cluster, candidate.plan, cost_model=cost_model,
                       validate=candidate.family != "baseline")
     prediction = result.to_prediction()
     if candidate.plan.prediction is not None:
         # Keep what the planner recorded (e.g. Disco's fusion baselines and bound).
         prediction.baselines = dict(candidate.plan.prediction.baselines)
+    candidate.simulated_step_time_s = prediction.step_time_s
+    candidate.scorer = prediction.source
+    if scorer is not None and cost_model is None:
+        seconds, source, _ = scorer.score(graph, cluster, candidate.plan, result)
+        prediction.simulated_step_time_s = prediction.step_time_s
+        prediction.step_time_s = float(seconds)
+        prediction.source = source
+        candidate.scorer = source
     candidate.plan.prediction = prediction
     candidate.step_time_s = prediction.step_time_s
     candidate.feasible = prediction.feasible
@@ -163,6 +385,7 @@ def build_candidates(
     options=None,
     progress=None,
     executable=None,
+    scorer=None,
 ):
     """Builds and scores every candidate plan.
 
@@ -177,11 +400,15 @@ def build_candidates(
         progress: Optional tqdm bar, advanced once per candidate.
         executable: Optional predicate `plan -> (bool, reason)` telling whether
             the active backend can run a plan.
+        scorer: A `Scorer` (from `resolve_scorer`) giving predicted step
+            times; None scores with the plain simulator.
 
     Returns:
         A list of `Candidate`, baselines first.
     """
     devices = list(devices or cluster.names)
+    if scorer is not None:
+        scorer.prepare(cluster, devices)
     options = dict(options or {})
     families = available_families() if families is None else list(families)
     candidates = []
@@ -190,7 +417,7 @@ def build_candidates(
         candidate = Candidate(name=name, family="baseline")
         try:
             candidate.plan = build()
-            _score(graph, cluster, candidate, cost_model)
+            _score(graph, cluster, candidate, cost_model, scorer)
         except AutodistError as e:
             candidate.reason = str(e)
         candidate.planning_time_s = time.perf_counter() - started
@@ -206,13 +433,14 @@ def build_candidates(
                 graph, cluster, batch_size, cost_model=cost_model, devices=devices,
                 time_budget_s=FAMILY_BUDGET_S.get(family), progress=None,
             )
-            _score(graph, cluster, candidate, cost_model)
+            _score(graph, cluster, candidate, cost_model, scorer)
             if not candidate.plan.is_data_parallel:
                 candidate.plan.notes.append(
                     "execution: this placement/hybrid plan has "
-                    f"{len(candidate.plan.groups)} layer groups; the TensorFlow and PyTorch "
-                    "adapters of this version run data-parallel plans only, so AutoStrategy "
-                    "picks the fastest plan that can run and reports this one as an alternative."
+                    f"{len(candidate.plan.groups)} layer groups; the TensorFlow adapter runs "
+                    "such plans in one process on local devices, the PyTorch adapter runs "
+                    "data-parallel plans only (AutoStrategy skips plans the active backend "
+                    "cannot run)."
                 )
         except AutodistError as e:
             candidate.plan = None
@@ -221,6 +449,8 @@ def build_candidates(
         candidates.append(candidate)
         if progress is not None:
             progress.update(1)
+    if scorer is not None and cost_model is None:
+        scorer.finish(candidates)
     if executable is not None:
         for candidate in candidates:
             if candidate.plan is not None:
@@ -260,10 +490,13 @@ def record_candidates(plan, candidates):
     )
 
 
-def _explain_choice(best, candidates):
+def _explain_choice(best, candidates, scorer=None):
     by_name = {c.name: c for c in candidates}
     even = by_name.get("data_parallel_even") or by_name.get("single_device")
-    lines = [f"chosen: {best.name} (fastest predicted feasible plan of {len(candidates)})"]
+    lines = [f"chosen: {best.name} (fastest predicted feasible plan of {len(candidates)}; "
+             f"its time from the {best.scorer or SCORER_SIMULATOR})"]
+    if scorer is not None:
+        lines.append(scorer.summary(candidates))
     if even is not None and even.step_time_s and best.step_time_s:
         lines.append(
             f"predicted speedup over {even.name}: {even.step_time_s / best.step_time_s:.2f}x"
@@ -288,6 +521,8 @@ def choose_plan(
     use_cache=True,
     show_progress=False,
     executable=None,
+    estimator="learned",
+    backend=None,
 ):
     """Plans with every family and baseline and returns the best plan.
 
@@ -303,6 +538,13 @@ def choose_plan(
         use_cache: Read and write the plan cache.
         show_progress: Show a tqdm progress bar while planning.
         executable: Optional predicate `plan -> (bool, reason)`.
+        estimator: Which predictor scores the candidates: `"learned"`
+            (default), `"simulator"`, a path to a saved `LearnedEstimator`
+            JSON, or a `LearnedEstimator` (see the module docstring). The
+            simulator always decides memory feasibility. Ignored (plain
+            simulator) when `cost_model` is given.
+        backend: Keras backend the plan is for (default: `options["backend"]`,
+            else the active one or `$KERAS_BACKEND`).
 
     Returns:
         `(plan, candidates)`: the chosen `Plan` (its `prediction.baselines`
@@ -312,7 +554,12 @@ def choose_plan(
     devices = list(devices or cluster.names)
     options = dict(options or {})
     families = available_families() if families is None else list(families)
-    key = cache_key(graph, cluster, batch_size, devices, families, options)
+    scorer = None
+    if cost_model is None:
+        scorer = resolve_scorer(estimator, backend or options.get("backend")).prepare(
+            cluster, devices)
+    key = cache_key(graph, cluster, batch_size, devices, families, options,
+                    scorer=scorer.identity if scorer is not None else "simulator")
     path = os.path.join(cache_dir or default_cache_dir(), f"{key}.json")
     if use_cache and cost_model is None and os.path.exists(path):
         try:
@@ -334,6 +581,7 @@ def choose_plan(
         candidates = build_candidates(
             graph, cluster, batch_size, devices=devices, families=families,
             cost_model=cost_model, options=options, progress=bar, executable=executable,
+            scorer=scorer,
         )
     finally:
         if bar is not None:
@@ -342,10 +590,11 @@ def choose_plan(
     plan = best.plan
     record_candidates(plan, candidates)
     plan.notes = [n for n in plan.notes if not n.startswith("auto:")]
-    plan.notes += ["auto: " + line for line in _explain_choice(best, candidates)]
+    plan.notes += ["auto: " + line for line in _explain_choice(best, candidates, scorer)]
     plan.provenance.options = dict(
         plan.provenance.options, auto_search_time_s=time.perf_counter() - started,
         candidates=[c.name for c in candidates],
+        scorer=scorer.identity if scorer is not None else "cost_model",
     )
     if use_cache and cost_model is None:
         write_text_atomic(path, plan.to_json())

@@ -1,0 +1,250 @@
+"""Does auto's choice hold on real hardware? Measured on the CPU testbed, in one run.
+
+For each model, `AutoStrategy("auto")` plans for `Cluster.cpu_testbed()`
+(node0/cpu0 owns core 0; node0/cpu1 and node0/cpu2 share core 1) on the
+active backend's runtime, scoring its candidates with the chosen estimator
+(`--estimator learned`, the default, or `simulator`). Then the plan auto
+chose and every baseline it beat on paper (single device, even and
+proportional data parallelism whose predicted step time is above auto's)
+are trained for real, interleaved in rounds (round 1 of every plan, then
+round 2, ... with the plan order rotated each round), and the median step
+time of every plan over all its timed steps is compared: the ratio measured
+baseline / measured auto is at least 1 where auto's choice holds.
+
+PyTorch (default): `AutoStrategy(plan=...)` + `model.fit`, one process per
+replica pinned to its testbed device's core. TensorFlow (`--backend
+tensorflow`, slower to start): `tensorflow_adapter.run_steps`, one pinned
+worker process per plan device.
+
+Every predicted time is a prediction (its scorer named); every measured time
+is a median of real steps on this machine, whatever else it was running (the
+1-minute load average is printed).
+
+Usage:
+    python benchmarks/auto_real_check.py                       # cnn, mlp, transformer; torch
+    python benchmarks/auto_real_check.py --models cnn --rounds 3 --steps 10
+    python benchmarks/auto_real_check.py --estimator simulator
+
+The last line printed is one JSON object: `cases` (per case: auto's family
+and planner, predicted and measured step time per plan, ratio measured
+baseline / auto, `auto_at_least_as_fast`) and `overall`.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+ZOO = "autodist_keras.graph.zoo"
+# name: (builder, kwargs, global batch size). cnn and mlp are the models of
+# _testbed_models.py / hetero_testbed.py; none of the three is a training model
+# of the packaged learned estimator (benchmarks/estimator_accuracy.py MODELS).
+MODELS = {
+    "cnn": (f"{ZOO}:small_cnn", {"input_shape": [32, 32, 3], "filters": [32, 64]}, 96),
+    "mlp": (f"{ZOO}:mlp", {"input_dim": 512, "hidden": [1024, 1024], "num_classes": 10}, 192),
+    "transformer": (f"{ZOO}:transformer_encoder",
+                    {"num_layers": 2, "d_model": 96, "heads": 4, "seq_len": 32, "vocab": 1000},
+                    96),
+    # A small, fast case for the tests.
+    "tiny": (f"{ZOO}:mlp", {"input_dim": 64, "hidden": [128, 128]}, 48),
+}
+DEFAULT_MODELS = ("cnn", "mlp", "transformer")
+BASELINES = ("single_device", "data_parallel_even", "proportional")
+
+
+def plan_with_auto(case, cluster, estimator="learned"):
+    """Runs `AutoStrategy("auto")`'s planning for a case (no training).
+
+    Returns:
+        `(strategy, plan)`: the strategy (its `candidates` scored) and its plan.
+    """
+    import keras
+
+    from autodist_keras import AutoStrategy
+    from autodist_keras.estimator.measurements import build_model
+
+    strategy = AutoStrategy("auto", cluster=cluster, estimator=estimator)
+    keras.utils.set_random_seed(0)
+    model = build_model(case)
+    plan = strategy.plan_for(model, case.batch_size)
+    return strategy, plan
+
+
+def beaten_baselines(strategy, plan):
+    """The baseline candidates auto beat on paper: feasible, predicted slower than its choice."""
+    chosen = next((c.name for c in strategy.candidates if c.plan is plan), None)
+    out = []
+    for c in strategy.candidates:
+        if c.name in BASELINES and c.name != chosen and c.plan is not None and c.feasible \
+                and c.step_time_s is not None and c.step_time_s > plan.prediction.step_time_s:
+            out.append(c)
+    return out
+
+
+def check_case(name, steps=12, warmup=3, rounds=2, estimator="learned", timeout_s=600,
+               log=print):
+    """Plans one model with auto and measures its choice against the baselines it beat.
+
+    Args:
+        name: A key of `MODELS`.
+        steps: Timed steps per plan per round (after `warmup` steps).
+        warmup: Warm-up steps per plan per round (not timed).
+        rounds: Interleaved rounds; each plan's median is over `steps x rounds` steps.
+        estimator: The `estimator=` option of `AutoStrategy`.
+        timeout_s: Limit for one plan's run.
+        log: Where progress lines go.
+
+    Returns:
+        A JSON-ready dict (see the module docstring).
+    """
+    import keras
+
+    from autodist_keras.devices import Cluster
+    from autodist_keras.estimator.measurements import Case
+    from autodist_keras.estimator.measurements import _measure_with_adapter
+    from autodist_keras.estimator.measurements import build_model
+    from autodist_keras.estimator.measurements import load_average
+    from autodist_keras.estimator.measurements import synthetic_data
+
+    backend = keras.backend.backend()
+    builder, kwargs, batch = MODELS[name]
+    case = Case(name, builder, kwargs, "single_device", batch)
+    cluster = Cluster.cpu_testbed()
+    started = time.perf_counter()
+    strategy, plan = plan_with_auto(case, cluster, estimator)
+    planning_s = time.perf_counter() - started
+    winner = next((c for c in strategy.candidates if c.plan is plan), None)
+    chosen = winner.name if winner is not None else plan.provenance.planner
+    family = winner.family if winner is not None else chosen
+    plans = {f"auto={chosen}": plan}
+    beaten = beaten_baselines(strategy, plan)
+    for c in beaten:
+        plans[c.name] = c.plan
+    predicted = {f"auto={chosen}": plan.prediction.step_time_s}
+    scorer = {f"auto={chosen}": plan.prediction.source}
+    simulated = {f"auto={chosen}": plan.prediction.simulated_step_time_s
+                 or plan.prediction.step_time_s}
+    for c in beaten:
+        predicted[c.name] = c.step_time_s
+        scorer[c.name] = c.scorer
+        simulated[c.name] = c.simulated_step_time_s
+    log(f"{name}: auto chose {chosen} (family {family}) in {planning_s:.2f} s, predicted "
+        f"{plan.prediction.step_time_s * 1e3:.1f} ms ({plan.prediction.source}); beat on paper: "
+        + (", ".join(f"{c.name} {c.step_time_s * 1e3:.1f} ms" for c in beaten) or "none"))
+    keras.utils.set_random_seed(0)
+    probe = build_model(case)
+    x, y = synthetic_data(probe, batch * (steps + warmup), seed=0)
+    del probe
+    times = {label: [] for label in plans}
+    labels = list(plans)
+    loads = [load_average()]
+    for r in range(rounds if len(plans) > 1 else 1):
+        order = labels[r % len(labels):] + labels[:r % len(labels)]
+        for label in order:
+            got, _ = _measure_with_adapter(case, cluster, plans[label], x, y, steps, warmup,
+                                           0, backend, timeout_s)
+            times[label].extend(float(t) for t in got[:steps])
+        loads.append(load_average())
+        log(f"  round {r + 1}: " + ", ".join(
+            f"{label} {statistics.median(times[label]) * 1e3:.1f} ms" for label in labels))
+    measured = {label: statistics.median(t) for label, t in times.items()}
+    auto_label = f"auto={chosen}"
+    ratios = {label: measured[label] / measured[auto_label] for label in labels
+              if label != auto_label}
+    holds = all(v >= 1.0 for v in ratios.values())
+    for label, ratio in ratios.items():
+        log(f"  {label}: measured {measured[label] * 1e3:.1f} ms vs auto "
+            f"{measured[auto_label] * 1e3:.1f} ms -> {ratio:.3f}x "
+            f"({'auto at least as fast' if ratio >= 1.0 else 'AUTO SLOWER'})")
+    return {
+        "model": name,
+        "backend": backend,
+        "batch_size": batch,
+        "estimator": estimator,
+        "auto_planner": chosen,
+        "auto_family": family,
+        "planning_time_s": round(planning_s, 3),
+        "plans": {
+            label: {"predicted_step_time_s": predicted[label], "scorer": scorer[label],
+                    "simulated_step_time_s": simulated[label],
+                    "measured_step_time_s": measured[label],
+                    "measured_steps": len(times[label])}
+            for label in labels
+        },
+        "ratio_measured_baseline_over_auto": ratios,
+        "auto_at_least_as_fast": holds,
+        "min_ratio": min(ratios.values()) if ratios else None,
+        "load_average": loads,
+        "steps_per_round": steps,
+        "warmup_per_round": warmup,
+        "rounds": rounds,
+    }
+
+
+def run(args):
+    results = []
+    started = time.perf_counter()
+    for name in args.models:
+        results.append(check_case(name, steps=args.steps, warmup=args.warmup,
+                                  rounds=args.rounds, estimator=args.estimator,
+                                  timeout_s=args.timeout))
+    try:
+        from autodist_keras.backends.torch_pool import shutdown_pools
+
+        shutdown_pools()
+    except ImportError:
+        pass
+    compared = [r for r in results if r["ratio_measured_baseline_over_auto"]]
+    ratios = [v for r in compared for v in r["ratio_measured_baseline_over_auto"].values()]
+    overall = {
+        "auto_at_least_as_fast": all(r["auto_at_least_as_fast"] for r in results),
+        "cases_holding": sum(r["auto_at_least_as_fast"] for r in results),
+        "cases": len(results),
+        "cases_with_beaten_baselines": len(compared),
+        "min_ratio": min(ratios) if ratios else None,
+        "geomean_ratio": (statistics.geometric_mean(ratios) if ratios else None),
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    print(f"overall: auto at least as fast as every baseline it beat on paper in "
+          f"{overall['cases_holding']} of {overall['cases']} case(s); min ratio "
+          f"{overall['min_ratio'] if overall['min_ratio'] is None else round(overall['min_ratio'], 3)}"
+          f" (measured, this machine, {overall['wall_s']} s)")
+    line = {"benchmark": "auto_real_check", "cluster": "cpu_testbed",
+            "estimator": args.estimator, "cases": results, "overall": overall}
+    print(json.dumps(line))
+    return line
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=list(DEFAULT_MODELS),
+                        choices=sorted(MODELS))
+    parser.add_argument("--backend", choices=["torch", "tensorflow"], default="torch")
+    parser.add_argument("--estimator", default="learned",
+                        help="AutoStrategy estimator= option: learned, simulator or a JSON path")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per plan per round")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per plan per round")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per plan run")
+    args = parser.parse_args(argv)
+    if os.environ.get("KERAS_BACKEND") != args.backend:
+        # The Keras backend is fixed per process: run again under the requested one.
+        env = dict(os.environ, KERAS_BACKEND=args.backend, TF_CPP_MIN_LOG_LEVEL="2")
+        argv = sys.argv[1:] if argv is None else list(argv)
+        return subprocess.call([sys.executable, os.path.abspath(__file__)] + argv, env=env)
+    print(f"auto_real_check: {args.backend}, models {args.models}, estimator "
+          f"{args.estimator!r}, {args.rounds} interleaved round(s) of {args.steps} timed steps "
+          f"after {args.warmup} warm-up steps per plan", flush=True)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
