@@ -30,8 +30,10 @@ model.fit(x, y, batch_size=48, shuffle=False)
 ```
 """
 
+import contextlib
 import time
 
+from autodist_keras.backends import tf_fusion
 from autodist_keras.backends import tf_multiworker
 from autodist_keras.backends import tf_reduce
 from autodist_keras.backends.base import BackendAdapter
@@ -336,6 +338,7 @@ class _Runtime:
         self.fns = {}
         self.local_index = None
         self.placement = None  # a tf_placement.PlacementRuntime for multi-group plans
+        self.fusion = None  # a tf_fusion.FusionRegions when op-fusion regions are realised
 
     # ------------------------------------------------------------ preparing
     def prepare(self, data, batch_size):
@@ -384,6 +387,11 @@ class _Runtime:
                 model.optimizer.build(variables)
         self.plan = plan
         self.replicas = replicas
+        self.fusion = tf_fusion.for_plan(
+            model, plan,
+            [self.adapter.cluster.device(r.name).kind for r in replicas],
+            self.adapter.strategy.options.get("op_fusion", "auto"),
+        )
         if self.adapter.worker is not None:
             tf_multiworker.broadcast_variables(self.adapter.collective, model.weights)
         self.adapter.runtime_info = (
@@ -392,6 +400,7 @@ class _Runtime:
                 "replica_devices": {r.name: r.device for r in replicas},
                 "home_device": self.adapter.home,
                 "buckets": len(self.layout),
+                "op_fusion_regions": len(self.fusion.regions) if self.fusion else 0,
             }
         )
 
@@ -577,13 +586,16 @@ class _Runtime:
         layout = self.layout
         collective = adapter.collective
 
+        fusion = self.fusion
+
         def step(x, y, sw):
             variables = model.trainable_variables
             shapes = [tuple(v.shape) for v in variables]
             per_replica_grads, weighted_losses, y_preds, all_updates = [], [], [], []
-            for replica, share, start in local:
+            for index, (replica, share, start) in enumerate(local):
                 xi, yi, swi = _slice((x, y, sw), start, share)
-                with tf.device(replica.device):
+                regions = fusion.recording(index) if fusion else contextlib.nullcontext()
+                with tf.device(replica.device), regions:
                     with tf.GradientTape() as tape:
                         y_pred, updates = self._forward(xi, training=True)
                         loss = model._compute_loss(
@@ -599,6 +611,8 @@ class _Runtime:
                 weighted_losses.append(weighted)
                 y_preds.append(y_pred)
                 all_updates.append((replica, share, updates))
+            if fusion:
+                fusion.mark()  # op-fusion regions and their gradients become XLA clusters
 
             with tf.device(adapter.home):
                 reduced = [None] * len(variables)
