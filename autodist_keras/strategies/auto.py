@@ -38,7 +38,9 @@ OPTION_NAMES = (
     "speeds",  # measured relative device speeds for the proportional plan
     "timeout_s",  # how long the runtime waits for a worker before failing
     "estimator",  # "learned" (default), "simulator", or a saved LearnedEstimator JSON path
+    "op_fusion",  # realise plan.op_fusion regions: "auto" (on GPUs), "on", "off" (TensorFlow)
 )
+RUNTIME_ONLY_OPTIONS = ("timeout_s", "estimator", "op_fusion")  # not passed to planners
 
 _scope_lock = threading.Lock()
 
@@ -234,7 +236,7 @@ class AutoStrategy:
     def _build_plan(self, graph, batch_size):
         from autodist_keras.strategies import selection
 
-        opts = {k: v for k, v in self.options.items() if k not in ("timeout_s", "estimator")}
+        opts = {k: v for k, v in self.options.items() if k not in RUNTIME_ONLY_OPTIONS}
         estimator = self.options.get("estimator", "learned")
         executable = getattr(self.adapter, "can_execute", None)
         if self.name == "auto":
