@@ -315,6 +315,7 @@ class Driver:
             "weights": variable_metas(weights),
             "optimizer_variables": variable_metas(opt_vars),
             "timeout_s": self.timeout_s,
+            "profile_dir": self.trainer.profile.directory,
             "keras": {
                 "floatx": keras.config.floatx(),
                 "epsilon": keras.config.epsilon(),
@@ -375,6 +376,8 @@ class Driver:
         from keras.src.trainers.data_adapters import data_adapter_utils
 
         model = self.model
+        profile = self.trainer.profile
+        profile.begin()
         batch = data[0]
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(batch)
         spec, leaves = tt.flatten_tree((x, y, sample_weight))
@@ -411,6 +414,7 @@ class Driver:
                     shard = tt.pack([t[offsets[r]:offsets[r + 1]] for t in leaves])
                     sends.append((self.comm.isend(shard, r, tag=1), r))
             own = tt.unflatten_tree(spec, [t[:shares[0]] for t in leaves])
+            profile.mark("sent")
 
             def post_receives(y_pred, loss):
                 if self._ypred is None:
@@ -435,6 +439,7 @@ class Driver:
                 post_receives(None, None)
             for work, r in sends:
                 self.comm.wait(work, peer=r)
+            profile.mark("sends_done")
             preds, losses = [], []
             ypred_spec, metas = self._ypred
             if shares[0] > 0:
@@ -448,11 +453,15 @@ class Driver:
                     loss_bytes = buf[tt.packed_size(metas, rows=shares[r]):][:8]
                     preds.append(parts)
                     losses.append((shares[r], float(loss_bytes.view(torch.float64)[0])))
+            profile.mark("predictions")
         except tt.CommFailure as failure:
             self._fail(failure)
         self.in_step = False
         self.steps += 1
-        return self._metrics(x, y, sample_weight, ypred_spec, preds, losses, n)
+        logs = self._metrics(x, y, sample_weight, ypred_spec, preds, losses, n)
+        profile.mark("metrics")
+        profile.end()
+        return logs
 
     def _predict_spec(self, leaves, spec):
         import torch
@@ -502,6 +511,7 @@ class Driver:
 
         if self.trainer is not None:
             self.trainer.detach()
+            self.trainer.profile.save({"plan_shares": [r.batch_share for r in self.plan.replicas]})
         payload = history_payload(history)
         try:
             self.comm.broadcast_command(tt.CMD_END, tt.json_length(payload))
@@ -651,6 +661,7 @@ def serve(comm, reporter, model=None, on_model=None):
         nodes = [d["node"] for d in setup["devices"]]
         device_ranks = {d["name"]: r for r, d in enumerate(setup["devices"])}
         trainer = ReplicaTrainer(model, comm, plan, nodes, device_ranks)
+        trainer.profile.directory = setup.get("profile_dir")
         if on_model is not None:
             on_model(setup, model)
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
@@ -662,13 +673,17 @@ def serve(comm, reporter, model=None, on_model=None):
         return None, None
     trainer.attach()
     header = None
+    profile = trainer.profile
     try:
         while True:
+            profile.begin()
             command = comm.broadcast_command(timeout_s=tt.IDLE_TIMEOUT_S)
+            profile.mark("command")
             kind = int(command[0])
             if kind == tt.CMD_END:
                 payload = comm.broadcast_json(length=int(command[1]))
                 trainer.detach()
+                profile.save()
                 comm.wait(comm.isend(checksums(model), 0, tag=3), peer=0)
                 return model, payload
             if kind != tt.CMD_TRAIN:
@@ -683,6 +698,7 @@ def serve(comm, reporter, model=None, on_model=None):
                 buf = torch.empty(tt.packed_size(header["metas"], rows=share), dtype=torch.uint8)
                 comm.wait(comm.irecv(buf, 0, tag=1), peer=0)
                 shard = tt.unflatten_tree(header["spec"], tt.unpack(buf, header["metas"], rows=share))
+            profile.mark("shard")
             sent = []
 
             def send_predictions(y_pred, loss):
@@ -694,6 +710,8 @@ def serve(comm, reporter, model=None, on_model=None):
             trainer.step(shard[0], shard[1], shard[2], share, n, after_forward=send_predictions)
             for work in sent:
                 comm.wait(work, peer=0)
+            profile.mark("sent")
+            profile.end()
     finally:
         trainer.detach()
         unpin(token)

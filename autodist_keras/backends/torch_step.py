@@ -18,11 +18,94 @@ y_pred, loss = trainer.step(x, y, sample_weight, share=16, global_batch=48)
 ```
 """
 
+import json
+import os
+import time
+
 from autodist_keras.backends.torch_reducer import GradientReducer
 from autodist_keras.backends.torch_reducer import StateSync
 from autodist_keras.errors import BackendError
 
 SUPPORTED_REDUCTIONS = ("sum_over_batch_size", "mean")
+PROFILE_ENV = "AUTODIST_KERAS_TORCH_PROFILE"
+
+
+def placement_facts():
+    """Where this process runs: its CPU affinity and PyTorch thread counts, and
+    the cores each of its threads may use (by thread name, e.g. gloo's)."""
+    import torch
+
+    threads = {}
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            cores = sorted(os.sched_getaffinity(int(tid)))
+            threads.setdefault(name, []).append(cores)
+    except OSError:
+        pass
+    return {
+        "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "thread_affinities": threads,
+    }
+
+
+class StepProfile:
+    """Optional per-step phase timings of one rank (for diagnosing step time).
+
+    Enabled when the environment variable `AUTODIST_KERAS_TORCH_PROFILE` names
+    a directory (set it before `fit`; workers inherit it). Each rank then
+    records, per step, the wall time at each phase boundary
+    (`mark(name)`) and the process's CPU time, and `save()` writes
+    `rank<r>.json` into the directory. Disabled, `mark` is a no-op.
+
+    Args:
+        rank: This process's rank.
+    """
+
+    def __init__(self, rank):
+        self.rank = int(rank)
+        self.directory = os.environ.get(PROFILE_ENV) or None
+        self.steps = []
+        self.facts = {}
+        self._current = None
+
+    @property
+    def enabled(self):
+        return self.directory is not None
+
+    def begin(self):
+        if self.directory is not None:
+            if not self.facts:
+                self.facts = placement_facts()
+            self._current = {"t0": time.perf_counter(), "cpu0": time.process_time()}
+
+    def mark(self, name):
+        if self._current is not None:
+            self._current[name] = time.perf_counter() - self._current["t0"]
+
+    def end(self):
+        current = self._current
+        if current is not None:
+            current["total"] = time.perf_counter() - current.pop("t0")
+            current["cpu"] = time.process_time() - current.pop("cpu0")
+            self.steps.append(current)
+            self._current = None
+
+    def save(self, extra=None):
+        """Writes the recorded steps (and `extra` facts) as JSON; returns the path."""
+        if self.directory is None:
+            return None
+        os.makedirs(self.directory, exist_ok=True)
+        path = os.path.join(self.directory, f"rank{self.rank}.json")
+        facts = {"rank": self.rank, "pid": os.getpid(), "steps": self.steps}
+        facts.update(self.facts or placement_facts())
+        facts.update(extra or {})
+        with open(path, "w") as f:
+            json.dump(facts, f)
+        return path
 
 
 def check_loss_reductions(model):
@@ -76,6 +159,7 @@ class ReplicaTrainer:
         self.comm = comm
         self.reducer = GradientReducer(comm, model.trainable_weights, plan, rank_nodes, device_ranks)
         self.state_sync = StateSync(comm, model.non_trainable_weights)
+        self.profile = StepProfile(comm.rank)
 
     def attach(self):
         self.reducer.attach()
@@ -102,7 +186,9 @@ class ReplicaTrainer:
         import torch
 
         model = self.model
+        profile = self.profile
         weight = float(share) / float(global_batch)
+        profile.mark("step_begin")
         self.state_sync.snapshot()
         self.reducer.start_step()
         y_pred = loss = None
@@ -115,20 +201,26 @@ class ReplicaTrainer:
             loss = model._compute_loss(
                 x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
             )
+            profile.mark("forward")
             self.state_sync.launch(weight)
             if after_forward is not None:
                 after_forward(y_pred, loss)
+            profile.mark("after_forward")
             scaled = model.optimizer.scale_loss(loss * weight)
             if model.trainable_weights:
                 scaled.backward()
         else:
             model.zero_grad()
             self.state_sync.launch(0.0)
+        profile.mark("backward")
         grads = self.reducer.finish()
+        profile.mark("reduce_wait")
         if model.trainable_weights:
             with torch.no_grad():
                 model.optimizer.apply(grads, model.trainable_weights)
+        profile.mark("apply")
         self.state_sync.finish()
+        profile.mark("state_sync")
         return y_pred, loss
 
 
