@@ -161,3 +161,11 @@ def test_auto_policy_leaves_cpu_plans_unfused():
     x, y = _data()
     model.fit(x[:48], y[:48], batch_size=24, shuffle=False, verbose=0)
     assert strategy.adapter.runtime_info["op_fusion_regions"] == 0
+
+
+def test_bad_op_fusion_option_is_rejected_at_construction():
+    from autodist_keras import AutoStrategy
+    from autodist_keras.errors import StrategyError
+
+    with pytest.raises(StrategyError, match="Received: op_fusion='yes'"):
+        AutoStrategy("data_parallel", cluster="2xV100", op_fusion="yes")

@@ -64,7 +64,10 @@ class AutoStrategy:
             candidate plans, `"learned"` (default: the packaged learned
             estimator of the backend where the cluster and plan lie in its
             training domain, the simulator elsewhere), `"simulator"`, or the
-            path of a JSON file written by `LearnedEstimator.save()`.
+            path of a JSON file written by `LearnedEstimator.save()`; and
+            `op_fusion`: whether TensorFlow compiles the plan's op-fusion
+            regions (Disco) as XLA clusters, `"auto"` (default: on GPUs),
+            `"on"` or `"off"`.
 
     Example:
 
@@ -101,6 +104,11 @@ class AutoStrategy:
             from autodist_keras.strategies.selection import check_estimator
 
             check_estimator(options["estimator"])
+        if options.get("op_fusion", "auto") not in ("auto", "on", "off"):
+            raise StrategyError(
+                "op_fusion must be 'auto' (realise the plan's op-fusion regions on GPUs), "
+                f"'on' or 'off'. Received: op_fusion={options['op_fusion']!r}"
+            )
         from autodist_keras.devices import Cluster
 
         self.name = strategy
