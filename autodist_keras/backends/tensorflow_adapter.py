@@ -490,9 +490,28 @@ class _Runtime:
                         raise StopIteration
                     break
                 logs = self.run_step(kind, data)
+            if kind == "train" and self.keras_step_suffices():
+                # One replica on the default device: from the next step on, Keras's
+                # own train function runs (no overhead over plain Keras).
+                TensorFlowTrainer.make_train_function(model, force=True)
             return logs
 
         return function
+
+    def keras_step_suffices(self):
+        """Whether the plan is one replica on this process's default device
+        (outside multi-worker mode), so Keras's own train step realises it."""
+        import tensorflow as tf
+
+        if (self.plan is None or not self.plan.is_data_parallel or self.adapter.worker is not None
+                or not self.replicas or len(self.replicas) != 1):
+            return False
+        default = ("GPU", 0) if tf.config.list_logical_devices("GPU") else ("CPU", 0)
+        for name in (self.replicas[0].device, self.adapter.home):
+            spec = tf.DeviceSpec.from_string(name)
+            if ((spec.device_type or "").upper(), spec.device_index or 0) != default:
+                return False
+        return True
 
     def run_step(self, kind, data):
         import tensorflow as tf
