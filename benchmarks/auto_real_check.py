@@ -59,7 +59,7 @@ DEFAULT_MODELS = ("cnn", "mlp", "transformer")
 BASELINES = ("single_device", "data_parallel_even", "proportional")
 
 
-def plan_with_auto(case, cluster, estimator="learned"):
+def plan_with_auto(case, cluster, estimator="learned", devices=None):
     """Runs `AutoStrategy("auto")`'s planning for a case (no training).
 
     Returns:
@@ -70,7 +70,7 @@ def plan_with_auto(case, cluster, estimator="learned"):
     from autodist_keras import AutoStrategy
     from autodist_keras.estimator.measurements import build_model
 
-    strategy = AutoStrategy("auto", cluster=cluster, estimator=estimator)
+    strategy = AutoStrategy("auto", cluster=cluster, devices=devices, estimator=estimator)
     keras.utils.set_random_seed(0)
     model = build_model(case)
     plan = strategy.plan_for(model, case.batch_size)
@@ -89,7 +89,7 @@ def beaten_baselines(strategy, plan):
 
 
 def check_case(name, steps=12, warmup=3, rounds=2, estimator="learned", timeout_s=600,
-               log=print):
+               devices=None, log=print):
     """Plans one model with auto and measures its choice against the baselines it beat.
 
     Args:
@@ -99,6 +99,7 @@ def check_case(name, steps=12, warmup=3, rounds=2, estimator="learned", timeout_
         rounds: Interleaved rounds; each plan's median is over `steps x rounds` steps.
         estimator: The `estimator=` option of `AutoStrategy`.
         timeout_s: Limit for one plan's run.
+        devices: Testbed device names auto may use (default: all three).
         log: Where progress lines go.
 
     Returns:
@@ -118,7 +119,7 @@ def check_case(name, steps=12, warmup=3, rounds=2, estimator="learned", timeout_
     case = Case(name, builder, kwargs, "single_device", batch)
     cluster = Cluster.cpu_testbed()
     started = time.perf_counter()
-    strategy, plan = plan_with_auto(case, cluster, estimator)
+    strategy, plan = plan_with_auto(case, cluster, estimator, devices)
     planning_s = time.perf_counter() - started
     winner = next((c for c in strategy.candidates if c.plan is plan), None)
     chosen = winner.name if winner is not None else plan.provenance.planner
@@ -194,7 +195,7 @@ def run(args):
     for name in args.models:
         results.append(check_case(name, steps=args.steps, warmup=args.warmup,
                                   rounds=args.rounds, estimator=args.estimator,
-                                  timeout_s=args.timeout))
+                                  timeout_s=args.timeout, devices=args.devices))
     try:
         from autodist_keras.backends.torch_pool import shutdown_pools
 
@@ -233,6 +234,8 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per plan per round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per plan run")
+    parser.add_argument("--devices", nargs="*", default=None,
+                        help="testbed devices auto may use (default: all)")
     args = parser.parse_args(argv)
     if os.environ.get("KERAS_BACKEND") != args.backend:
         # The Keras backend is fixed per process: run again under the requested one.

@@ -1,0 +1,200 @@
+"""AutoStrategy("auto") scoring with the packaged learned estimator (real graphs, real estimator)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from autodist_keras import AutoStrategy
+from autodist_keras import Cluster
+from autodist_keras.errors import StrategyError
+from autodist_keras.estimator import learned
+from autodist_keras.graph import ModelGraph
+from autodist_keras.graph import zoo
+from autodist_keras.strategies import baselines
+from autodist_keras.strategies import selection
+from autodist_keras.strategies.explain import explanation
+from autodist_keras.strategies.explain import render_text
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASES = ("single_device", "data_parallel_even", "proportional")
+
+
+@pytest.fixture(scope="module")
+def testbed():
+    return Cluster.cpu_testbed()
+
+
+@pytest.fixture(scope="module")
+def wide():
+    # mlp_wide of benchmarks/estimator_accuracy.py: inside the estimator's training range.
+    return ModelGraph.from_keras(zoo.mlp(input_dim=256, hidden=(1024, 1024)))
+
+
+@pytest.fixture(scope="module")
+def torch_estimator():
+    estimator = learned.load_default("torch")
+    assert estimator is not None, "the packaged torch estimator is missing"
+    return estimator
+
+
+def test_packaged_estimators_are_json_package_data():
+    for backend in ("tensorflow", "torch"):
+        path = learned.default_path(backend)
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        assert data["schema"] == learned.SCHEMA and data["backends"] == [backend]
+        assert data["variant"] == "ensemble" and data["domain"]["structures"] == ["data_parallel"]
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
+        assert '"estimator/data/*.json"' in f.read()
+
+
+def test_in_domain_candidates_get_learned_times(testbed, wide, torch_estimator):
+    scorer = selection.resolve_scorer("learned", backend="torch")
+    candidates = selection.build_candidates(wide, testbed, 96, families=[], scorer=scorer)
+    by_name = {c.name: c for c in candidates}
+    for name in BASES:
+        c = by_name[name]
+        assert c.scorer == "learned estimator (ensemble, torch); predicted"
+        assert c.plan.prediction.source == c.scorer
+        expected = torch_estimator.predict(wide, testbed, c.plan, backend="torch")
+        assert c.step_time_s == pytest.approx(expected, rel=1e-9)
+        assert c.plan.prediction.simulated_step_time_s == c.simulated_step_time_s
+        assert c.step_time_s != pytest.approx(c.simulated_step_time_s, rel=1e-3)
+    # PS sync was not in the training data: the simulator, rescaled by the learned /
+    # simulated ratio of the in-domain candidate on the same devices closest to it.
+    inside = [by_name[n] for n in BASES if set(by_name[n].plan.devices) == set(testbed.names)]
+    for name in ("data_parallel_even_ps", "proportional_ps"):
+        c = by_name[name]
+        assert c.scorer.startswith("simulator x ") and "in this search" in c.scorer
+        ref = min(inside, key=lambda r: abs(math.log(r.simulated_step_time_s
+                                                     / c.simulated_step_time_s)))
+        assert ref.name in c.scorer
+        ratio = ref.step_time_s / ref.simulated_step_time_s
+        assert c.step_time_s == pytest.approx(c.simulated_step_time_s * ratio, rel=1e-9)
+
+
+def test_out_of_domain_cluster_is_scored_by_the_simulator(wide):
+    gpus = Cluster.from_string("2xV100,2x1080Ti")
+    scorer = selection.resolve_scorer("learned", backend="torch")
+    candidates = selection.build_candidates(wide, gpus, 64, families=[], scorer=scorer)
+    assert candidates and all(c.scorer == "simulator (predicted)" for c in candidates)
+    assert all(c.step_time_s == c.simulated_step_time_s for c in candidates)
+    assert "not in its training measurements" in scorer.summary(candidates)
+
+
+def test_domain_rule(testbed, wide, torch_estimator):
+    even = baselines.data_parallel_even(wide, testbed, 96)
+    assert torch_estimator.in_domain(wide, testbed, even, "torch") == (True, "")
+    ok, why = torch_estimator.in_domain(wide, testbed, even, "tensorflow")
+    assert not ok and "'tensorflow'" in why
+    ps = baselines.data_parallel_even(wide, testbed, 96, sync="ps")
+    ok, why = torch_estimator.in_domain(wide, testbed, ps, "torch")
+    assert not ok and "gradient sync" in why
+    fused = baselines.data_parallel_even(wide, testbed, 96)
+    fused.op_fusion = [list(wide.nodes)[1:3]]
+    ok, why = torch_estimator.in_domain(wide, testbed, fused, "torch")
+    assert not ok and "op fusion" in why
+    big_batch = baselines.data_parallel_even(wide, testbed, 96 * 5)
+    ok, why = torch_estimator.in_domain(wide, testbed, big_batch, "torch")
+    assert not ok and "global batch size" in why
+    tiny = ModelGraph.from_keras(zoo.mlp(input_dim=4, hidden=(4,), num_classes=2))
+    plan = baselines.data_parallel_even(tiny, testbed, 96)
+    ok, why = torch_estimator.in_domain(tiny, testbed, plan, "torch")
+    assert not ok and "parameter bytes" in why
+    gpus = Cluster.from_string("2xV100")
+    ok, why = torch_estimator.cluster_in_domain(gpus, backend="torch")
+    assert not ok and "V100" in why
+    # A saved estimator keeps its domain.
+    again = learned.LearnedEstimator.from_dict(json.loads(json.dumps(torch_estimator.to_dict())))
+    assert again.domain == torch_estimator.domain
+    assert again.in_domain(wide, testbed, ps, "torch")[0] is False
+
+
+def test_estimator_option_validation(tmp_path):
+    with pytest.raises(StrategyError, match="'learned', 'simulator'.*Received: estimator='gnn'"):
+        AutoStrategy(cluster=Cluster.cpu_testbed(), estimator="gnn")
+    with pytest.raises(StrategyError, match="Received: estimator="):
+        AutoStrategy(cluster=Cluster.cpu_testbed(), estimator=str(tmp_path / "missing.json"))
+    with pytest.raises(StrategyError, match="Received: estimator=3"):
+        AutoStrategy(cluster=Cluster.cpu_testbed(), estimator=3)
+    bogus = tmp_path / "bogus.json"
+    bogus.write_text(json.dumps({"schema": "something else"}))
+    with pytest.raises(StrategyError, match="not a learned estimator"):
+        selection.resolve_scorer(str(bogus), backend="torch")
+    with pytest.raises(StrategyError, match="untrained"):
+        selection.check_estimator(learned.LearnedEstimator())
+    saved = learned.load_default("torch").save(str(tmp_path / "mine.json"))
+    strategy = AutoStrategy(cluster=Cluster.cpu_testbed(), estimator=saved)
+    assert strategy.options["estimator"] == saved
+    scorer = selection.resolve_scorer(saved, backend="torch")
+    assert scorer.estimator is not None and scorer.identity.startswith("learned:")
+    assert selection.resolve_scorer("simulator", backend="torch").estimator is None
+
+
+def test_explain_names_the_scorer(testbed, wide, tmp_path):
+    plan, candidates = selection.choose_plan(wide, testbed, 96, backend="torch",
+                                             cache_dir=str(tmp_path), use_cache=False)
+    data = explanation(plan, testbed)
+    why = " | ".join(data["why"])
+    assert "scored by the learned estimator (ensemble, torch)" in why
+    assert data["predicted"]["source"].endswith("predicted")
+    assert data["predicted"]["simulated_step_time_ms"] is not None
+    assert {c["name"]: c["scorer"] for c in data["candidates"] if c["name"] in BASES} == {
+        n: "learned estimator (ensemble, torch); predicted" for n in BASES}
+    text = render_text(data, use_rich=False)
+    assert "scored by" in text and "learned (ensemble)" in text
+    assert "simulator's breakdown" in text
+    plan, _ = selection.choose_plan(wide, testbed, 96, backend="torch", estimator="simulator",
+                                    use_cache=False)
+    data = explanation(plan, testbed)
+    assert any("scored by the simulator (estimator='simulator' was requested)" in w
+               for w in data["why"])
+    assert data["predicted"]["source"] == "simulator (predicted)"
+
+
+def test_cache_key_includes_the_scorer(testbed, wide, tmp_path):
+    cache = str(tmp_path)
+    first, cands = selection.choose_plan(wide, testbed, 96, backend="torch", cache_dir=cache,
+                                         families=[])
+    assert cands and len(os.listdir(cache)) == 1
+    again, cands = selection.choose_plan(wide, testbed, 96, backend="torch", cache_dir=cache,
+                                         families=[])
+    assert cands == [] and again.prediction.source == first.prediction.source
+    other, cands = selection.choose_plan(wide, testbed, 96, backend="torch", cache_dir=cache,
+                                         families=[], estimator="simulator")
+    assert cands and len(os.listdir(cache)) == 2
+    assert other.prediction.source == "simulator (predicted)"
+    keys = {selection.cache_key(wide, testbed, 96, testbed.names, [], {}, scorer=s)
+            for s in ("simulator", "learned:aaaa", "learned:bbbb")}
+    assert len(keys) == 3
+
+
+def test_named_strategy_is_scored_too(testbed):
+    strategy = AutoStrategy("proportional", cluster=testbed, estimator="simulator")
+    plan = strategy.plan_for(zoo.mlp(input_dim=256, hidden=(1024, 1024)), 96)
+    assert plan.prediction.source == "simulator (predicted)"
+    assert any("simulator" in w for w in strategy.explain(format="json")["why"])
+
+
+def test_real_check_runs_a_tiny_case():
+    """The real-run check end to end on one testbed device (short; torch runtime)."""
+    env = dict(os.environ, KERAS_BACKEND="torch", TF_CPP_MIN_LOG_LEVEL="2")
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "auto_real_check.py"), "--models",
+         "tiny", "--devices", "node0/cpu0", "--steps", "3", "--warmup", "1", "--rounds", "2"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=170,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    case = line["cases"][0]
+    assert line["benchmark"] == "auto_real_check" and case["model"] == "tiny"
+    (label, row), = case["plans"].items()
+    assert label == f"auto={case['auto_planner']}" and row["measured_steps"] == 3
+    assert row["measured_step_time_s"] > 0 and row["predicted_step_time_s"] > 0
+    assert row["scorer"].endswith("predicted")
+    assert case["ratio_measured_baseline_over_auto"] == {} and case["auto_at_least_as_fast"]
+    assert line["overall"]["cases"] == 1
