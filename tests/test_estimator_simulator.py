@@ -420,3 +420,39 @@ def test_buckets_launch_in_plan_order_one_at_a_time(wide):
     assert reduces[0].start >= last_grad
     for before, after in zip(reduces, reduces[1:]):
         assert after.start >= before.end
+
+
+def test_identical_simulations_are_cached_and_changes_are_not(chain):
+    from autodist_keras.estimator import simulator
+
+    cluster = Cluster.from_string("node0:2xV100;node1:2xT4")
+    simulator.clear_cache()
+    plan = baselines.proportional(chain, cluster, 64)
+    first = simulate(chain, cluster, plan)
+    assert simulator.cache_stats == {"hits": 0, "misses": 1}
+    # Same content (a rebuilt plan, an equal analytic cost model): a hit, equal figures.
+    again = simulate(chain, cluster, baselines.proportional(chain, cluster, 64),
+                     cost_model=AnalyticCostModel(cluster), validate=False)
+    assert simulator.cache_stats["hits"] == 1
+    assert again.step_time_s == first.step_time_s
+    assert again.per_device.keys() == first.per_device.keys()
+    # What the simulation reads changes: a miss and a different answer.
+    even = simulate(chain, cluster, baselines.data_parallel_even(chain, cluster, 64))
+    assert simulator.cache_stats["misses"] == 2
+    assert even.step_time_s != first.step_time_s
+    slower = AnalyticCostModel(cluster, launch_overhead_s={"gpu": 1e-3})
+    assert simulate(chain, cluster, plan, cost_model=slower).step_time_s > first.step_time_s
+    # Notes and provenance are not part of the key.
+    plan.notes.append("changed")
+    simulate(chain, cluster, plan)
+    assert simulator.cache_stats["hits"] == 2
+    # A cost model that is not the plain analytic one is never cached; nor is cache=False.
+    class Doubled(AnalyticCostModel):
+        def layer_time(self, node, device, batch, phase):
+            return 2 * super().layer_time(node, device, batch, phase)
+
+    before = dict(simulator.cache_stats)
+    simulate(chain, cluster, plan, cost_model=Doubled(cluster))
+    simulate(chain, cluster, plan, cache=False)
+    assert simulator.cache_stats == before
+    simulator.clear_cache()

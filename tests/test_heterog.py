@@ -196,3 +196,94 @@ def test_errors_name_the_problem(cnn, hetero):
         heterog.plan(cnn, hetero, -4)
     with pytest.raises(PlanError, match="twice"):
         heterog.plan(cnn, hetero, 64, devices=["node0/gpu0", "node0/gpu0"])
+
+
+def _embedding_model(vocab=50000, dim=256, name="embed"):
+    inputs = keras.Input((16,), dtype="int32", name=f"{name}_ids")
+    x = keras.layers.Embedding(vocab, dim, name=f"{name}_table")(inputs)
+    x = keras.layers.GlobalAveragePooling1D(name=f"{name}_pool")(x)
+    x = keras.layers.Dense(256, activation="relu", name=f"{name}_d0")(x)
+    return keras.Model(inputs, keras.layers.Dense(10, name=f"{name}_head")(x), name=name)
+
+
+@pytest.fixture(scope="module")
+def embed():
+    return ModelGraph.from_keras(_embedding_model())
+
+
+def test_isolated_layers_get_runs_of_their_own(cnn):
+    names = list(cnn.nodes)
+    middle = names[len(names) // 2]
+    runs = contiguous_partition(cnn, 3, lambda n: n.forward_flops + 1.0, isolate={middle})
+    assert [layer for run in runs for layer in run] == names
+    assert [middle] in runs
+    # A zero-cost prefix (the input layer) joins the next run instead of being a group.
+    first = names[1]
+    runs = contiguous_partition(cnn, 3, lambda n: n.forward_flops, isolate={first})
+    assert runs[0] == names[:2]
+
+
+def test_comm_heavy_layer_is_replicated_on_fewer_devices(embed, hetero):
+    # 49 MiB of embedding gradient, almost no compute: all-reducing it over
+    # 50 GbE costs more than the whole step's compute. HeteroG isolates the
+    # embedding, keeps it off the full replica set (no all-reduce across
+    # nodes for it), and beats proportional data parallelism by a wide margin.
+    prop = simulate(embed, hetero, baselines.proportional(embed, hetero, 256))
+    plan = heterog.plan(embed, hetero, 256, time_budget_s=BIG)
+    assert plan.provenance.options["isolated_layers"] == ["embed_table"]
+    group = next(g for g in plan.groups if "embed_table" in g.layers)
+    assert len(group.devices) < len(hetero.names)
+    assert plan.prediction.feasible
+    assert plan.prediction.step_time_s < prop.step_time_s / 2
+    off = heterog.plan(embed, hetero, 256, time_budget_s=BIG, isolate=False)
+    assert off.provenance.options["isolated_layers"] == []
+
+
+def test_ps_spread_uses_one_server_per_node_and_balances_bytes(wide, hetero):
+    from autodist_keras.strategies.heterog import SPREAD
+    from autodist_keras.strategies.heterog import _Space
+
+    cost = AnalyticCostModel(hetero)
+    # One group holding all ten variables (5 kernels of 16 MiB and 5 biases).
+    space = _Space(wide, hetero, cost, hetero.names, 128, 1, baselines.DDP_BUCKET_BYTES,
+                   isolate=False)
+    assert ("ps", SPREAD) in space.sync_options(0)
+    i = max(range(len(space.units)), key=lambda j: space.grad_bytes[j])
+    assign, load = space.spread(i, 0)
+    servers = set(assign.values())
+    nodes = [hetero.device(space.names[d]).node for d in servers]
+    assert len(nodes) == len(set(nodes)) and len(servers) > 1
+    variables = space.coarse.graph.nodes[space.units[i]].variables
+    assert set(assign) == {v.name for v in variables}
+    assert sum(load.values()) == sum(int(v.bytes) for v in variables)
+    # Every server holds at most the largest variable more than an even split.
+    assert max(load.values()) <= sum(load.values()) / len(load) + max(int(v.bytes) for v in variables)
+    state = tuple((0, ("ps", SPREAD) if j == i else ("ring", None)) for j in range(len(space.units)))
+    shares = space.solve_shares(state)
+    _, sync = space.coarse_plan(state, shares)
+    used = {sync[v.name].server for v in variables}
+    assert used == {space.names[d] for d in servers}
+    infeasible, seconds = space.evaluate(state)
+    assert not infeasible and seconds > 0
+
+
+def test_lp_optimum_is_a_lower_bound_of_the_coarse_step(cnn, hetero):
+    from autodist_keras.strategies.heterog import _Space
+
+    cost = AnalyticCostModel(hetero)
+    space = _Space(cnn, hetero, cost, hetero.names, 128, 4, baselines.DDP_BUCKET_BYTES)
+    n = len(space.units)
+    states = [tuple((0, opt) for _ in range(n)) for opt in space.sync_options(0)]
+    states += [tuple((s if j == 0 else 0, ("ring", None)) for j in range(n))
+               for s in range(1, len(space.sets))]
+    checked = 0
+    for state in states:
+        if space.solve_shares(state) is None:
+            continue
+        bound = space.lp_bound
+        infeasible, seconds = space.evaluate(state)
+        assert seconds >= bound * (1 - 1e-6), (state, seconds, bound)
+        # Pruning against a bound below the LP optimum never skips the simulation.
+        assert space.evaluate(state, bound=bound * 0.5) == (infeasible, seconds)
+        checked += 1
+    assert checked >= 3

@@ -57,10 +57,13 @@ plan.prediction = result.to_prediction()
 ```
 """
 
+import collections
+import copy
 import dataclasses
 import heapq
 import json
 import math
+import threading
 from typing import Optional
 
 from autodist_keras.errors import EstimatorError
@@ -343,7 +346,53 @@ class _Tasks:
         self.ndeps[after] += 1
 
 
-def simulate(graph, cluster, plan, cost_model=None, validate=True, dedupe=True):
+CACHE_SIZE = 32  # simulated results kept (analytic cost model only), least recently used out
+_cache = collections.OrderedDict()
+_cache_lock = threading.Lock()
+cache_stats = {"hits": 0, "misses": 0}
+
+
+def clear_cache():
+    """Forgets every cached simulation result (see `simulate`'s `cache`)."""
+    with _cache_lock:
+        _cache.clear()
+        cache_stats.update(hits=0, misses=0)
+
+
+def _cache_key(graph, cluster, plan, cost_model, dedupe):
+    """A key for a plan's simulation, or None when it must not be cached.
+
+    Only the default analytic cost model (or an `AnalyticCostModel` whose
+    config is the key) is cached: a profiled or learned model may change
+    its answers. The graph and cluster are keyed by identity (the entry
+    keeps them alive, so an id is not reused while cached); the plan by the
+    JSON of what the simulation reads (batch, groups, sync, buckets, order,
+    op fusion), not its prediction, provenance or notes.
+    """
+    if cost_model is None:
+        cost_model = AnalyticCostModel()
+    if type(cost_model) is AnalyticCostModel and getattr(cost_model, "cluster", None) in (
+        None, cluster
+    ):
+        cost_key = json.dumps(cost_model.config(), sort_keys=True, default=str)
+    else:
+        return None
+    body = json.dumps(
+        [
+            plan.global_batch_size,
+            [[g.name, list(g.layers), [[r.device, r.batch_share] for r in g.replicas]]
+             for g in plan.groups],
+            sorted([k, v.method, v.algorithm, v.server] for k, v in plan.sync.items()),
+            plan.buckets,
+            {k: [list(e) for e in v] for k, v in (plan.order or {}).items()},
+            [list(r) if isinstance(r, (list, tuple)) else r for r in (plan.op_fusion or [])],
+        ],
+        sort_keys=True, default=str,
+    )
+    return (id(graph), id(cluster), cost_key, bool(dedupe), body)
+
+
+def simulate(graph, cluster, plan, cost_model=None, validate=True, dedupe=True, cache=True):
     """Simulates one training step of `plan` for `graph` on `cluster`.
 
     Args:
@@ -355,6 +404,11 @@ def simulate(graph, cluster, plan, cost_model=None, validate=True, dedupe=True):
         validate: Check the plan against the graph and cluster first.
         dedupe: Simulate the compute of identical data-parallel replicas once
             (same result, faster). Set False to simulate every device.
+        cache: Reuse the result of an identical earlier simulation (same
+            graph and cluster objects, same plan content, the default
+            analytic cost model); the last `CACHE_SIZE` results are kept.
+            Planners and the auto search simulate the same baselines and
+            final plans several times; this makes the repeats free.
 
     Returns:
         A `SimResult`. Every number in it is a prediction.
@@ -373,6 +427,26 @@ def simulate(graph, cluster, plan, cost_model=None, validate=True, dedupe=True):
     """
     if validate:
         plan.validate(graph, cluster)
+    key = _cache_key(graph, cluster, plan, cost_model, dedupe) if cache else None
+    if key is not None:
+        with _cache_lock:
+            entry = _cache.get(key)
+            if entry is not None:
+                _cache.move_to_end(key)
+                cache_stats["hits"] += 1
+                return copy.copy(entry[0])
+            cache_stats["misses"] += 1
+    result = _simulate(graph, cluster, plan, cost_model, dedupe)
+    if key is not None:
+        with _cache_lock:
+            _cache[key] = (result, graph, cluster)
+            while len(_cache) > CACHE_SIZE:
+                _cache.popitem(last=False)
+        return copy.copy(result)
+    return result
+
+
+def _simulate(graph, cluster, plan, cost_model, dedupe):
     if cost_model is None:
         cost_model = AnalyticCostModel(cluster)
     elif hasattr(cost_model, "with_cluster"):

@@ -96,7 +96,7 @@ def _topological_units(graph, units, unit_index):
     return [units[k] for k in order]
 
 
-def contiguous_partition(graph, k, cost_of):
+def contiguous_partition(graph, k, cost_of, isolate=()):
     """Cuts the layers (topological order) into at most `k` runs of similar cost.
 
     A run closes once it holds its share of the remaining cost, so each of
@@ -105,14 +105,59 @@ def contiguous_partition(graph, k, cost_of):
 
     Args:
         graph: The `ModelGraph`.
-        k: Number of groups wanted.
+        k: Number of groups wanted (not counting isolated layers).
         cost_of: Function from `LayerNode` to a non-negative cost.
+        isolate: Layer names that get a run of their own (e.g. layers with
+            large gradients and little compute, which a planner wants to
+            place or replicate differently from their neighbours). The `k`
+            runs are spread over the segments between them in proportion to
+            the segments' cost (at least one run per non-empty segment).
 
     Returns:
         A list of runs, each a non-empty list of layer names.
     """
+    isolate = set(isolate)
+    if isolate:
+        segments, current = [], []
+        for name in graph.nodes:
+            if name in isolate:
+                if current:
+                    segments.append(current)
+                segments.append([name])
+                current = []
+            else:
+                current.append(name)
+        if current:
+            segments.append(current)
+        costs = {n: max(float(cost_of(graph.nodes[n])), 0.0) for n in graph.nodes}
+        free = [seg for seg in segments if seg[0] not in isolate]
+        total = sum(costs[n] for seg in free for n in seg) or 1.0
+        runs, carry = [], []
+        for seg in segments:
+            if seg[0] in isolate:
+                runs.append(carry + seg)
+                carry = []
+                continue
+            seg_cost = sum(costs[n] for n in seg)
+            if seg_cost <= 0:  # e.g. only the input layer: joins the next run
+                carry += seg
+                continue
+            runs.extend(_partition_names(carry + seg, max(1, round(k * seg_cost / total)), costs))
+            carry = []
+        if carry:
+            if runs:
+                runs[-1] = runs[-1] + carry
+            else:
+                runs.append(carry)
+        return runs
     names = list(graph.nodes)
-    costs = [max(float(cost_of(graph.nodes[n])), 0.0) for n in names]
+    costs = {n: max(float(cost_of(graph.nodes[n])), 0.0) for n in names}
+    return _partition_names(names, k, costs)
+
+
+def _partition_names(names, k, cost_by_name):
+    """`contiguous_partition` of a list of names with known costs."""
+    costs = [cost_by_name[n] for n in names]
     k = max(1, min(int(k), len(names)))
     runs = []
     current = []

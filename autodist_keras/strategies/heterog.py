@@ -69,6 +69,9 @@ LP_COST_US = 8500.0  # one share LP, measured (process time) on the development 
 SIM_TASK_COST_US = 45.0  # one simulated task of a coarse plan, same
 MAX_HEAVY_GROUPS = 6  # groups whose replica sets are searched (largest gradients)
 MIN_GAIN = 0.002  # a move must shorten the coarse step by at least 0.2%
+SPREAD = -1  # PS "server" meaning: gradients spread over one server per node of the set
+COMM_HEAVY_SHARE = 0.02  # a layer with >= 2% of the gradient bytes ...
+MAX_ISOLATED = 4  # ... whose all-reduce outlasts its compute gets its own group (at most 4)
 OPTION_NAMES = (
     "groups",  # number of layer groups k (default: 8-16 by model size)
     "max_work",  # deterministic search cap, estimated microseconds (1.5e6)
@@ -76,6 +79,7 @@ OPTION_NAMES = (
     "seeds",  # include the baseline seeds (default True)
     "bucket_bytes",  # gradient bucket threshold (default 25 MiB)
     "baselines",  # dict name -> known baseline step time (s); only for notes
+    "isolate",  # give comm-heavy layers groups of their own (default True)
 )
 
 
@@ -133,13 +137,14 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     passes = options.get("passes", 2)
     _check_int("passes", passes, 0)
     use_seeds = bool(options.get("seeds", True))
+    isolate = bool(options.get("isolate", True))
     bucket_bytes = options.get("bucket_bytes", baselines.DDP_BUCKET_BYTES)
     budget = _common.Budget(time_budget_s, DEFAULT_BUDGET_S, started)
     cost = resolve_cost_model(cluster, cost_model)
     record = {"groups": k, "max_work": max_work, "passes": passes, "seeds": use_seeds,
-              "bucket_bytes": bucket_bytes}
+              "bucket_bytes": bucket_bytes, "isolate": isolate}
 
-    space = _Space(graph, cluster, cost, names, batch_size, k, bucket_bytes)
+    space = _Space(graph, cluster, cost, names, batch_size, k, bucket_bytes, isolate)
     _tick(progress, f"{len(space.chunks)} groups")
     notes = []
     if restricted is not None:
@@ -229,6 +234,8 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     chosen.prediction.baselines = figures
     chosen.notes = notes
     chosen.provenance.options = dict(record, chosen=label, evaluations=space.evals,
+                                     pruned_by_lp_bound=space.pruned,
+                                     isolated_layers=list(space.isolated),
                                      search_work_us=round(space.work),
                                      search_log=log[:40])
     chosen.provenance.planning_time_s = time.perf_counter() - started
@@ -316,7 +323,7 @@ def _grid(batch):
 class _Space:
     """The search space: groups, replica sets, sync options, LP and evaluation."""
 
-    def __init__(self, graph, cluster, cost, names, batch, k, bucket_bytes):
+    def __init__(self, graph, cluster, cost, names, batch, k, bucket_bytes, isolate=True):
         self.graph, self.cluster, self.cost = graph, cluster, cost
         self.names = list(names)
         self.batch = batch
@@ -329,7 +336,12 @@ class _Space:
             name: fine_tables.layer_total(i, fastest, per)
             for i, name in enumerate(fine_tables.layers)
         }
-        self.chunks = contiguous_partition(graph, k, lambda node: layer_cost[node.name])
+        self.isolated = self._comm_heavy(fine_tables, layer_cost) if isolate else []
+        # Isolated layers count towards k (the search cost grows with the groups).
+        self.chunks = contiguous_partition(
+            graph, max(k - len(self.isolated), 1), lambda node: layer_cost[node.name],
+            isolate=self.isolated,
+        )
         self.coarse = CoarseGraph(graph, self.chunks)
         self.grid = _grid(batch)
         self.ccost = CoarseCostModel(cost, self.coarse, grid=self.grid)
@@ -357,11 +369,39 @@ class _Space:
                 ])
         self._sets()
         self._cache = {}
+        self._pruned = {}
+        self._lp_cache = {}
+        self.pruned = 0
+        self.lp_bound = 0.0
+        self._spread_cache = {}
         self._piece_cache = {}
         self._grid_array = np.array(self.grid, dtype=float)
         self.work = 0.0
 
     # ----------------------------------------------------------- the space
+    def _comm_heavy(self, tables, layer_cost):
+        """Layers whose gradient all-reduce over all devices outlasts their compute.
+
+        HeteroG groups ops around the costliest ones; a layer with a large
+        gradient and little compute (VGG's FC layers, embeddings) is costly
+        in communication, and the best strategy for it (one device, one
+        node, a PS) differs from its neighbours'. Such layers (at least
+        `COMM_HEAVY_SHARE` of the gradient bytes, ring all-reduce over all
+        devices longer than forward + backward on the fastest device at an
+        even share; at most `MAX_ISOLATED`, largest first) get a group of
+        their own.
+        """
+        total = sum(tables.param_bytes) or 1
+        everyone = list(range(self.n))
+        found = []
+        for i, name in enumerate(tables.layers):
+            nbytes = tables.param_bytes[i]
+            if self.n < 2 or nbytes < COMM_HEAVY_SHARE * total:
+                continue
+            if tables.allreduce(nbytes, everyone, "ring") > layer_cost[name]:
+                found.append((-nbytes, i, name))
+        return [name for _, _, name in sorted(found)[:MAX_ISOLATED]]
+
     def _sets(self):
         t = self.tables
         n = self.n
@@ -374,6 +414,19 @@ class _Space:
             sets += [tuple(v) for v in nodes.values()]
         for m in sorted({1, max(n // 2, 1)}):
             sets.append(tuple(sorted(order[:m])))
+        if len(nodes) > 2:
+            # Devices of the best-connected nodes (fastest links to other nodes):
+            # partial replication that drops the badly connected ones.
+            probe = float(2**26)
+            heads = {k: v[0] for k, v in nodes.items()}
+            reach = {
+                k: max(t.transfer(h, o, probe) for j, o in heads.items() if j != k)
+                for k, h in heads.items()
+            }
+            best = min(reach.values())
+            well = [d for d in range(n) if reach[t.dev_node[d]] <= best * 1.01]
+            if len(well) < n:
+                sets.append(tuple(well))
         by_memory = sorted(range(n), key=lambda d: (-t.capacity[d], order.index(d)))
         big = [d for d in by_memory if t.capacity[d] >= t.capacity[by_memory[0]] * 0.999]
         if len(big) < n:
@@ -397,7 +450,46 @@ class _Space:
         roomy = max(members, key=lambda d: (t.capacity[d], -self.speed_rank[d]))
         for server in dict.fromkeys([fastest, roomy]):
             opts.append(("ps", server))
+        if len({t.dev_node[d] for d in members}) > 1:
+            opts.append(("ps", SPREAD))
         return opts
+
+    def spread(self, i, set_id):
+        """Per-variable PS servers of group `i` on a set: one server per node.
+
+        Each node of the set contributes its fastest member as a server;
+        variables (largest first) go to the server whose NIC would finish
+        its share soonest (assigned bytes / the node's outgoing bandwidth),
+        so the pushes and pulls are spread over the nodes' NICs.
+
+        Returns:
+            `(dict variable name -> device index, dict server -> bytes)`.
+        """
+        key = (i, set_id)
+        found = self._spread_cache.get(key)
+        if found is not None:
+            return found
+        t = self.tables
+        members = self.sets[set_id]
+        servers = {}
+        for d in sorted(members, key=lambda d: self.speed_rank[d]):
+            servers.setdefault(t.dev_node[d], d)
+        servers = list(servers.values())
+        probe = float(2**26)
+        slowness = {}
+        for srv in servers:
+            others = [d for d in members if t.dev_node[d] != t.dev_node[srv]]
+            slowness[srv] = max((t.transfer(srv, o, probe) for o in others), default=1.0)
+        load = {srv: 0.0 for srv in servers}
+        assign = {}
+        variables = self.coarse.graph.nodes[self.units[i]].variables
+        for v in sorted(variables, key=lambda v: (-int(v.bytes), v.name)):
+            srv = min(servers, key=lambda x: ((load[x] + int(v.bytes)) * slowness[x],
+                                              self.speed_rank[x]))
+            load[srv] += int(v.bytes)
+            assign[v.name] = srv
+        found = self._spread_cache[key] = (assign, load)
+        return found
 
     # ------------------------------------------------------------- the LP
     def _pieces(self, chunk_ids, dev_class):
@@ -413,7 +505,20 @@ class _Space:
         return found
 
     def solve_shares(self, state):
-        """Batch shares per replica set by the LP; None when nothing fits."""
+        """Batch shares per replica set by the LP; None when nothing fits.
+
+        The LP depends on each group's replica set and, for a parameter
+        server, on where the aggregation runs, not on the all-reduce
+        algorithm: states differing only in that share one solution (cached).
+        """
+        key = tuple((c, sync if sync[0] == "ps" else None) for c, sync in state)
+        found = self._lp_cache.get(key)
+        if found is None:
+            found = self._lp_cache[key] = (self._solve_shares(state), self.lp_bound)
+        shares, self.lp_bound = found
+        return shares
+
+    def _solve_shares(self, state):
         t = self.tables
         n = self.n
         B = self.batch
@@ -424,7 +529,13 @@ class _Space:
             nbytes, ntensors = self.grad_bytes[i], t.n_tensors[i]
             for d in members:
                 static[d] += self.static[i]
-            if sync[0] == "ps" and len(members) > 1:
+            if sync[0] == "ps" and len(members) > 1 and sync[1] == SPREAD:
+                _, per_server = self.spread(i, set_id)
+                for server, part in per_server.items():
+                    share = part / nbytes if nbytes else 0.0
+                    load[server] += t.cost.aggregate_time(part, len(members), t.dev[server])
+                    load[server] += t.update(server, part, max(1, round(ntensors * share)))
+            elif sync[0] == "ps" and len(members) > 1:
                 server = sync[1]
                 if server not in members:
                     static[server] += self.static[i]
@@ -450,6 +561,7 @@ class _Space:
         if (room < 0).any():
             return None
         if not var_classes:
+            self.lp_bound = float(np.max(load + fixed_time))
             return {c: [(self.sets[c][0], B)] for c in classes}
         # Variables: T, then per (class, member): share s and time tau.
         index = {}
@@ -512,6 +624,7 @@ class _Space:
         )
         if res.status != 0:
             return None
+        self.lp_bound = float(res.x[0])
         shares = {}
         for c in classes:
             members = self.sets[c]
@@ -537,25 +650,46 @@ class _Space:
             unit = self.units[i]
             per_unit[unit] = [(self.names[d], s) for d, s in shares[set_id]]
             ps = method == "ps" and len(self.sets[set_id]) > 1
+            assign = self.spread(i, set_id)[0] if ps and server == SPREAD else None
             for v in self.coarse.graph.nodes[unit].variables:
-                if ps:
+                if assign is not None:
+                    sync[v.name] = SyncSpec(method="ps", algorithm=None,
+                                            server=self.names[assign[v.name]])
+                elif ps:
                     sync[v.name] = SyncSpec(method="ps", algorithm=None, server=self.names[server])
                 else:
                     sync[v.name] = SyncSpec(method="allreduce", algorithm=method, server=None)
         return per_unit, sync
 
-    def evaluate(self, state):
-        """Coarse simulated step time of a state: (infeasible, seconds)."""
+    def evaluate(self, state, bound=None):
+        """Coarse simulated step time of a state: (infeasible, seconds).
+
+        With `bound` (seconds), a state whose LP optimum (the busiest
+        device's compute and update time, a lower bound of its simulated
+        step) is already at least `bound` is not simulated: the result is
+        then `(False, lower bound)`, enough to reject the move.
+        """
         from autodist_keras.estimator import simulate
 
         found = self._cache.get(state)
         if found is not None:
             return found
+        lower = self._pruned.get(state)
+        if lower is not None and bound is not None and lower >= bound:
+            return (False, lower)
+        if lower is None:
+            shares = self.solve_shares(state)
+            if shares is None:
+                self._cache[state] = (True, math.inf)
+                return self._cache[state]
+            lower = self.lp_bound
+            if bound is not None and lower >= bound:
+                self.pruned += 1
+                self._pruned[state] = lower
+                return (False, lower)
+        else:
+            shares = self.solve_shares(state)
         self.evals += 1
-        shares = self.solve_shares(state)
-        if shares is None:
-            self._cache[state] = (True, math.inf)
-            return self._cache[state]
         per_unit, sync = self.coarse_plan(state, shares)
         units = self.units
         p = Plan(
@@ -621,37 +755,46 @@ class _Space:
             acc += self.grad_bytes[i]
         smallest = min(self.capacity)
         heavy |= {i for i in range(len(self.units)) if self.static[i] > smallest / 4}
+        # Each pass: first the sync of every group (cheap: the shares and the
+        # LP stay, the plan usually stays one data-parallel group), then the
+        # replica sets of the heavy groups (a new LP and a full simulation each).
         for _ in range(passes):
             improved = False
-            for i in order:
-                if self.work >= max_work or budget.exhausted(reserve=reserve):
-                    break
-                state, score, line = self._improve_group(
-                    best, best_score, i, max_work, i in heavy
-                )
-                if line:
-                    best, best_score = state, score
-                    log.append(line)
-                    improved = True
+            for phase in ("sync", "sets"):
+                for i in order:
+                    if phase == "sets" and i not in heavy:
+                        continue
+                    if self.work >= max_work or budget.exhausted(reserve=reserve):
+                        break
+                    state, score, line = self._improve_group(
+                        best, best_score, i, max_work, phase
+                    )
+                    if line:
+                        best, best_score = state, score
+                        log.append(line)
+                        improved = True
             if not improved or self.work >= max_work or budget.hit:
                 break
         log.insert(0, f"coarse step {_common.ms(start)} -> {_common.ms(best_score[1])}")
         return best, best_score, log
 
-    def _improve_group(self, state, score, i, max_work, with_sets):
+    def _improve_group(self, state, score, i, max_work, phase):
         set_id, sync = state[i]
         candidates = []
         for option in self.sync_options(set_id):
-            if option != sync:
+            if option != sync and phase == "sync":
                 candidates.append((set_id, option))
-        if with_sets:
+        if phase == "sets":
             for other in range(len(self.sets)):
                 if other == set_id:
                     continue
                 opts = self.sync_options(other)
                 keep = [
                     o for o in opts
-                    if o[0] == sync[0] and (o[0] != "ps" or o[1] in self.sets[other])
+                    if o[0] == sync[0] and (
+                        o[0] != "ps" or o[1] == sync[1] == SPREAD
+                        or (sync[1] != SPREAD and o[1] in self.sets[other])
+                    )
                 ]
                 candidates.append((other, keep[0] if keep else opts[0]))
         best_state, best_score, line = state, score, None
@@ -659,7 +802,9 @@ class _Space:
             if self.work >= max_work:
                 break
             trial = state[:i] + (cand,) + state[i + 1:]
-            s = self.evaluate(trial)
+            # Prune by the LP bound only against a feasible best.
+            bound = None if best_score[0] else best_score[1] * (1 - MIN_GAIN)
+            s = self.evaluate(trial, bound=bound)
             if s[0] < best_score[0] or (
                 s[0] == best_score[0] and s[1] < best_score[1] * (1 - MIN_GAIN)
             ):
@@ -701,7 +846,10 @@ class _Space:
         )
         if len(members) == 1:
             return where
-        how = f"ps@{self.names[server]}" if method == "ps" else f"allreduce/{method}"
+        if method == "ps" and server == SPREAD:
+            how = "ps spread over one server per node"
+        else:
+            how = f"ps@{self.names[server]}" if method == "ps" else f"allreduce/{method}"
         return f"{where} {how}"
 
     # ------------------------------------------------------- final plan
