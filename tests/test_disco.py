@@ -238,3 +238,14 @@ def test_user_errors(res, clusters):
         disco.plan(res, cluster, 32, time_budget_s=0)
     with pytest.raises(PlanError, match="smaller than the number of devices.*Received"):
         disco.plan(res, cluster, 2)
+
+
+def test_cpu_devices_get_no_op_fusion_unless_forced(tiny):
+    """The runtimes realise op fusion (XLA) on GPUs only, so CPU plans carry no regions."""
+    cluster = Cluster.cpu_testbed()
+    plan = disco.plan(tiny, cluster, 48)
+    assert plan.op_fusion == []
+    assert any("not all GPUs" in note for note in plan.notes), plan.notes
+    forced = disco.plan(tiny, cluster, 48, op_fusion=True)
+    assert not any("not all GPUs" in note for note in forced.notes)
+    assert forced.provenance.options.get("op_fusion") is True

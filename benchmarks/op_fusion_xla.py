@@ -1,0 +1,121 @@
+"""Disco's op-fusion regions as XLA clusters on TensorFlow: measured step time, on vs off.
+
+For a convolutional model and an MLP, Disco plans op fusion for one device of
+this machine (`disco.plan`, data parallelism on one CPU device); the model
+then trains with `AutoStrategy(plan=..., op_fusion="on")` (the regions compiled
+as XLA clusters, see `backends/tf_fusion.py`) and `op_fusion="off"` (the same
+plan, TensorFlow's own kernels). The two sides alternate `--rounds` times in
+one run; each side's figure is the median over all its measured steps after
+`--warmup` warm-up steps per round.
+
+This is what `op_fusion="auto"` rests on: it realises the regions on GPUs
+only, because on this CPU the XLA clusters are not faster.
+
+Usage:
+    KERAS_BACKEND=tensorflow python benchmarks/op_fusion_xla.py [--steps 30] [--rounds 3]
+
+The last line of output is one JSON object.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+MODELS = {
+    # name: (builder, kwargs, input shape, classes, batch)
+    "cnn": ("small_cnn", {"input_shape": (32, 32, 3), "filters": (32, 64)}, (32, 32, 3), 10, 96),
+    "mlp": ("mlp", {"input_dim": 512, "hidden": (1024, 1024), "num_classes": 10}, (512,), 10, 256),
+}
+
+
+def _build(name):
+    import keras
+
+    from autodist_keras.graph import zoo
+
+    builder, kwargs, _, _, _ = MODELS[name]
+    keras.utils.set_random_seed(0)
+    return getattr(zoo, builder)(**kwargs)
+
+
+def _plan(name, cluster, device):
+    from autodist_keras.graph import ModelGraph
+    from autodist_keras.strategies import disco
+
+    batch = MODELS[name][4]
+    return disco.plan(ModelGraph.from_keras(_build(name)), cluster, batch, devices=[device],
+                      op_fusion=True)  # CPU plans get no regions unless forced
+
+
+def _times(name, cluster, plan, op_fusion, steps, warmup):
+    import keras
+    import numpy as np
+
+    from autodist_keras import AutoStrategy
+    from autodist_keras.timing import StepTimer
+
+    _, _, shape, classes, batch = MODELS[name]
+    strategy = AutoStrategy("disco", cluster=cluster, plan=plan, op_fusion=op_fusion)
+    with strategy.scope():
+        model = _build(name)
+        model.compile(optimizer="sgd",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    n = batch * (steps + warmup)
+    x = rng.normal(size=(n, *shape)).astype("float32")
+    y = rng.integers(0, classes, size=(n,)).astype("int32")
+    timer = StepTimer(warmup=warmup)
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+    return timer.times_s, strategy.adapter.runtime_info.get("op_fusion_regions", 0)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--models", default="cnn", help="cnn, mlp (the MLP has no regions)")
+    args = parser.parse_args()
+
+    from autodist_keras import Cluster
+
+    from autodist_keras import AutoStrategy
+
+    cluster = Cluster.cpu_testbed()
+    AutoStrategy("data_parallel", cluster=cluster).adapter  # logical devices, before any TF op
+    device = cluster.names[0]
+    print(f"op_fusion_xla: {platform.node() or 'machine'}, {os.cpu_count()} cores, device "
+          f"{device}; {args.steps} measured steps after {args.warmup} warm-up, "
+          f"{args.rounds} alternating rounds per side; load {os.getloadavg()[0]:.1f}")
+    results = {}
+    for name in args.models.split(","):
+        plan = _plan(name, cluster, device)
+        regions = [r for r in plan.op_fusion if len(r) > 1]
+        times = {"off": [], "on": []}
+        realised = {}
+        for _ in range(args.rounds):
+            for side in ("off", "on"):
+                t, realised[side] = _times(name, cluster, plan, side, args.steps, args.warmup)
+                times[side] += t
+        off, on = statistics.median(times["off"]), statistics.median(times["on"])
+        results[name] = {
+            "regions": len(regions),
+            "regions_realised": realised,
+            "median_step_s_off": off,
+            "median_step_s_on": on,
+            "steps_each": len(times["off"]),
+            "off_over_on": round(off / on, 3),
+        }
+        print(f"{name:4s} {len(regions)} regions  off {off * 1e3:.1f} ms  on (XLA) {on * 1e3:.1f} ms"
+              f"  off/on {off / on:.3f}x (measured)")
+    print(json.dumps({"benchmark": "op_fusion_xla", "load_after": os.getloadavg()[0],
+                      "results": results}))
+
+
+if __name__ == "__main__":
+    main()
