@@ -249,3 +249,18 @@ def test_cpu_devices_get_no_op_fusion_unless_forced(tiny):
     forced = disco.plan(tiny, cluster, 48, op_fusion=True)
     assert not any("not all GPUs" in note for note in forced.notes)
     assert forced.provenance.options.get("op_fusion") is True
+
+
+def test_selection_plans_no_op_fusion_for_the_torch_runtime(tiny):
+    """The PyTorch runtime does not compile regions, so auto's Disco candidate has none there."""
+    from autodist_keras.strategies import selection
+
+    cluster = Cluster.from_string("2xV100")
+    found = {}
+    for backend in ("tensorflow", "torch"):
+        candidates = selection.build_candidates(
+            tiny, cluster, 64, families=["disco"], options={"backend": backend})
+        (disco_candidate,) = [c for c in candidates if c.family == "disco"]
+        found[backend] = disco_candidate.plan.op_fusion
+    assert found["tensorflow"], "a launch-bound model on GPUs gets op-fusion regions"
+    assert found["torch"] == []

@@ -258,7 +258,7 @@ class AutoStrategy:
         sync_opts = {k: opts[k] for k in ("algorithm", "bucket_bytes") if k in opts}
         self.candidates = selection.build_candidates(
             graph, self.cluster, batch_size, devices=self.devices, families=families,
-            options=sync_opts, executable=executable,
+            options=dict(sync_opts, backend=self.adapter.name), executable=executable,
             scorer=selection.resolve_scorer(estimator, self.adapter.name),
         )
         wanted = BASELINE_FOR_NAME.get(self.name, self.name)

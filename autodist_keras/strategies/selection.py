@@ -424,6 +424,10 @@ def build_candidates(
         candidates.append(candidate)
         if progress is not None:
             progress.update(1)
+    family_options = {}
+    if options.get("backend") == "torch":
+        # The PyTorch runtime does not realise op-fusion regions: plan none for it.
+        family_options["disco"] = {"op_fusion": False}
     for family in families:
         started = time.perf_counter()
         candidate = Candidate(name=family, family=family)
@@ -432,6 +436,7 @@ def build_candidates(
             candidate.plan = module.plan(
                 graph, cluster, batch_size, cost_model=cost_model, devices=devices,
                 time_budget_s=FAMILY_BUDGET_S.get(family), progress=None,
+                **family_options.get(family, {}),
             )
             _score(graph, cluster, candidate, cost_model, scorer)
             if not candidate.plan.is_data_parallel:
