@@ -386,13 +386,20 @@ class _Forward:
             return known[2]
         if known is not None:
             tensor = self._join(tensor, known, known[0].device)
+        # Slices, not tf.split: Grappler's arithmetic optimizer (TF 2.21) rewrote a
+        # SplitV of a ConcatV2 of uneven parts wrongly in a traced step.
+        mask = get_keras_mask(tensor)
+        parts, start = [], 0
         with tf.device(tensor.device) if tensor.device else contextlib.nullcontext():
-            pieces = tf.split(tensor, list(shares), axis=0)
-            mask = get_keras_mask(tensor)
-            if mask is not None:
-                for piece, m in zip(pieces, tf.split(mask, list(shares), axis=0)):
-                    set_keras_mask(piece, m)
-        parts = [p if s > 0 else None for p, s in zip(pieces, shares)]
+            for share in shares:
+                if share == 0:
+                    parts.append(None)
+                    continue
+                piece = tensor[start:start + share]
+                if mask is not None:
+                    set_keras_mask(piece, mask[start:start + share])
+                parts.append(piece)
+                start += share
         self.split[id(tensor)] = (tensor, tuple(shares), parts)
         self.keep.append(tensor)
         return parts

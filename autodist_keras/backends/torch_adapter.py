@@ -201,8 +201,12 @@ class TorchAdapter(BackendAdapter):
         """
         if not plan.is_data_parallel:
             return False, (
-                "the PyTorch runtime runs data-parallel plans (one layer group); this plan "
-                f"has {len(plan.groups)} groups"
+                "the PyTorch runtime runs one process per device, each with a whole replica of "
+                "the model (data parallelism), so it cannot place layer groups on different "
+                f"devices; this {plan.provenance.planner} plan has {len(plan.groups)} layer "
+                "groups. Run it with KERAS_BACKEND=tensorflow (one process drives every local "
+                "device), or use a data-parallel strategy ('data_parallel', 'proportional', "
+                "'disco' or 'auto')"
             )
         devices = set(plan.devices)
         servers = sorted({s.server for s in plan.sync.values() if s.method == "ps"} - devices)
@@ -255,7 +259,8 @@ class _FitRun:
         if not plan.is_data_parallel:
             raise BackendError(
                 "The PyTorch runtime runs data-parallel plans (one layer group replicated "
-                "over devices); this plan places layer groups on different devices. Use "
+                "over devices); this plan places layer groups on different devices. Run "
+                "placement plans with KERAS_BACKEND=tensorflow, or use "
                 "strategy='data_parallel', 'proportional' or 'auto'. "
                 f"Received: {len(plan.groups)} groups"
             )
