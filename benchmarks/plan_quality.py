@@ -108,7 +108,71 @@ def families():
     return found, missing, auto
 
 
-def run_case(graph, cluster, batch, planners, auto, budget=None):
+TARGETS = {
+    "hetero_testbed_auto_geomean_speedup_over_data_parallel_even": 1.5,
+    "hetero_testbed_auto_geomean_speedup_over_proportional": 1.15,
+    "mixed16_max_auto_planning_wall_s": 10.0,
+}
+
+
+def headroom(graph, cluster, batch, proportional_result):
+    """Why a plan cannot beat data parallelism by much: the balanced-compute bound.
+
+    The bound is the step time of data parallelism with perfectly balanced
+    whole-sample shares and free communication: the smallest `T` such that the
+    devices together process `batch` samples, each device's share being the
+    most samples whose forward + backward (analytic cost model) fit in `T`.
+    No plan without op fusion or a cheaper cost per sample can be faster than
+    about this (placement plans run layers at a larger batch, so it is not a
+    strict bound for them). Also returns the critical device's exposed
+    communication and idle time in proportional data parallelism. Every
+    figure is a prediction.
+    """
+    from autodist_keras.estimator.cost_model import AnalyticCostModel
+
+    cost = AnalyticCostModel(cluster)
+    classes = {}
+    for name in cluster.names:
+        classes.setdefault(cluster.device(name).model, []).append(name)
+    nodes = list(graph.nodes.values())
+    memo = {}
+
+    def step(model, samples):
+        key = (model, samples)
+        if key not in memo:
+            device = cluster.device(classes[model][0])
+            memo[key] = sum(cost.layer_time(n, device, samples, phase)
+                            for n in nodes for phase in ("forward", "backward"))
+        return memo[key]
+
+    def fits(model, limit):  # most whole samples whose step fits in `limit`
+        lo, hi = 0, batch
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if step(model, mid) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    lo, hi = 0.0, max(step(m, batch) for m in classes)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if sum(fits(m, mid) * len(d) for m, d in classes.items()) >= batch:
+            hi = mid
+        else:
+            lo = mid
+    crit = proportional_result.per_device[proportional_result.critical_device]
+    return {
+        "balanced_compute_bound_s": hi,
+        "proportional_critical_device": proportional_result.critical_device,
+        "proportional_critical_busy_s": crit.busy_s,
+        "proportional_critical_exposed_comm_s": crit.exposed_comm_s,
+        "proportional_critical_idle_s": crit.idle_s,
+    }
+
+
+def run_case(graph, cluster, batch, planners, auto, budget=None, bound=False):
     """Plans one model on one cluster with everything; returns a record."""
     from autodist_keras.errors import AutodistError
     from autodist_keras.estimator import simulate
@@ -125,6 +189,8 @@ def run_case(graph, cluster, batch, planners, auto, budget=None):
             plan = builders[name](graph, cluster, batch)
             result = simulate(graph, cluster, plan)
             entry = {"step_time_s": result.step_time_s, "feasible": result.feasible}
+            if bound and name == "proportional":
+                record["headroom"] = headroom(graph, cluster, batch, result)
         except AutodistError as e:
             entry = {"step_time_s": None, "feasible": False, "error": str(e)[:200]}
         entry["planning_time_s"] = time.perf_counter() - started
@@ -319,7 +385,8 @@ def main(argv=None):
             cluster = cluster_objs[name]
             per = args.batch_per_device or PER_DEVICE.get(model, 32)
             rec = run_case(graph, cluster, per * len(cluster), planners, auto,
-                           budget=1e9 if args.no_budget else None)
+                           budget=1e9 if args.no_budget else None,
+                           bound=name == "hetero_testbed")
             records[(model, name)] = rec
             line = ", ".join(
                 f"{k} {v['step_time_s'] * 1e3:.1f} ms" + ("" if v["feasible"] else " (OOM)")
@@ -335,6 +402,38 @@ def main(argv=None):
             print(f"{key}: {value:.3f}")
         elif not isinstance(value, dict):
             print(f"{key}: {value}")
+    bounds = [
+        (m, rec["plans"]["data_parallel_even"]["step_time_s"],
+         rec["plans"]["proportional"]["step_time_s"], rec["headroom"])
+        for (m, c), rec in records.items()
+        if c == "hetero_testbed" and "headroom" in rec
+        and rec["plans"]["data_parallel_even"].get("step_time_s")
+        and rec["plans"]["proportional"].get("step_time_s")
+    ]
+    if bounds:
+        print("Headroom on hetero_testbed (predicted): balanced-compute bound of data "
+              "parallelism (free communication) and proportional DP's critical device")
+        for m, even, prop, h in bounds:
+            b = h["balanced_compute_bound_s"]
+            print(f"  {m}: bound {b * 1e3:.1f} ms = {even / b:.3f}x over even, {prop / b:.3f}x "
+                  f"over proportional; proportional critical {h['proportional_critical_device']}"
+                  f" busy {h['proportional_critical_busy_s'] * 1e3:.1f} ms, exposed comm "
+                  f"{h['proportional_critical_exposed_comm_s'] * 1e3:.1f} ms")
+        summary["hetero_testbed_bound_geomean_speedup_over_data_parallel_even"] = _geomean(
+            [e / h["balanced_compute_bound_s"] for _, e, _, h in bounds])
+        summary["hetero_testbed_bound_geomean_speedup_over_proportional"] = _geomean(
+            [p / h["balanced_compute_bound_s"] for _, _, p, h in bounds])
+    met = {}
+    for key, target in TARGETS.items():
+        if key.startswith("mixed16"):
+            value = summary.get("mixed16_max_planning_time_s", {}).get("auto")
+            met[key] = {"target": target, "value": value,
+                        "met": value is not None and value < target}
+        else:
+            value = summary.get(key)
+            met[key] = {"target": target, "value": value,
+                        "met": value is not None and value >= target}
+    summary["targets"] = met
     for planner, value in summary.get("mixed16_max_planning_time_s", {}).items():
         cpu = summary["mixed16_max_planning_cpu_s"][planner]
         print(f"max planning time on mixed16 ({planner}): {value:.2f} s wall, "
