@@ -938,7 +938,8 @@ def run_steps(
         steps: Number of timed steps.
         warmup: Steps run first and not timed (tracing, start-up).
         processes: Run one process per device (see above); default: True
-            when the cluster's devices have CPU affinities.
+            when the cluster's devices have CPU affinities and the plan is
+            data-parallel (a placement plan always runs in this process).
         timeout_s: Give up (and kill workers) after this many seconds.
         options: Extra `AutoStrategy` options (e.g. `{"sync": "ps"}`).
         devices: Device names to use (default: the plan's devices for a
@@ -965,8 +966,15 @@ def run_steps(
     options = dict(options or {})
     if devices is None and isinstance(plan_or_strategy_name, Plan):
         devices = list(plan_or_strategy_name.devices)
+    placement = isinstance(plan_or_strategy_name, Plan) and not plan_or_strategy_name.is_data_parallel
     if processes is None:
-        processes = any(d.cpu_affinity is not None for d in cluster.devices)
+        processes = not placement and any(d.cpu_affinity is not None for d in cluster.devices)
+    if processes and placement:
+        raise BackendError(
+            "A placement or hybrid plan (several layer groups) runs in one process that drives "
+            "every device; it cannot be timed with one worker process per device. Pass "
+            f"processes=False. Received: {len(plan_or_strategy_name.groups)} groups, processes=True"
+        )
     x = np.asarray(x)
     y = np.asarray(y)
     if processes:
