@@ -16,6 +16,10 @@ def build_cnn():
     return _compile(zoo.small_cnn(input_shape=(32, 32, 3), filters=(32, 64)))
 
 
+def build_small_cnn():
+    return build_cnn()
+
+
 def build_mlp():
     keras.utils.set_random_seed(0)
     return _compile(zoo.mlp(input_dim=512, hidden=(1024, 1024), num_classes=10))

@@ -57,8 +57,9 @@ class StepProfile:
 
     Enabled when the environment variable `AUTODIST_KERAS_TORCH_PROFILE` names
     a directory (set it before `fit`; workers inherit it). Each rank then
-    records, per step, the wall time at each phase boundary
-    (`mark(name)`) and the process's CPU time, and `save()` writes
+    records, per step, the wall time since the step began at each phase
+    boundary (`mark(name)` stores `name`) and the process's CPU time (all its
+    threads, gloo's included) up to it (`cpu_<name>`), and `save()` writes
     `rank<r>.json` into the directory. Disabled, `mark` is a no-op.
 
     Args:
@@ -83,8 +84,10 @@ class StepProfile:
             self._current = {"t0": time.perf_counter(), "cpu0": time.process_time()}
 
     def mark(self, name):
-        if self._current is not None:
-            self._current[name] = time.perf_counter() - self._current["t0"]
+        current = self._current
+        if current is not None:
+            current[name] = time.perf_counter() - current["t0"]
+            current["cpu_" + name] = time.process_time() - current["cpu0"]
 
     def end(self):
         current = self._current
