@@ -36,6 +36,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -57,6 +58,7 @@ MODELS = {
 }
 DEFAULT_MODELS = ("cnn", "mlp", "transformer")
 BASELINES = ("single_device", "data_parallel_even", "proportional")
+TIE_RTOL = 1e-6  # predicted times this close count as a tie, not as beaten
 
 
 def plan_with_auto(case, cluster, estimator="learned", devices=None):
@@ -73,7 +75,17 @@ def plan_with_auto(case, cluster, estimator="learned", devices=None):
     strategy = AutoStrategy("auto", cluster=cluster, devices=devices, estimator=estimator)
     keras.utils.set_random_seed(0)
     model = build_model(case)
-    plan = strategy.plan_for(model, case.batch_size)
+    # Plan afresh (a plan from the cache comes without its scored candidates).
+    previous = os.environ.get("AUTODIST_KERAS_CACHE")
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["AUTODIST_KERAS_CACHE"] = cache
+        try:
+            plan = strategy.plan_for(model, case.batch_size)
+        finally:
+            if previous is None:
+                os.environ.pop("AUTODIST_KERAS_CACHE", None)
+            else:
+                os.environ["AUTODIST_KERAS_CACHE"] = previous
     return strategy, plan
 
 
@@ -83,7 +95,8 @@ def beaten_baselines(strategy, plan):
     out = []
     for c in strategy.candidates:
         if c.name in BASELINES and c.name != chosen and c.plan is not None and c.feasible \
-                and c.step_time_s is not None and c.step_time_s > plan.prediction.step_time_s:
+                and c.step_time_s is not None \
+                and c.step_time_s > plan.prediction.step_time_s * (1.0 + TIE_RTOL):
             out.append(c)
     return out
 

@@ -59,6 +59,7 @@ FAMILIES = ("fastt", "heterog", "disco")
 FAMILY_BUDGET_S = {"fastt": 3.0, "heterog": 4.0, "disco": 2.0}
 CACHE_VERSION = 2
 ESTIMATOR_CHOICES = ("learned", "simulator")
+TIE_RTOL = 1e-6
 SCORER_SIMULATOR = "simulator (predicted)"
 
 
@@ -481,8 +482,11 @@ def pick(candidates):
             "No candidate plan fits this model on this cluster (predicted). Use more or "
             f"larger devices, or a smaller batch. Received: {reasons}"
         )
-    # Ties go to the simpler plan: baselines come first in the list.
-    return min(usable, key=lambda c: c.step_time_s)
+    # Ties go to the simpler plan: baselines come first in the list. Times within
+    # TIE_RTOL of the fastest count as ties (float noise, or a family returning a
+    # baseline's plan with other buckets).
+    fastest = min(c.step_time_s for c in usable)
+    return next(c for c in usable if c.step_time_s <= fastest * (1.0 + TIE_RTOL))
 
 
 def record_candidates(plan, candidates):
