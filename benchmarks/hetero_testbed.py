@@ -7,12 +7,30 @@ the measured median step time over `--steps` steps after `--warmup` steps,
 and the ratio even / proportional measured in the same run. The ideal ratio on
 this testbed is 1.33x (the even split waits for the half-speed devices).
 
+Models: `cnn` (small CNN, batch 96), `mlp` (512-1024-1024-10, 1.59 M
+parameters, batch 384) and `mlp_large` (the same MLP at batch 3072). At
+batch 384 most of a replica's step cost scales with the parameters, not with
+its share (weights streamed through forward and backward, the 6.3 MB
+gradient all-reduce, the optimizer update), and the two replicas on core 1
+pay it twice whatever the shares, so proportional cannot win there (measured
+on an idle machine: torch 0.904x, TensorFlow 1.07x). `mlp` is kept so this
+stays visible; `mlp_large` is the compute-dominated case the 1.33x ideal
+assumes (docs/runtime_torch.md, "Where a step's time goes", has the
+per-rank CPU figures).
+
+PyTorch cases also record the runtime's step profile
+(`AUTODIST_KERAS_TORCH_PROFILE`): per rank its cores, intra-op threads and
+median phase times (wall and CPU), and `core_cpu_ms`, the CPU time per step
+summed over the ranks pinned to each core. On a machine shared with other
+jobs, wall times are inflated unevenly; the busiest core's CPU time still
+shows which plan is cheaper.
+
 Each (backend, model, plan) case runs in its own process, because the Keras
 backend is fixed per process and TensorFlow's logical devices must be set up
 before it initialises.
 
 Usage:
-    python benchmarks/hetero_testbed.py [--backends tensorflow,torch] [--steps 30]
+    python benchmarks/hetero_testbed.py [--backends tensorflow,torch] [--models cnn,mlp,mlp_large] [--steps 30]
 
 The last line of output is one JSON object.
 """
