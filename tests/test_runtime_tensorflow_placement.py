@@ -5,8 +5,8 @@ model from the same initial weights on the same batches (shuffle=False,
 float32, rtol 1e-5 / atol 1e-6): weights after an epoch, the logged loss and
 accuracy, `evaluate` and `predict`. Models: an MLP (with an L2 weight
 regulariser and an activity regulariser), the zoo's small CNN with frozen
-BatchNormalization, and a functional model with a branch and a residual
-`Add`. Devices: the logical CPU devices tests/conftest.py creates.
+BatchNormalization, a functional model with a branch and a residual `Add`,
+and a model with a nested Sequential and a layer called twice. Devices: the logical CPU devices tests/conftest.py creates.
 
 Placement is checked two ways: in the traced step, every forward and
 backward op of a layer carries the planned device; and in an eager run
@@ -62,8 +62,21 @@ def _res():
     return keras.Model(inputs, outputs, name="r_res")
 
 
-MODELS = {"mlp": _mlp, "cnn": _cnn, "res": _res}
-INPUTS = {"mlp": (8,), "cnn": (6, 6, 2), "res": (16,)}
+def _nested():
+    # A nested Sequential and a layer called twice (graph nodes n_shared, n_shared#1).
+    inner = keras.Sequential([keras.Input((16,)),
+                              keras.layers.Dense(16, activation="tanh", name="n_in1"),
+                              keras.layers.Dense(16, name="n_in2")], name="n_inner")
+    shared = keras.layers.Dense(16, activation="relu", name="n_shared")
+    inputs = keras.Input((16,), name="n_x")
+    a = shared(inputs)
+    c = shared(inner(a))
+    merged = keras.layers.Concatenate(name="n_cat")([a, c])
+    return keras.Model(inputs, keras.layers.Dense(3, name="n_out")(merged), name="n_model")
+
+
+MODELS = {"mlp": _mlp, "cnn": _cnn, "res": _res, "nested": _nested}
+INPUTS = {"mlp": (8,), "cnn": (6, 6, 2), "res": (16,), "nested": (16,)}
 
 
 def _data(name, samples=SAMPLES, seed=0):
@@ -209,7 +222,7 @@ def _check_traced_placement(model, strategy):
 
 
 def _name_of(model):
-    return {"p_mlp": "mlp", "small_cnn": "cnn", "r_res": "res"}[model.name]
+    return {"p_mlp": "mlp", "small_cnn": "cnn", "r_res": "res", "n_model": "nested"}[model.name]
 
 
 # ------------------------------------------------------------- placement
@@ -245,6 +258,21 @@ def test_eager_run_computes_each_layer_on_its_device():
     for key, device in expect.items():
         tensors = produced[key]
         assert tensors and all(t.device.endswith(device) for t in tensors), (key, tensors)
+
+
+def test_nested_model_and_shared_layer_calls_are_placed_per_call():
+    names = list(_graph("nested").nodes)
+    assert names == ["n_x", "n_shared", "n_in1", "n_in2", "n_shared#1", "n_cat", "n_out"]
+    plan = _plan("nested", [(names[:2], [(D0, BATCH)]), (names[2:4], [(D1, 10), (D2, 14)]),
+                            ([names[4]], [(D2, BATCH)]), (names[5:], [(D1, BATCH)])])
+    strategy = _strategy(plan)
+    model, history = _train("nested", strategy, "adam", run_eagerly=True)
+    _assert_matches_reference("nested", model, history, "adam")
+    produced = model._autodist_runtime.placement.last_pass.produced
+    expect = {("n_shared", D0): "CPU:0", ("n_shared#1", D2): "CPU:2", ("n_in1", D1): "CPU:1",
+              ("n_in2", D2): "CPU:2", ("n_out", D1): "CPU:1"}
+    for key, device in expect.items():
+        assert all(t.device.endswith(device) for t in produced[key]), (key, produced[key])
 
 
 # --------------------------------------------------------------- splitting
