@@ -215,6 +215,57 @@ def comparison_note(step_time_s, figures):
     return f"Predicted {ms(step_time_s)} per step vs " + "; ".join(parts) + "."
 
 
+def int_option(planner, name, value, minimum):
+    """Checks an integer planner option and returns it.
+
+    Args:
+        planner: Planner name, for the message.
+        name: Option name.
+        value: The value given (or the default).
+        minimum: Smallest allowed value.
+
+    Returns:
+        `value`.
+
+    Raises:
+        StrategyError: When `value` is not an integer (bools are not) or is
+            below `minimum`.
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise StrategyError(
+            f"{planner}: option {name} must be an integer >= {minimum}. Received: {value!r}"
+        )
+    return value
+
+
+def tick(progress, planner, text):
+    """Advances an optional tqdm `progress` by one stage, labelled `planner text`."""
+    if progress is not None:
+        progress.update(1)
+        progress.set_postfix_str(f"{planner} {text}", refresh=False)
+
+
+def result_notes(result, budget):
+    """The closing notes every planner adds: predicted memory overflow, budget hit.
+
+    Args:
+        result: The chosen plan's `SimResult`.
+        budget: The planning `Budget`.
+
+    Returns:
+        A list of zero to two sentences.
+    """
+    notes = []
+    if not result.feasible:
+        notes.append(f"The plan does not fit in memory (predicted): {result.infeasible_reason}.")
+    if budget.hit:
+        notes.append(
+            f"The planning budget of {budget.seconds:.1f} s was reached; the search stopped "
+            "early, so the result may differ between runs."
+        )
+    return notes
+
+
 def ms(seconds):
     """Seconds as a short millisecond string."""
     return f"{seconds * 1e3:.2f} ms"

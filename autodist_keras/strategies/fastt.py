@@ -139,7 +139,7 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
                 tables, batch_size, base, rounds, per_round, work, budget, memory_aware
             )
         searched.append((method, base, best, kept))
-        _tick(progress, f"{method}: {len(kept)} split(s)")
+        _common.tick(progress, PLANNER, f"{method}: {len(kept)} split(s)")
 
     # Score the candidates with the simulator: every schedule whose makespan
     # is within PROXY_SCORE_RANGE of the best one, best schedules first.
@@ -173,7 +173,7 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
         )
     scored.sort(key=lambda x: x[0])
     _, chosen, result, label, splits, sched = scored[0]
-    _tick(progress, "scored")
+    _common.tick(progress, PLANNER, "scored")
 
     by_method = {}
     for _, _, res, lab, _, _ in scored:
@@ -216,14 +216,8 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
             f"The model does not fit on one device at batch {batch_size} (predicted); "
             f"placed across {len(used)} device(s)."
         )
-    if not result.feasible:
-        notes.append(f"The plan does not fit in memory (predicted): {result.infeasible_reason}.")
-    if budget.hit:
-        notes.append(
-            f"The planning budget of {budget.seconds:.1f} s was reached; the search stopped "
-            "early, so the result may differ between runs."
-        )
-    elif any(w.hit for w in works):
+    notes.extend(_common.result_notes(result, budget))
+    if not budget.hit and any(w.hit for w in works):
         notes.append("The split search stopped at its work limit (max_work).")
     figures = {}
     if options.get("baselines") is None and budget.exhausted():
@@ -239,7 +233,7 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     chosen.notes = notes
     chosen.provenance.options = dict(record, chosen=label, splits=list(splits))
     chosen.provenance.planning_time_s = time.perf_counter() - started
-    _tick(progress, "done")
+    _common.tick(progress, PLANNER, "done")
     return chosen
 
 
@@ -269,18 +263,7 @@ class _Work:
 
 
 def _int_option(options, name, default, minimum):
-    value = options.get(name, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise StrategyError(
-            f"fastt: option {name} must be an integer >= {minimum}. Received: {value!r}"
-        )
-    return value
-
-
-def _tick(progress, text):
-    if progress is not None:
-        progress.update(1)
-        progress.set_postfix_str(f"fastt {text}", refresh=False)
+    return _common.int_option(PLANNER, name, options.get(name, default), minimum)
 
 
 def _split_sizes(n_dev, batch):

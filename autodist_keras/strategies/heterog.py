@@ -128,14 +128,14 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     k = options.get("groups")
     if k is None:
         k = int(min(16, max(8, round(math.sqrt(len(graph.nodes))))))
-    _check_int("groups", k, 1)
+    _common.int_option(PLANNER, "groups", k, 1)
     max_work = options.get("max_work", DEFAULT_MAX_WORK)
     if not isinstance(max_work, (int, float)) or isinstance(max_work, bool) or max_work < 0:
         raise StrategyError(
             f"heterog: option max_work must be a non-negative number. Received: {max_work!r}"
         )
     passes = options.get("passes", 2)
-    _check_int("passes", passes, 0)
+    _common.int_option(PLANNER, "passes", passes, 0)
     use_seeds = bool(options.get("seeds", True))
     isolate = bool(options.get("isolate", True))
     bucket_bytes = options.get("bucket_bytes", baselines.DDP_BUCKET_BYTES)
@@ -145,7 +145,7 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
               "bucket_bytes": bucket_bytes, "isolate": isolate}
 
     space = _Space(graph, cluster, cost, names, batch_size, k, bucket_bytes, isolate)
-    _tick(progress, f"{len(space.chunks)} groups")
+    _common.tick(progress, PLANNER, f"{len(space.chunks)} groups")
     notes = []
     if restricted is not None:
         notes.append(
@@ -169,13 +169,13 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
             f"Seeds {skipped} were not simulated: the planning budget ran short, so the "
             "plan is only guaranteed no slower than the simulated seeds."
         )
-    _tick(progress, f"{len(seeds)} seeds")
+    _common.tick(progress, PLANNER, f"{len(seeds)} seeds")
 
     # Local search over group strategies, scored on the coarse graph. Leave
     # time to simulate the result on the real graph.
     reserve = 1.5 * per_sim if seeds else budget.seconds / 4
     state, score, log = space.search(max_work, passes, budget, reserve)
-    _tick(progress, f"{space.evals} evaluations")
+    _common.tick(progress, PLANNER, f"{space.evals} evaluations")
     found = None
     if state is not None:
         found = space.fine_plan(state, record)
@@ -223,13 +223,7 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     compare = {n: f for n, f in figures.items() if n in ("data_parallel_even", "proportional")}
     if compare:
         notes.append(_common.comparison_note(result.step_time_s, compare))
-    if not result.feasible:
-        notes.append(f"The plan does not fit in memory (predicted): {result.infeasible_reason}.")
-    if budget.hit:
-        notes.append(
-            f"The planning budget of {budget.seconds:.1f} s was reached; the search stopped "
-            "early, so the result may differ between runs."
-        )
+    notes.extend(_common.result_notes(result, budget))
     _common.finish(chosen, graph, cluster, cost, started, result)
     chosen.prediction.baselines = figures
     chosen.notes = notes
@@ -239,21 +233,8 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
                                      search_work_us=round(space.work),
                                      search_log=log[:40])
     chosen.provenance.planning_time_s = time.perf_counter() - started
-    _tick(progress, "done")
+    _common.tick(progress, PLANNER, "done")
     return chosen
-
-
-def _check_int(name, value, minimum):
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise StrategyError(
-            f"heterog: option {name} must be an integer >= {minimum}. Received: {value!r}"
-        )
-
-
-def _tick(progress, text):
-    if progress is not None:
-        progress.update(1)
-        progress.set_postfix_str(f"heterog {text}", refresh=False)
 
 
 def _fastest(cluster, names, batch_size):
