@@ -574,6 +574,9 @@ def choose_plan(
         try:
             plan = Plan.from_json(path)
             plan.validate(graph, cluster)
+            if executable is not None and not executable(plan)[0]:
+                # e.g. a placement plan cached by a one-process run, read by a worker
+                raise StrategyError("the cached plan cannot run here; planning again")
             plan.notes = [n for n in plan.notes if not n.startswith("cache:")]
             plan.notes.append(f"cache: reused plan {key[:12]} from {path}")
             return plan, []
