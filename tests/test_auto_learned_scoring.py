@@ -198,3 +198,18 @@ def test_real_check_runs_a_tiny_case():
     assert row["scorer"].endswith("predicted")
     assert case["ratio_measured_baseline_over_auto"] == {} and case["auto_at_least_as_fast"]
     assert line["overall"]["cases"] == 1
+
+
+def test_unshared_devices_candidate(testbed, wide):
+    assert selection.unshared_devices(testbed, testbed.names) == ["node0/cpu0", "node0/cpu1"]
+    scorer = selection.resolve_scorer("learned", backend="torch")
+    by_name = {c.name: c for c in selection.build_candidates(wide, testbed, 96, families=[],
+                                                              scorer=scorer)}
+    c = by_name["data_parallel_unshared"]
+    assert c.plan.devices == ["node0/cpu0", "node0/cpu1"]
+    assert [r.batch_share for r in c.plan.replicas] == [48, 48]
+    assert c.scorer == "learned estimator (ensemble, torch); predicted"
+    gpus = Cluster.from_string("2xV100,2x1080Ti")
+    assert selection.unshared_devices(gpus, gpus.names) == gpus.names
+    names = [n for n, _ in selection.baseline_candidates(wide, gpus, 64, gpus.names, {})]
+    assert "data_parallel_unshared" not in names

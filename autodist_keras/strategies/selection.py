@@ -1,7 +1,9 @@
 """Choosing a plan: candidates from every family and the baselines, scored by the estimator.
 
 `choose_plan` builds the baselines (single device, even and proportional
-data parallelism, each with all-reduce and PS where it differs) and asks each
+data parallelism, each with all-reduce and PS where it differs, and, where
+some devices share CPU cores, even data parallelism over the devices that do
+not: `data_parallel_unshared`) and asks each
 planner family (FastT, HeteroG, Disco) for its best plan. Every candidate is
 scored by the simulator, the one source of predicted times. The fastest
 feasible candidate wins; the others are recorded on the winner's
@@ -333,7 +335,36 @@ def baseline_candidates(graph, cluster, batch_size, devices, options):
             ("proportional_ps", lambda: baselines.proportional(
                 graph, cluster, batch_size, devices=devices, sync="ps", **opts)),
         ]
+        unshared = unshared_devices(cluster, devices)
+        if 2 <= len(unshared) < len(devices):
+            pairs.append(("data_parallel_unshared", lambda: baselines.data_parallel_even(
+                graph, cluster, batch_size, devices=unshared, **opts)))
     return pairs
+
+
+def unshared_devices(cluster, devices):
+    """The devices that share no CPU core with a faster one, fastest first taken.
+
+    On the CPU testbed (node0/cpu1 and node0/cpu2 share core 1) this is
+    `["node0/cpu0", "node0/cpu1"]`; devices without a CPU affinity (GPUs)
+    share nothing, so there it is every device.
+
+    Args:
+        cluster: The `Cluster`.
+        devices: Device names.
+
+    Returns:
+        A list of device names, in `devices` order.
+    """
+    speeds = baselines.device_speeds(cluster)
+    taken, keep = set(), set()
+    for name in sorted(devices, key=lambda d: (-speeds[d], devices.index(d))):
+        cores = set(cluster.device(name).cpu_affinity or ())
+        if cores & taken:
+            continue
+        taken |= cores
+        keep.add(name)
+    return [d for d in devices if d in keep]
 
 
 def available_families():
