@@ -160,6 +160,52 @@ class CostModel:
         raise NotImplementedError
 
 
+class WrappedCostModel(CostModel):
+    """A cost model over another one: it delegates every duration to `base`.
+
+    Subclasses override what they price differently (usually `layer_time`)
+    and inherit the delegation of transfers, all-reduces, updates and
+    aggregation, so a wrapper can never drop one of them.
+
+    Args:
+        base: The wrapped `CostModel` (analytic, profiled or learned); its
+            `cluster` becomes this model's.
+
+    Example:
+
+    ```python
+    class Doubled(WrappedCostModel):
+        def layer_time(self, node, device, batch, phase):
+            return 2.0 * self.base.layer_time(node, device, batch, phase)
+
+    cost = Doubled(AnalyticCostModel(cluster))
+    ```
+    """
+
+    def __init__(self, base):
+        super().__init__(getattr(base, "cluster", None))
+        self.base = base
+
+    def base_with_cluster(self, cluster):
+        """`base` bound to `cluster` (`base` itself when it cannot rebind)."""
+        return self.base.with_cluster(cluster) if hasattr(self.base, "with_cluster") else self.base
+
+    def layer_time(self, node, device, batch, phase):
+        return self.base.layer_time(node, device, batch, phase)
+
+    def transfer_time(self, nbytes, src, dst):
+        return self.base.transfer_time(nbytes, src, dst)
+
+    def allreduce_time(self, nbytes, devices, algorithm="ring"):
+        return self.base.allreduce_time(nbytes, devices, algorithm)
+
+    def update_time(self, nbytes, device, num_tensors=1):
+        return self.base.update_time(nbytes, device, num_tensors)
+
+    def aggregate_time(self, nbytes, num_inputs, device):
+        return self.base.aggregate_time(nbytes, num_inputs, device)
+
+
 class AnalyticCostModel(CostModel):
     """Roofline compute costs and alpha-beta communication costs.
 

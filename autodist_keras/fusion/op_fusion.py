@@ -49,7 +49,7 @@ import dataclasses
 from autodist_keras.errors import PlanError
 from autodist_keras.estimator.cost_model import PHASES
 from autodist_keras.estimator.cost_model import AnalyticCostModel
-from autodist_keras.estimator.cost_model import CostModel
+from autodist_keras.estimator.cost_model import WrappedCostModel
 from autodist_keras.estimator.cost_model import input_bytes_per_sample
 from autodist_keras.estimator.cost_model import op_category
 
@@ -235,7 +235,7 @@ def roofline_time(analytic, node, device, batch, phase, context=None):
     return max(compute, memory)
 
 
-class FusionAwareCostModel(CostModel):
+class FusionAwareCostModel(WrappedCostModel):
     """A cost model that prices layers inside op-fusion regions as fused.
 
     Layers outside regions, and transfers, collectives and updates, are
@@ -264,8 +264,7 @@ class FusionAwareCostModel(CostModel):
                 "FusionAwareCostModel wraps a cost model; pass one (e.g. "
                 "AnalyticCostModel(cluster)). Received: base=None"
             )
-        super().__init__(getattr(base, "cluster", None))
-        self.base = base
+        super().__init__(base)
         self.graph = graph
         self.regions = check_regions(graph, regions)
         self.contexts = region_contexts(graph, self.regions)
@@ -279,7 +278,7 @@ class FusionAwareCostModel(CostModel):
     def with_cluster(self, cluster):
         if cluster is self.cluster:
             return self
-        base = self.base.with_cluster(cluster) if hasattr(self.base, "with_cluster") else self.base
+        base = self.base_with_cluster(cluster)
         analytic = base if self.analytic is self.base else self.analytic.with_cluster(cluster)
         return FusionAwareCostModel(base, self.graph, self.regions, analytic=analytic)
 
@@ -316,18 +315,6 @@ class FusionAwareCostModel(CostModel):
         base = self.base.layer_time(node, device, batch, phase)
         full = roofline_time(self.analytic, node, device, batch, phase)
         return base * fused / full if full > 0 else base
-
-    def transfer_time(self, nbytes, src, dst):
-        return self.base.transfer_time(nbytes, src, dst)
-
-    def allreduce_time(self, nbytes, devices, algorithm="ring"):
-        return self.base.allreduce_time(nbytes, devices, algorithm)
-
-    def update_time(self, nbytes, device, num_tensors=1):
-        return self.base.update_time(nbytes, device, num_tensors)
-
-    def aggregate_time(self, nbytes, num_inputs, device):
-        return self.base.aggregate_time(nbytes, num_inputs, device)
 
     def __getattr__(self, name):
         # Anything else (e.g. `link`, `comm`) is the wrapped model's.

@@ -32,7 +32,7 @@ import bisect
 
 import networkx
 
-from autodist_keras.estimator.cost_model import CostModel
+from autodist_keras.estimator.cost_model import WrappedCostModel
 from autodist_keras.graph.model_graph import LayerNode
 from autodist_keras.graph.model_graph import ModelGraph
 
@@ -282,7 +282,7 @@ class CoarseGraph:
         return out
 
 
-class CoarseCostModel(CostModel):
+class CoarseCostModel(WrappedCostModel):
     """Prices a fused unit as the sum of its layers; delegates everything else.
 
     Args:
@@ -297,8 +297,7 @@ class CoarseCostModel(CostModel):
     """
 
     def __init__(self, base, coarse, grid=None):
-        super().__init__(getattr(base, "cluster", None))
-        self.base = base
+        super().__init__(base)
         self.coarse = coarse
         self.grid = sorted(set(int(g) for g in grid)) if grid else None
         self._cache = {}
@@ -306,7 +305,7 @@ class CoarseCostModel(CostModel):
     def with_cluster(self, cluster):
         if cluster is self.cluster:
             return self
-        base = self.base.with_cluster(cluster) if hasattr(self.base, "with_cluster") else self.base
+        base = self.base_with_cluster(cluster)
         return CoarseCostModel(base, self.coarse, self.grid)
 
     def config(self):
@@ -338,15 +337,3 @@ class CoarseCostModel(CostModel):
         y0 = self.unit_time(node.name, device, x0, phase)
         y1 = self.unit_time(node.name, device, x1, phase)
         return y0 + (y1 - y0) * (batch - x0) / (x1 - x0)
-
-    def transfer_time(self, nbytes, src, dst):
-        return self.base.transfer_time(nbytes, src, dst)
-
-    def allreduce_time(self, nbytes, devices, algorithm="ring"):
-        return self.base.allreduce_time(nbytes, devices, algorithm)
-
-    def update_time(self, nbytes, device, num_tensors=1):
-        return self.base.update_time(nbytes, device, num_tensors)
-
-    def aggregate_time(self, nbytes, num_inputs, device):
-        return self.base.aggregate_time(nbytes, num_inputs, device)
