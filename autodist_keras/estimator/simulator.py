@@ -254,7 +254,8 @@ class SimResult:
         return "\n".join(lines)
 
 
-def _ranges(shares):
+def batch_ranges(shares):
+    """Consecutive `(start, end)` sample ranges of shares: `[2, 3] -> [(0, 2), (2, 5)]`."""
     out, offset = [], 0
     for s in shares:
         out.append((offset, offset + s))
@@ -262,8 +263,13 @@ def _ranges(shares):
     return out
 
 
-def _overlaps(ranges_a, ranges_b):
-    """Yields (i, j, samples) for every overlapping pair of two sorted range lists."""
+def range_overlaps(ranges_a, ranges_b):
+    """Yields (i, j, samples) for every overlapping pair of two sorted range lists.
+
+    Used wherever one replica set's batch shares feed another's: replica `j`
+    of the consumer receives `samples` samples from replica `i` of the
+    producer.
+    """
     i = j = 0
     while i < len(ranges_a) and j < len(ranges_b):
         a0, a1 = ranges_a[i]
@@ -553,7 +559,7 @@ class _Simulation:
             for layer in group.layers:
                 layer_group[layer] = gi
         self.layer_group = layer_group
-        group_ranges = [_ranges(g.shares) for g in plan.groups]
+        group_ranges = [batch_ranges(g.shares) for g in plan.groups]
         group_devs = [[self.dev_index[r.device] for r in g.replicas] for g in plan.groups]
 
         # Replica classes: identical devices with identical shares and orders
@@ -625,7 +631,7 @@ class _Simulation:
             if gs == gd:
                 pairs = same_group_pairs[gs]
             else:
-                pairs = list(_overlaps(group_ranges[gs], group_ranges[gd]))
+                pairs = list(range_overlaps(group_ranges[gs], group_ranges[gd]))
             for rs, rd, samples in pairs:
                 ds, dd = group_devs[gs][rs], group_devs[gd][rd]
                 fs, fd = F[(src, rep(gs, rs))], F[(dst, rep(gd, rd))]

@@ -37,6 +37,8 @@ import heapq
 
 from autodist_keras.estimator.cost_model import AnalyticCostModel
 from autodist_keras.estimator.simulator import ADAM_SLOTS
+from autodist_keras.estimator.simulator import batch_ranges
+from autodist_keras.estimator.simulator import range_overlaps
 from autodist_keras.strategies.baselines import DDP_BUCKET_BYTES
 from autodist_keras.strategies.plan import split_batch
 
@@ -263,26 +265,6 @@ class CostTables:
         return shares
 
 
-def _ranges(shares):
-    out, lo = [], 0
-    for s in shares:
-        out.append((lo, lo + s))
-        lo += s
-    return out
-
-
-def _overlaps(ra, rb):
-    i = j = 0
-    while i < len(ra) and j < len(rb):
-        n = min(ra[i][1], rb[j][1]) - max(ra[i][0], rb[j][0])
-        if n > 0:
-            yield i, j, n
-        if ra[i][1] <= rb[j][1]:
-            i += 1
-        else:
-            j += 1
-
-
 class Schedule:
     """The result of `list_schedule`: placement, timing and a makespan proxy.
 
@@ -360,7 +342,7 @@ def list_schedule(tables, batch, method="heft", fixed=None, memory=True):
     n_dev = t.n_dev
     reps = [list(fixed[i]) if i in fixed else None for i in range(n_layers)]
     whole = [(0, batch)]
-    ranges = [_ranges([s for _, s in r]) if r is not None else whole for r in reps]
+    ranges = [batch_ranges([s for _, s in r]) if r is not None else whole for r in reps]
 
     # Tasks, in a topological order: forward by layer, then backward reversed.
     meta = []
@@ -385,7 +367,10 @@ def list_schedule(tables, batch, method="heft", fixed=None, memory=True):
             succs[fi[ri]].append((bi[ri], 0))
         for src, nbytes in t.preds[i]:
             fs, bs = f_ids[src], b_ids[src]
-            pairs = single if len(fs) == 1 and len(fi) == 1 else _overlaps(ranges[src], ranges[i])
+            if len(fs) == 1 and len(fi) == 1:
+                pairs = single
+            else:
+                pairs = range_overlaps(ranges[src], ranges[i])
             for a, b, n in pairs:
                 x = nbytes * n
                 preds[fi[b]].append((fs[a], x))
@@ -396,7 +381,7 @@ def list_schedule(tables, batch, method="heft", fixed=None, memory=True):
     for o in outs:
         for o2 in outs:
             if o2 != o:
-                for r2, r1, _n in _overlaps(ranges[o2], ranges[o]):
+                for r2, r1, _n in range_overlaps(ranges[o2], ranges[o]):
                     preds[b_ids[o][r1]].append((f_ids[o2][r2], 0))
                     succs[f_ids[o2][r2]].append((b_ids[o][r1], 0))
 
