@@ -101,7 +101,7 @@ def beaten_baselines(strategy, plan):
     return out
 
 
-def check_case(name, steps=12, warmup=3, rounds=2, estimator="learned", timeout_s=600,
+def check_case(name, steps=6, warmup=3, rounds=4, estimator="learned", timeout_s=600,
                devices=None, log=print):
     """Plans one model with auto and measures its choice against the baselines it beat.
 
@@ -243,9 +243,9 @@ def main(argv=None):
     parser.add_argument("--backend", choices=["torch", "tensorflow"], default="torch")
     parser.add_argument("--estimator", default="learned",
                         help="AutoStrategy estimator= option: learned, simulator or a JSON path")
-    parser.add_argument("--steps", type=int, default=12, help="timed steps per plan per round")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per plan per round")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per plan per round")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per plan run")
     parser.add_argument("--devices", nargs="*", default=None,
                         help="testbed devices auto may use (default: all)")
