@@ -22,3 +22,89 @@ if os.environ.get("KERAS_BACKEND") == "tensorflow":
                 )
         except RuntimeError:
             pass  # already initialised by a plugin: tests needing 4 devices will say so
+
+
+# ---------------------------------------------------------------------------
+# Models, graphs and clusters shared by the planner and fusion tests
+# (test_fastt, test_heterog, test_disco, test_fusion). Module-scoped like the
+# fixtures they replace; a test module that defines a fixture of the same
+# name (e.g. its own `cnn` or `wide`) uses its own. Keras and the package are
+# imported inside the fixtures so that loading this file stays cheap.
+
+import pytest  # noqa: E402
+
+
+def _mlp_model(width=2048, depth=4, name="wide"):
+    import keras
+
+    inputs = keras.Input((width,), name=f"{name}_x")
+    x = inputs
+    for i in range(depth):
+        x = keras.layers.Dense(width, activation="relu", name=f"{name}_d{i}")(x)
+    return keras.Model(inputs, keras.layers.Dense(10, name=f"{name}_head")(x), name=name)
+
+
+def _residual_model(blocks=2, filters=16, size=16, name="res"):
+    """conv-bn-relu-conv-bn-add-relu blocks: fusible chains and a two-input Add."""
+    import keras
+
+    inputs = keras.Input((size, size, 3), name=f"{name}_x")
+    x = keras.layers.Conv2D(filters, 3, padding="same", name=f"{name}_stem")(inputs)
+    for b in range(blocks):
+        p = f"{name}_b{b}"
+        h = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False, name=f"{p}_conv1")(x)
+        h = keras.layers.BatchNormalization(name=f"{p}_bn1")(h)
+        h = keras.layers.ReLU(name=f"{p}_relu1")(h)
+        h = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False, name=f"{p}_conv2")(h)
+        h = keras.layers.BatchNormalization(name=f"{p}_bn2")(h)
+        x = keras.layers.Add(name=f"{p}_add")([x, h])
+        x = keras.layers.ReLU(name=f"{p}_relu2")(x)
+    x = keras.layers.GlobalAveragePooling2D(name=f"{name}_gap")(x)
+    outputs = keras.layers.Dense(10, name=f"{name}_head")(x)
+    return keras.Model(inputs, outputs, name=name)
+
+
+def _plan_json(plan):
+    """A plan as sorted JSON with the (run-dependent) planning time zeroed."""
+    import json
+
+    data = plan.to_dict()
+    data["provenance"]["planning_time_s"] = 0.0
+    return json.dumps(data, sort_keys=True)
+
+
+@pytest.fixture(scope="session")
+def residual_model():
+    """The residual-block Keras model builder: `residual_model(filters=8)`."""
+    return _residual_model
+
+
+@pytest.fixture(scope="session")
+def plan_json():
+    """`plan_json(plan)`: compares plans for determinism (planning time zeroed)."""
+    return _plan_json
+
+
+@pytest.fixture(scope="module")
+def cnn():
+    """`zoo.small_cnn` on 32x32x3 inputs, filters (16, 32), as a `ModelGraph`."""
+    from autodist_keras.graph import ModelGraph
+    from autodist_keras.graph import zoo
+
+    return ModelGraph.from_keras(zoo.small_cnn(input_shape=(32, 32, 3), filters=(16, 32)))
+
+
+@pytest.fixture(scope="module")
+def wide():
+    """Four 2048-wide Dense layers and a head, as a `ModelGraph`."""
+    from autodist_keras.graph import ModelGraph
+
+    return ModelGraph.from_keras(_mlp_model())
+
+
+@pytest.fixture(scope="module")
+def hetero():
+    """The HeteroG testbed cluster (examples/clusters/hetero_testbed.yaml)."""
+    from autodist_keras.devices import Cluster
+
+    return Cluster.from_yaml("examples/clusters/hetero_testbed.yaml")

@@ -18,23 +18,6 @@ from autodist_keras.strategies import disco
 MIXED = "node0:2xV100;node1:2xT4@10"
 
 
-def _residual(blocks=2, filters=16, size=16, name="res"):
-    inputs = keras.Input((size, size, 3), name=f"{name}_x")
-    x = keras.layers.Conv2D(filters, 3, padding="same", name=f"{name}_stem")(inputs)
-    for b in range(blocks):
-        p = f"{name}_b{b}"
-        h = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False, name=f"{p}_conv1")(x)
-        h = keras.layers.BatchNormalization(name=f"{p}_bn1")(h)
-        h = keras.layers.ReLU(name=f"{p}_relu1")(h)
-        h = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False, name=f"{p}_conv2")(h)
-        h = keras.layers.BatchNormalization(name=f"{p}_bn2")(h)
-        x = keras.layers.Add(name=f"{p}_add")([x, h])
-        x = keras.layers.ReLU(name=f"{p}_relu2")(x)
-    x = keras.layers.GlobalAveragePooling2D(name=f"{name}_gap")(x)
-    outputs = keras.layers.Dense(10, name=f"{name}_head")(x)
-    return keras.Model(inputs, outputs, name=name)
-
-
 def _launch_bound(depth=24, width=16):
     """Many tiny Dense + BatchNormalization + ReLU layers: launch overhead dominates."""
     inputs = keras.Input((width,), name="x")
@@ -48,8 +31,8 @@ def _launch_bound(depth=24, width=16):
 
 
 @pytest.fixture(scope="module")
-def res():
-    return ModelGraph.from_keras(_residual())
+def res(residual_model):
+    return ModelGraph.from_keras(residual_model(filters=16))
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,8 @@
 
 Real Keras graphs, real clusters, the real simulator. Planning is
 backend-agnostic and cheap, so these tests run under both Keras backends.
+The `cnn`, `wide`, `hetero` and `plan_json` fixtures are in conftest.py.
 """
-
-import json
 
 import keras
 import pytest
@@ -15,7 +14,6 @@ from autodist_keras.errors import StrategyError
 from autodist_keras.estimator import AnalyticCostModel
 from autodist_keras.estimator import simulate
 from autodist_keras.graph import ModelGraph
-from autodist_keras.graph import zoo
 from autodist_keras.strategies import fastt
 from autodist_keras.strategies._coarse import CoarseCostModel
 from autodist_keras.strategies._coarse import CoarseGraph
@@ -37,14 +35,6 @@ def _gpus(name, count, memory_gb, tflops=10.0, link_gbs=20.0, bandwidth_gbps=500
     })
 
 
-def _mlp(width=2048, depth=4, name="wide"):
-    inputs = keras.Input((width,), name=f"{name}_x")
-    x = inputs
-    for i in range(depth):
-        x = keras.layers.Dense(width, activation="relu", name=f"{name}_d{i}")(x)
-    return keras.Model(inputs, keras.layers.Dense(10, name=f"{name}_head")(x), name=name)
-
-
 def _branches(width=1024):
     inputs = keras.Input((width,), name="x")
     a = keras.layers.Dense(width, name="left1")(inputs)
@@ -56,29 +46,8 @@ def _branches(width=1024):
 
 
 @pytest.fixture(scope="module")
-def cnn():
-    return ModelGraph.from_keras(zoo.small_cnn(input_shape=(32, 32, 3), filters=(16, 32)))
-
-
-@pytest.fixture(scope="module")
-def wide():
-    return ModelGraph.from_keras(_mlp())
-
-
-@pytest.fixture(scope="module")
 def branches():
     return ModelGraph.from_keras(_branches())
-
-
-@pytest.fixture(scope="module")
-def hetero():
-    return Cluster.from_yaml("examples/clusters/hetero_testbed.yaml")
-
-
-def _strip(plan):
-    data = plan.to_dict()
-    data["provenance"]["planning_time_s"] = 0.0
-    return json.dumps(data, sort_keys=True)
 
 
 def test_plan_is_valid_and_carries_the_simulators_prediction(cnn, hetero):
@@ -189,10 +158,10 @@ def test_splits_never_make_the_predicted_step_slower(cnn, hetero):
     assert split.prediction.step_time_s <= plain.prediction.step_time_s * (1 + 1e-9)
 
 
-def test_deterministic(cnn, hetero):
+def test_deterministic(cnn, hetero, plan_json):
     a = fastt.plan(cnn, hetero, 96, time_budget_s=BIG)
     b = fastt.plan(cnn, hetero, 96, time_budget_s=BIG)
-    assert _strip(a) == _strip(b)
+    assert plan_json(a) == plan_json(b)
 
 
 def test_chain_units_price_like_their_layers(cnn):

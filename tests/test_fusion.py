@@ -9,7 +9,6 @@ import random
 import subprocess
 import sys
 
-import keras
 import pytest
 
 from autodist_keras.devices import Cluster
@@ -25,27 +24,9 @@ from autodist_keras.graph import zoo
 from autodist_keras.strategies import baselines
 
 
-def _residual(blocks=2, filters=8, size=16, name="res"):
-    """conv-bn-relu-conv-bn-add-relu blocks: fusible chains and a two-input Add."""
-    inputs = keras.Input((size, size, 3), name=f"{name}_x")
-    x = keras.layers.Conv2D(filters, 3, padding="same", name=f"{name}_stem")(inputs)
-    for b in range(blocks):
-        p = f"{name}_b{b}"
-        h = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False, name=f"{p}_conv1")(x)
-        h = keras.layers.BatchNormalization(name=f"{p}_bn1")(h)
-        h = keras.layers.ReLU(name=f"{p}_relu1")(h)
-        h = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False, name=f"{p}_conv2")(h)
-        h = keras.layers.BatchNormalization(name=f"{p}_bn2")(h)
-        x = keras.layers.Add(name=f"{p}_add")([x, h])
-        x = keras.layers.ReLU(name=f"{p}_relu2")(x)
-    x = keras.layers.GlobalAveragePooling2D(name=f"{name}_gap")(x)
-    outputs = keras.layers.Dense(10, name=f"{name}_head")(x)
-    return keras.Model(inputs, outputs, name=name)
-
-
 @pytest.fixture(scope="module")
-def res():
-    return ModelGraph.from_keras(_residual())
+def res(residual_model):
+    return ModelGraph.from_keras(residual_model(filters=8))
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,8 @@
 
 Real Keras graphs, real clusters, the real simulator. Planning is
 backend-agnostic and cheap, so these tests run under both Keras backends.
+The `cnn`, `wide`, `hetero` and `plan_json` fixtures are in conftest.py.
 """
-
-import json
 
 import keras
 import pytest
@@ -15,7 +14,6 @@ from autodist_keras.errors import StrategyError
 from autodist_keras.estimator import AnalyticCostModel
 from autodist_keras.estimator import simulate
 from autodist_keras.graph import ModelGraph
-from autodist_keras.graph import zoo
 from autodist_keras.strategies import baselines
 from autodist_keras.strategies import heterog
 from autodist_keras.strategies._coarse import CoarseCostModel
@@ -23,29 +21,6 @@ from autodist_keras.strategies._coarse import CoarseGraph
 from autodist_keras.strategies._coarse import contiguous_partition
 
 BIG = 10**9  # no budget stop in tests: results depend only on the work caps
-
-
-def _mlp(width=2048, depth=4, name="wide"):
-    inputs = keras.Input((width,), name=f"{name}_x")
-    x = inputs
-    for i in range(depth):
-        x = keras.layers.Dense(width, activation="relu", name=f"{name}_d{i}")(x)
-    return keras.Model(inputs, keras.layers.Dense(10, name=f"{name}_head")(x), name=name)
-
-
-@pytest.fixture(scope="module")
-def cnn():
-    return ModelGraph.from_keras(zoo.small_cnn(input_shape=(32, 32, 3), filters=(16, 32)))
-
-
-@pytest.fixture(scope="module")
-def wide():
-    return ModelGraph.from_keras(_mlp())
-
-
-@pytest.fixture(scope="module")
-def hetero():
-    return Cluster.from_yaml("examples/clusters/hetero_testbed.yaml")
 
 
 def _seed_times(graph, cluster, batch):
@@ -59,12 +34,6 @@ def _seed_times(graph, cluster, batch):
         baselines.proportional(graph, cluster, batch, sync="ps", ps_server=fastest),
     ]
     return [simulate(graph, cluster, p) for p in plans]
-
-
-def _strip(plan):
-    data = plan.to_dict()
-    data["provenance"]["planning_time_s"] = 0.0
-    return json.dumps(data, sort_keys=True)
 
 
 def test_plan_is_valid_and_carries_the_simulators_prediction(cnn, hetero):
@@ -181,10 +150,10 @@ def test_coarse_simulation_matches_the_real_graph_on_one_device(cnn):
     assert approx.step_time_s == pytest.approx(fine.step_time_s, rel=1e-9)
 
 
-def test_deterministic(cnn, hetero):
+def test_deterministic(cnn, hetero, plan_json):
     a = heterog.plan(cnn, hetero, 128, time_budget_s=BIG)
     b = heterog.plan(cnn, hetero, 128, time_budget_s=BIG)
-    assert _strip(a) == _strip(b)
+    assert plan_json(a) == plan_json(b)
 
 
 def test_errors_name_the_problem(cnn, hetero):
