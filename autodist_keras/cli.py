@@ -33,40 +33,33 @@ def _cluster(spec):
     return Cluster.resolve(spec)
 
 
-def _cmd_devices(args):
-    cluster = _cluster(args.cluster)
-    if args.json:
-        data = cluster.to_dict()
-        data["fingerprint"] = cluster.fingerprint()
-        data["notes"] = list(getattr(cluster, "notes", []))
-        print(json.dumps(data, indent=2))
-    else:
-        print(cluster.summary())
-    return 0
-
-
-def _cmd_graph(args):
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from autodist_keras.graph import ModelGraph
-    from autodist_keras.graph import load_model
-
-    model = load_model(args.model)
-    graph = ModelGraph.from_keras(model)
-    if args.json:
-        data = graph.to_dict()
-        data["fingerprint"] = graph.fingerprint()
-        print(json.dumps(data, indent=2))
-    else:
-        print(graph.summary())
-    return 0
-
-
 def _load_graph(spec):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from autodist_keras.graph import ModelGraph
     from autodist_keras.graph import load_model
 
     return ModelGraph.from_keras(load_model(spec))
+
+
+def _show(obj, as_json, **extra):
+    """Prints `obj.summary()`, or with `--json` its dict, fingerprint and `extra`."""
+    if as_json:
+        data = obj.to_dict()
+        data["fingerprint"] = obj.fingerprint()
+        data.update(extra)
+        print(json.dumps(data, indent=2))
+    else:
+        print(obj.summary())
+    return 0
+
+
+def _cmd_devices(args):
+    cluster = _cluster(args.cluster)
+    return _show(cluster, args.json, notes=list(getattr(cluster, "notes", [])))
+
+
+def _cmd_graph(args):
+    return _show(_load_graph(args.model), args.json)
 
 
 def _cmd_plan(args):
@@ -186,6 +179,10 @@ def _cmd_launch(args):
     return 0 if all(code == 0 for code in codes) else 1
 
 
+_MODEL_HELP = "ResNet50, mlp, a .keras file or module:function"
+_CLUSTER_HELP = "YAML spec, '2xV100,4x1080Ti' or 'cpu_testbed'"
+
+
 def build_parser():
     """Returns the argparse parser of the `autodist-keras` command."""
     parser = argparse.ArgumentParser(
@@ -195,18 +192,18 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("devices", help="show the devices of a cluster (default: this machine)")
-    p.add_argument("--cluster", default=None, help="YAML spec, '2xV100,4x1080Ti' or 'cpu_testbed'")
+    p.add_argument("--cluster", default=None, help=_CLUSTER_HELP)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_devices)
 
     p = sub.add_parser("graph", help="show the layer graph of a model")
-    p.add_argument("--model", required=True, help="ResNet50, mlp, a .keras file or module:function")
+    p.add_argument("--model", required=True, help=_MODEL_HELP)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_graph)
 
     p = sub.add_parser("plan", help="plan for a cluster without owning it (predicted figures)")
-    p.add_argument("--model", required=True, help="ResNet50, mlp, a .keras file or module:function")
-    p.add_argument("--cluster", required=True, help="YAML spec, '2xV100,4x1080Ti' or 'cpu_testbed'")
+    p.add_argument("--model", required=True, help=_MODEL_HELP)
+    p.add_argument("--cluster", required=True, help=_CLUSTER_HELP)
     p.add_argument("--strategy", default="auto", help="auto, fastt, heterog, disco, "
                    "data_parallel, proportional or single_device")
     p.add_argument("--batch-size", type=int, default=None, help="global batch (default 32 x devices)")
