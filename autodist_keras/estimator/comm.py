@@ -180,6 +180,11 @@ def ps_time(nbytes, n_clients, bandwidth, latency):
     return 2.0 * n_clients * (latency + nbytes / bandwidth)
 
 
+def _slowest(links):
+    """`(largest latency, smallest bandwidth)` of `(latency, bandwidth)` links."""
+    return max(l for l, _ in links), min(b for _, b in links)
+
+
 class CommModel:
     """Alpha-beta communication model over a cluster's topology.
 
@@ -236,9 +241,7 @@ class CommModel:
 
     def _ring_links(self, devices):
         n = len(devices)
-        pairs = [(devices[i], devices[(i + 1) % n]) for i in range(n)]
-        links = [self.link(a, b) for a, b in pairs]
-        return max(l for l, _ in links), min(b for _, b in links)
+        return _slowest([self.link(devices[i], devices[(i + 1) % n]) for i in range(n)])
 
     def allreduce_time(self, nbytes, devices, algorithm="ring"):
         """All-reduce of `nbytes` over `devices` with `algorithm`.
@@ -268,9 +271,9 @@ class CommModel:
             return ring_allreduce_time(nbytes, n, bandwidth, latency)
         if algorithm == "tree":
             # Binary tree in member order: member i's parent is (i - 1) // 2.
-            links = [self.link(devices[i], devices[(i - 1) // 2]) for i in range(1, n)]
-            latency = max(l for l, _ in links)
-            bandwidth = min(b for _, b in links)
+            latency, bandwidth = _slowest(
+                [self.link(devices[i], devices[(i - 1) // 2]) for i in range(1, n)]
+            )
             return tree_allreduce_time(nbytes, n, bandwidth, latency)
         by_node = {}
         for d in devices:
