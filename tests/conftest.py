@@ -8,6 +8,8 @@ replicas on them.
 
 import os
 
+import pytest
+
 if os.environ.get("KERAS_BACKEND") == "tensorflow":
     try:
         import tensorflow as tf
@@ -30,8 +32,6 @@ if os.environ.get("KERAS_BACKEND") == "tensorflow":
 # fixtures they replace; a test module that defines a fixture of the same
 # name (e.g. its own `cnn` or `wide`) uses its own. Keras and the package are
 # imported inside the fixtures so that loading this file stays cheap.
-
-import pytest  # noqa: E402
 
 
 def _mlp_model(width=2048, depth=4, name="wide"):
