@@ -105,9 +105,10 @@ def _cmd_plan(args):
         "devices": len(cluster),
         "batch_size": batch_size,
         "predicted_step_time_s": plan.prediction.step_time_s,
+        "scorer": plan.prediction.source,
         "baselines": {
             c.name: {"predicted_step_time_s": c.step_time_s, "feasible": c.feasible,
-                     "reason": c.reason}
+                     "reason": c.reason, "scorer": c.scorer}
             for c in candidates
         },
         "speedup_vs_even": (
@@ -118,7 +119,8 @@ def _cmd_plan(args):
         "feasible": plan.prediction.feasible,
         "memory_per_device": dict(plan.prediction.peak_memory_bytes),
         "notes": list(plan.notes),
-        "predicted": "all step times are simulator predictions, not measurements",
+        "predicted": "all step times are predictions (the simulator's, or the learned "
+                     "estimator's where `scorer` says so), not measurements",
     }
     if args.out:
         plan.to_json(args.out)
