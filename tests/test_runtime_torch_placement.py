@@ -99,3 +99,19 @@ def test_profile_is_off_without_the_variable(monkeypatch):
     profile.mark("forward")
     profile.end()
     assert not profile.enabled and profile.steps == [] and profile.save() is None
+
+
+def test_profile_to_an_unwritable_place_warns_instead_of_failing(tmp_path, monkeypatch):
+    from autodist_keras.backends.torch_step import PROFILE_ENV
+    from autodist_keras.backends.torch_step import StepProfile
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv(PROFILE_ENV, str(blocker / "profile"))
+    profile = StepProfile(1)
+    profile.begin()
+    profile.mark("forward")
+    profile.end()
+    assert profile.steps and "forward" in profile.steps[0] and "cpu_forward" in profile.steps[0]
+    with pytest.warns(UserWarning, match="could not write the step profile"):
+        assert profile.save() is None

@@ -101,13 +101,23 @@ class StepProfile:
         """Writes the recorded steps (and `extra` facts) as JSON; returns the path."""
         if self.directory is None:
             return None
-        os.makedirs(self.directory, exist_ok=True)
         path = os.path.join(self.directory, f"rank{self.rank}.json")
         facts = {"rank": self.rank, "pid": os.getpid(), "steps": self.steps}
         facts.update(self.facts or placement_facts())
         facts.update(extra or {})
-        with open(path, "w") as f:
-            json.dump(facts, f)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(facts, f)
+        except OSError as e:  # a diagnostic must not fail the fit
+            import warnings
+
+            warnings.warn(
+                f"autodist_keras: could not write the step profile to {path} ({e}); "
+                f"set {PROFILE_ENV} to a writable directory. Received: {self.directory!r}",
+                stacklevel=2,
+            )
+            return None
         return path
 
 
