@@ -26,6 +26,12 @@ if os.environ.get("KERAS_BACKEND") == "tensorflow":
             pass  # already initialised by a plugin: tests needing 4 devices will say so
 
 
+@pytest.fixture(autouse=True)
+def _private_plan_cache(tmp_path, monkeypatch):
+    """Each test plans with an empty plan cache of its own, never the user's."""
+    monkeypatch.setenv("AUTODIST_KERAS_CACHE", str(tmp_path / "autodist_keras_cache"))
+
+
 # ---------------------------------------------------------------------------
 # Models, graphs and clusters shared by the planner and fusion tests
 # (test_fastt, test_heterog, test_disco, test_fusion). Module-scoped like the
