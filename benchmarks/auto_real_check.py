@@ -166,7 +166,7 @@ def check_case(name, steps=6, warmup=3, rounds=4, estimator="learned", timeout_s
                                            0, backend, timeout_s)
             times[label].extend(float(t) for t in got[:steps])
         loads.append(load_average())
-        log(f"  round {r + 1}: " + ", ".join(
+        log(f"  median after round {r + 1}: " + ", ".join(
             f"{label} {statistics.median(times[label]) * 1e3:.1f} ms" for label in labels))
     measured = {label: statistics.median(t) for label, t in times.items()}
     auto_label = f"auto={chosen}"
