@@ -26,11 +26,14 @@ shutdown_pools()
 
 import atexit
 import os
+import re
 import signal
+import sys
 import threading
 import time
 
 from autodist_keras.backends.torch_session import Reporter
+from autodist_keras.errors import BackendError
 from autodist_keras.errors import WorkerError
 
 GRACE_S = 1.0
@@ -87,6 +90,43 @@ def _describe_exit(code):
     return f"process exited with code {code}"
 
 
+_MAIN_GUARD = re.compile(r"""__name__\s*==\s*['"]__main__['"]|['"]__main__['"]\s*==\s*__name__""")
+
+
+def check_main_guard():
+    """Raises `BackendError` when the user's script would train again in every worker.
+
+    Workers are started with `forkserver` or `spawn`, which import the main
+    module of rank 0 (so that layers, losses and functions defined in the
+    user's script exist in the workers). A script whose training code is not
+    under `if __name__ == "__main__":` would then run it again in each worker,
+    which Python refuses with an error deep inside `multiprocessing`. This
+    check says so up front. Interactive sessions (no main file) pass.
+
+    Raises:
+        BackendError: If the main script has no `__name__ == "__main__"` test.
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not path.endswith(".py") or not os.path.isfile(path):
+        return
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            source = f.read()
+    except OSError:
+        return
+    if _MAIN_GUARD.search(source):
+        return
+    raise BackendError(
+        "The PyTorch runtime starts one worker process per extra device, and each worker "
+        f"imports your script ({path}) so that what it defines exists there too; without a "
+        "main guard the worker would run your training code again. Put the code that builds "
+        "and fits the model under `if __name__ == \"__main__\":` (as torch.multiprocessing "
+        "needs too), or launch the ranks yourself with torchrun. "
+        f"Received: no `if __name__ == \"__main__\":` block in {path}"
+    )
+
+
 def _context(grad_backend):
     """`forkserver` (preloading Keras and PyTorch once) for CPU workers, else `spawn`.
 
@@ -123,6 +163,7 @@ class WorkerPool(Reporter):
 
         from autodist_keras.backends.torch_worker import worker_main
 
+        check_main_guard()
         self.world_size = int(world_size)
         self.timeout_s = float(timeout_s)
         self.grad_backend = grad_backend

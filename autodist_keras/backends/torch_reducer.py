@@ -65,13 +65,20 @@ class GradientReducer:
         plan: The data-parallel `Plan` (its `buckets` and `sync`).
         rank_nodes: The node name of each rank (for hierarchical all-reduce).
         device_ranks: Dict from device name to rank (for PS servers).
+        paths: Optional plan names of `variables`, in order (default: their paths).
     """
 
-    def __init__(self, comm, variables, plan, rank_nodes, device_ranks):
+    def __init__(self, comm, variables, plan, rank_nodes, device_ranks, paths=None):
         self.comm = comm
         self.variables = list(variables)
         self.params = [v.value for v in self.variables]
-        paths = [v.path for v in self.variables]
+        if paths is not None and len(paths) != len(self.variables):
+            raise BackendError(
+                f"This replica has {len(self.variables)} trainable variables but rank 0's "
+                f"model has {len(paths)}; every rank must build the same model. "
+                f"Received: {[v.path for v in self.variables][:6]} vs {list(paths)[:6]}"
+            )
+        paths = list(paths) if paths is not None else [v.path for v in self.variables]
         index = {}
         for i, path in enumerate(paths):
             if path in index:

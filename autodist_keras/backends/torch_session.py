@@ -314,6 +314,9 @@ class Driver:
             "devices": self.devices,
             "weights": variable_metas(weights),
             "optimizer_variables": variable_metas(opt_vars),
+            # The plan names variables by rank 0's paths; a replica rebuilt from the
+            # config may path them differently (a Sequential's layers lose its prefix).
+            "trainable_paths": [v.path for v in model.trainable_weights],
             "timeout_s": self.timeout_s,
             "profile_dir": self.trainer.profile.directory,
             "keras": {
@@ -660,7 +663,8 @@ def serve(comm, reporter, model=None, on_model=None):
                 v.assign(value)
         nodes = [d["node"] for d in setup["devices"]]
         device_ranks = {d["name"]: r for r, d in enumerate(setup["devices"])}
-        trainer = ReplicaTrainer(model, comm, plan, nodes, device_ranks)
+        trainer = ReplicaTrainer(model, comm, plan, nodes, device_ranks,
+                                 paths=setup.get("trainable_paths"))
         trainer.profile.directory = setup.get("profile_dir")
         if on_model is not None:
             on_model(setup, model)

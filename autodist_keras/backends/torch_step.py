@@ -157,9 +157,12 @@ class ReplicaTrainer:
         plan: The data-parallel `Plan`.
         rank_nodes: Node name of each rank.
         device_ranks: Dict from device name to rank.
+        paths: Optional names of the trainable variables as the plan knows them
+            (rank 0's paths), in `model.trainable_weights` order; default: the
+            variables' own paths.
     """
 
-    def __init__(self, model, comm, plan, rank_nodes, device_ranks):
+    def __init__(self, model, comm, plan, rank_nodes, device_ranks, paths=None):
         if type(model).train_step is not _keras_train_step():
             raise BackendError(
                 f"Model class {type(model).__name__} overrides train_step; the PyTorch "
@@ -170,7 +173,8 @@ class ReplicaTrainer:
         check_loss_reductions(model)
         self.model = model
         self.comm = comm
-        self.reducer = GradientReducer(comm, model.trainable_weights, plan, rank_nodes, device_ranks)
+        self.reducer = GradientReducer(comm, model.trainable_weights, plan, rank_nodes, device_ranks,
+                                       paths=paths)
         self.state_sync = StateSync(comm, model.non_trainable_weights)
         self.profile = StepProfile(comm.rank)
 

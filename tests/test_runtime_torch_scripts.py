@@ -1,0 +1,97 @@
+"""User scripts run with `python train.py` on the PyTorch backend (real subprocesses).
+
+The PyTorch runtime starts worker processes that import the user's script, so
+a script needs the usual main guard; without one it must fail at once with a
+message that says what to change. A `keras.Sequential` model, whose layers get
+other variable paths when a worker rebuilds it from its config, must train
+and match single-device training.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "torch",
+    reason="PyTorch runtime: spawned workers import the user's script",
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TRAIN = """
+import json, sys
+import numpy as np
+import keras
+from autodist_keras import AutoStrategy, Cluster
+
+
+def build():
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                             keras.layers.Dense(4)])
+
+
+def train(strategy):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 8)).astype("float32")
+    y = rng.normal(size=(96, 4)).astype("float32")
+    if strategy is None:
+        model = build()
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    else:
+        with strategy.scope():
+            model = build()
+            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    model.fit(x, y, batch_size=24, shuffle=False, verbose=0)
+    return model
+"""
+
+GUARDED_MAIN = """
+if __name__ == "__main__":
+    reference = train(None)
+    strategy = AutoStrategy("proportional", cluster=Cluster.cpu_testbed())
+    model = train(strategy)
+    diffs = [float(np.max(np.abs(a - b)) / (np.max(np.abs(a)) + 1e-12))
+             for a, b in zip(reference.get_weights(), model.get_weights())]
+    print(json.dumps({"replicas": len(strategy.plan.replicas), "max_rel_diff": max(diffs),
+                      "paths": [v.path for v in model.trainable_weights]}))
+"""
+
+UNGUARDED_MAIN = """
+strategy = AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed())
+train(strategy)
+print("trained")
+"""
+
+
+def _run(tmp_path, source):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(source))
+    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=ROOT,
+               AUTODIST_KERAS_CACHE=str(tmp_path / "cache"))
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+
+
+def test_script_without_main_guard_fails_at_once_with_the_fix(tmp_path):
+    result = _run(tmp_path, TRAIN + UNGUARDED_MAIN)
+    assert result.returncode != 0
+    assert "BackendError" in result.stderr
+    assert 'Put the code that builds and fits the model under `if __name__ == "__main__":`' in (
+        result.stderr.replace("\n", " "))
+    assert "trained" not in result.stdout
+    assert "bootstrapping phase" not in result.stderr  # no worker was started
+
+
+def test_sequential_model_trains_on_three_processes_like_one_device(tmp_path):
+    result = _run(tmp_path, TRAIN + GUARDED_MAIN)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["replicas"] == 3
+    assert report["paths"][0].startswith("sequential")
+    assert report["max_rel_diff"] < 1e-5
