@@ -502,8 +502,8 @@ class _Runtime:
         import tensorflow as tf
 
         if (self.plan is None or not self.plan.is_data_parallel or self.adapter.worker is not None
-                or not self.replicas or len(self.replicas) != 1):
-            return False
+                or not self.replicas or len(self.replicas) != 1 or self.fusion is not None):
+            return False  # (Keras's own step would not compile the op-fusion regions)
         default = ("GPU", 0) if tf.config.list_logical_devices("GPU") else ("CPU", 0)
         for name in (self.replicas[0].device, self.adapter.home):
             spec = tf.DeviceSpec.from_string(name)
