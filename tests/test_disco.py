@@ -223,6 +223,17 @@ def test_user_errors(res, clusters):
         disco.plan(res, cluster, 2)
 
 
+def test_cpu_devices_get_no_op_fusion_unless_forced(tiny):
+    """The runtimes realise op fusion (XLA) on GPUs only, so CPU plans carry no regions."""
+    cluster = Cluster.cpu_testbed()
+    plan = disco.plan(tiny, cluster, 48)
+    assert plan.op_fusion == []
+    assert any("not all GPUs" in note for note in plan.notes), plan.notes
+    forced = disco.plan(tiny, cluster, 48, op_fusion=True)
+    assert not any("not all GPUs" in note for note in forced.notes)
+    assert forced.provenance.options.get("op_fusion") is True
+
+
 def test_selection_plans_no_op_fusion_for_the_torch_runtime(tiny):
     """The PyTorch runtime does not compile regions, so auto's Disco candidate has none there."""
     from autodist_keras.strategies import selection

@@ -113,12 +113,12 @@ def test_unknown_layer_and_policy_raise_clear_errors():
     with pytest.raises(BackendError, match="Received: 'no_such_layer'"):
         FusionRegions(model, [["small_cnn_conv0", "no_such_layer"]])
     _, plan = _fused_plan(model, ["node0/cpu0", "node0/cpu1"], 24)
-    with pytest.raises(BackendError, match="Valid: on, off"):
-        for_plan(model, plan, policy="always")
-    assert for_plan(model, plan, policy="on").regions == REGIONS
-    assert for_plan(model, plan, policy="off") is None
-    plan.op_fusion = [["small_cnn_conv0"]]  # one-layer regions compile nothing
-    assert for_plan(model, plan, policy="on") is None
+    with pytest.raises(BackendError, match="Valid: auto, on, off"):
+        for_plan(model, plan, ["cpu", "cpu"], policy="always")
+    assert for_plan(model, plan, ["cpu", "cpu"], policy="auto") is None  # XLA only on GPUs
+    assert for_plan(model, plan, ["gpu", "gpu"], policy="auto").regions == REGIONS
+    assert for_plan(model, plan, ["gpu", "gpu"], policy="off") is None
+    assert for_plan(model, plan, ["cpu", "cpu"], policy="on").regions == REGIONS
 
 
 def test_fit_with_fusion_regions_matches_single_device():
@@ -131,7 +131,7 @@ def test_fit_with_fusion_regions_matches_single_device():
     reference.fit(x, y, batch_size=24, shuffle=False, verbose=0)
 
     cluster, plan = _fused_plan(_cnn(), ["node0/cpu0", "node0/cpu1"], 24)
-    strategy = AutoStrategy("data_parallel", cluster=cluster, plan=plan)  # op_fusion="on"
+    strategy = AutoStrategy("data_parallel", cluster=cluster, plan=plan, op_fusion="on")
     with strategy.scope():
         model = _cnn()
         _compile(model)
@@ -150,11 +150,11 @@ def test_fit_with_fusion_regions_matches_single_device():
     assert scopes == {f"autodist_fusion_r{r}_p{p}" for r in (0, 1) for p in (0, 1)}
 
 
-def test_op_fusion_off_runs_the_plan_unfused():
+def test_auto_policy_leaves_cpu_plans_unfused():
     from autodist_keras import AutoStrategy
 
     cluster, plan = _fused_plan(_cnn(), ["node0/cpu0", "node0/cpu1"], 24)
-    strategy = AutoStrategy("data_parallel", cluster=cluster, plan=plan, op_fusion="off")
+    strategy = AutoStrategy("data_parallel", cluster=cluster, plan=plan)
     with strategy.scope():
         model = _cnn()
         _compile(model)

@@ -388,7 +388,9 @@ class _Runtime:
         self.plan = plan
         self.replicas = replicas
         self.fusion = tf_fusion.for_plan(
-            model, plan, self.adapter.strategy.options.get("op_fusion", "on")
+            model, plan,
+            [self.adapter.cluster.device(r.name).kind for r in replicas],
+            self.adapter.strategy.options.get("op_fusion", "auto"),
         )
         if self.adapter.worker is not None:
             tf_multiworker.broadcast_variables(self.adapter.collective, model.weights)

@@ -161,17 +161,19 @@ def _layers_by_name(model):
     return out
 
 
-OP_FUSION_POLICIES = ("on", "off")
+OP_FUSION_POLICIES = ("auto", "on", "off")
 
 
-def for_plan(model, plan, policy="on"):
+def for_plan(model, plan, device_types, policy="auto"):
     """The `FusionRegions` to realise for `plan`, or None.
 
     Args:
         model: The Keras model.
         plan: The `Plan` (its `op_fusion` regions).
-        policy: `"on"` (default) compiles the regions as XLA clusters,
-            `"off"` runs the plan with TensorFlow's own kernels.
+        device_types: Device kinds of the replicas (`"gpu"`, `"cpu"`, ...).
+        policy: `"auto"` realises the regions when every replica is a GPU
+            (XLA's CPU kernels measured slower than TensorFlow's oneDNN ones
+            here, see docs/runtime_tensorflow.md), `"on"` always, `"off"` never.
 
     Returns:
         A `FusionRegions`, or None when nothing is realised.
@@ -183,5 +185,7 @@ def for_plan(model, plan, policy="on"):
         )
     regions = [r for r in plan.op_fusion if len(r) > 1]
     if not regions or policy == "off":
+        return None
+    if policy == "auto" and any(t != "gpu" for t in device_types):
         return None
     return FusionRegions(model, regions)

@@ -38,7 +38,7 @@ OPTION_NAMES = (
     "speeds",  # measured relative device speeds for the proportional plan
     "timeout_s",  # how long the runtime waits for a worker before failing
     "estimator",  # "learned" (default), "simulator", or a saved LearnedEstimator JSON path
-    "op_fusion",  # TensorFlow: compile plan.op_fusion regions as XLA clusters, "on" or "off"
+    "op_fusion",  # realise plan.op_fusion regions: "auto" (on GPUs), "on", "off" (TensorFlow)
 )
 RUNTIME_ONLY_OPTIONS = ("timeout_s", "estimator", "op_fusion")  # not passed to planners
 
@@ -66,7 +66,8 @@ class AutoStrategy:
             training domain, the simulator elsewhere), `"simulator"`, or the
             path of a JSON file written by `LearnedEstimator.save()`; and
             `op_fusion`: whether TensorFlow compiles the plan's op-fusion
-            regions (Disco) as XLA clusters, `"on"` (default) or `"off"`.
+            regions (Disco) as XLA clusters, `"auto"` (default: on GPUs),
+            `"on"` or `"off"`.
 
     Example:
 
@@ -103,10 +104,10 @@ class AutoStrategy:
             from autodist_keras.strategies.selection import check_estimator
 
             check_estimator(options["estimator"])
-        if options.get("op_fusion", "on") not in ("on", "off"):
+        if options.get("op_fusion", "auto") not in ("auto", "on", "off"):
             raise StrategyError(
-                "op_fusion must be 'on' (compile the plan's op-fusion regions as XLA clusters "
-                f"on TensorFlow) or 'off'. Received: op_fusion={options['op_fusion']!r}"
+                "op_fusion must be 'auto' (realise the plan's op-fusion regions on GPUs), "
+                f"'on' or 'off'. Received: op_fusion={options['op_fusion']!r}"
             )
         from autodist_keras.devices import Cluster
 

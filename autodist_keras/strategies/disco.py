@@ -531,7 +531,7 @@ def plan(
             f"time_budget_s must be a positive number of seconds. Received: {time_budget_s!r}"
         )
     budget = float(budget)
-    use_op = bool(options.get("op_fusion", True))
+    use_op = options.get("op_fusion")  # default: on when every device is a GPU (see below)
     use_tensor = bool(options.get("tensor_fusion", True))
     compare = bool(options.get("compare_baselines", False))
 
@@ -539,6 +539,14 @@ def plan(
     base = baselines.proportional(
         graph, cluster, batch_size, devices=devices, speeds=options.get("speeds")
     )
+    cpu_only_fusion_skipped = False
+    if use_op is None:
+        # The runtimes realise op-fusion regions as XLA clusters on GPUs only
+        # (op_fusion="auto"): on CPUs XLA measured slower than TensorFlow's own
+        # kernels (benchmarks/op_fusion_xla.py), so no regions are planned there.
+        use_op = all(cluster.device(d).kind == "gpu" for d in base.devices)
+        cpu_only_fusion_skipped = not use_op
+    use_op = bool(use_op)
     cost = cost_model if cost_model is not None else AnalyticCostModel(cluster)
     if isinstance(cost, op_fusion_lib.FusionAwareCostModel):
         cost = cost.base
@@ -618,6 +626,12 @@ def plan(
 
     notes += _notes(timeline, state, bounds, bucket_algorithm, result, sim, bound, start_time,
                     use_op)
+    if cpu_only_fusion_skipped:
+        notes.append(
+            "Op fusion: not searched, because the plan's devices are not all GPUs; the "
+            "runtimes compile op-fusion regions (XLA) on GPUs only (op_fusion=True forces "
+            "the search)."
+        )
     if not sim.feasible:
         notes.append(
             f"Predicted not to fit in memory ({sim.infeasible_reason}). Disco changes neither "
