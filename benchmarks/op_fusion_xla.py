@@ -9,7 +9,8 @@ one run; each side's figure is the median over all its measured steps after
 `--warmup` warm-up steps per round.
 
 This is what `op_fusion="auto"` rests on: it realises the regions on GPUs
-only, because on this CPU the XLA clusters are not faster.
+only, because on this CPU the XLA clusters were slower (idle machine: 0.55x,
+see docs/disco.md, "Realising op fusion").
 
 Usage:
     KERAS_BACKEND=tensorflow python benchmarks/op_fusion_xla.py [--steps 30] [--rounds 3]
