@@ -169,3 +169,20 @@ def test_bad_op_fusion_option_is_rejected_at_construction():
 
     with pytest.raises(StrategyError, match="Received: op_fusion='yes'"):
         AutoStrategy("data_parallel", cluster="2xV100", op_fusion="yes")
+
+
+def test_one_replica_plan_with_regions_keeps_the_adapter_step():
+    """Keras's own train step (used for plain one-replica plans) would drop the regions."""
+    from autodist_keras import AutoStrategy
+
+    cluster, plan = _fused_plan(_cnn(), ["node0/cpu0"], 24)
+    strategy = AutoStrategy("data_parallel", cluster=cluster, plan=plan, op_fusion="on")
+    with strategy.scope():
+        model = _cnn()
+        _compile(model)
+    x, y = _data()
+    model.fit(x[:72], y[:72], batch_size=24, shuffle=False, verbose=0)
+    runtime = model._autodist_runtime
+    assert strategy.adapter.runtime_info["op_fusion_regions"] == 2
+    assert not runtime.keras_step_suffices()
+    assert model.train_function.__qualname__.endswith("make_function.<locals>.function")
