@@ -60,7 +60,6 @@ seconds = estimator.predict(graph, cluster, plan, backend="torch")
 ```
 """
 
-import json
 import math
 import os
 import statistics
@@ -1256,17 +1255,10 @@ class LearnedEstimator:
     @classmethod
     def load(cls, path):
         """Reads an estimator written by `save` (JSON; no pickle)."""
+        from autodist_keras.estimator.profiler import read_json
+
         path = os.fspath(path)
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except OSError as e:
-            raise EstimatorError(
-                f"Cannot read learned estimator {path}: {e.strerror}. Received: {path!r}"
-            ) from None
-        except ValueError as e:
-            raise EstimatorError(f"{path} is not valid JSON ({e}). Received: {path!r}") from None
-        return cls.from_dict(data, source=path)
+        return cls.from_dict(read_json(path, "learned estimator"), source=path)
 
 
 def _all_examples(items):

@@ -630,12 +630,7 @@ class LearnedCostModel(AnalyticCostModel):
     @classmethod
     def from_json(cls, path, cluster=None):
         """Reads a model written by `to_json(path)` (JSON; no pickle)."""
+        from autodist_keras.estimator.profiler import read_json
+
         path = os.fspath(path)
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except OSError as e:
-            raise EstimatorError(f"Cannot read learned cost model {path}: {e.strerror}.") from None
-        except ValueError as e:
-            raise EstimatorError(f"{path} is not valid JSON ({e}).") from None
-        return cls.from_dict(data, cluster, source=path)
+        return cls.from_dict(read_json(path, "learned cost model"), cluster, source=path)

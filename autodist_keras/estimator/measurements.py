@@ -962,17 +962,11 @@ def load_measurements(path):
         EstimatorError: If the file is missing, not JSON, or not a
             measurements file.
     """
+    from autodist_keras.estimator.profiler import read_json
+
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as e:
-        raise EstimatorError(
-            f"Cannot read measurements file {path}: {e.strerror}. Measure first (e.g. "
-            "benchmarks/estimator_accuracy.py --measure). Received: " + repr(path)
-        ) from None
-    except ValueError as e:
-        raise EstimatorError(f"{path} is not valid JSON ({e}). Received: {path!r}") from None
+    data = read_json(path, "measurements file",
+                     "Measure first (e.g. benchmarks/estimator_accuracy.py --measure).")
     if not isinstance(data, dict) or data.get("schema") != FILE_SCHEMA:
         raise EstimatorError(
             f"{path}: not a measurements file (expected schema {FILE_SCHEMA!r}). Write it "

@@ -118,6 +118,32 @@ def write_json_atomic(path, data):
         raise
 
 
+def read_json(path, what, hint=""):
+    """Reads a JSON file, turning a missing or malformed file into `EstimatorError`.
+
+    Args:
+        path: The file.
+        what: What the file should hold, for the message (e.g. `"profile"`).
+        hint: Optional sentence telling how to make the file.
+
+    Returns:
+        The decoded JSON value.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as e:
+        raise EstimatorError(
+            f"Cannot read {what} {path}: {e.strerror}.{' ' + hint if hint else ''} "
+            f"Received: {path!r}"
+        ) from None
+    except ValueError as e:
+        raise EstimatorError(
+            f"The {what} {path} is not valid JSON ({e}). Received: {path!r}"
+        ) from None
+
+
 class ProfileCache:
     """Measurements on disk: one JSON file per key, written atomically.
 
@@ -576,14 +602,7 @@ class LayerProfile:
     @classmethod
     def from_json(cls, path):
         """Reads a profile written by `to_json(path)`."""
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except OSError as e:
-            raise EstimatorError(f"Cannot read profile {path}: {e.strerror}.") from None
-        except ValueError as e:
-            raise EstimatorError(f"Profile {path} is not valid JSON ({e}).") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_json(path, "profile"))
 
     def summary(self, limit=40):
         """Returns a readable table of the measured times (rich)."""
