@@ -79,6 +79,20 @@ def _fit_times(strategy, steps, warmup):
     return timer.times_s, timer.cpu_times_s
 
 
+def _alternate(rounds, run_base, run_auto):
+    """Runs the two sides `rounds` times, flipping which goes first each round.
+
+    Returns:
+        `(base_rounds, auto_rounds)`: each side's results, one per round.
+    """
+    base, auto = [], []
+    for i in range(rounds):
+        sides = ((base, run_base), (auto, run_auto))
+        for results, run in (sides if i % 2 == 0 else sides[::-1]):
+            results.append(run())
+    return base, auto
+
+
 def _summary(base_rounds, auto_rounds, base_name):
     """Medians over all steps, per-round ratios, CPU medians."""
     base = [t for r in base_rounds for t in r[0]]
@@ -106,15 +120,11 @@ def single_device_case(steps, warmup, rounds):
     from autodist_keras import Cluster
 
     cluster = Cluster.detect()
-    plain, auto = [], []
-    for i in range(rounds):
-        order = ("plain", "auto") if i % 2 == 0 else ("auto", "plain")
-        for side in order:
-            if side == "plain":
-                plain.append(_fit_times(None, steps, warmup))
-            else:
-                strategy = AutoStrategy("single_device", cluster=cluster)
-                auto.append(_fit_times(strategy, steps, warmup))
+    plain, auto = _alternate(
+        rounds,
+        lambda: _fit_times(None, steps, warmup),
+        lambda: _fit_times(AutoStrategy("single_device", cluster=cluster), steps, warmup),
+    )
     return _summary(plain, auto, "plain")
 
 
@@ -189,16 +199,12 @@ def two_process_case(steps, warmup, rounds):
     from autodist_keras import Cluster
 
     cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
-    ddp, auto = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(rounds):
-            order = ("ddp", "auto") if i % 2 == 0 else ("auto", "ddp")
-            for side in order:
-                if side == "ddp":
-                    ddp.append(ddp_times(steps, warmup, tmp))
-                else:
-                    strategy = AutoStrategy("data_parallel", cluster=cluster)
-                    auto.append(_fit_times(strategy, steps, warmup))
+        ddp, auto = _alternate(
+            rounds,
+            lambda: ddp_times(steps, warmup, tmp),
+            lambda: _fit_times(AutoStrategy("data_parallel", cluster=cluster), steps, warmup),
+        )
     return _summary(ddp, auto, "ddp")
 
 
