@@ -161,31 +161,30 @@ def _layers_by_name(model):
     return out
 
 
-OP_FUSION_POLICIES = ("auto", "on", "off")
-
-
-def for_plan(model, plan, device_types, policy="auto"):
+def for_plan(model, plan, device_kinds, policy="auto"):
     """The `FusionRegions` to realise for `plan`, or None.
 
     Args:
         model: The Keras model.
         plan: The `Plan` (its `op_fusion` regions).
-        device_types: Device kinds of the replicas (`"gpu"`, `"cpu"`, ...).
+        device_kinds: Kinds of the replicas' devices (`"gpu"`, `"cpu"`).
         policy: `"auto"` realises the regions when every replica is a GPU
-            (XLA's CPU kernels measured slower than TensorFlow's oneDNN ones
-            here, see docs/runtime_tensorflow.md), `"on"` always, `"off"` never.
+            (`fusion.op_fusion.compiled_by_default`), `"on"` always, `"off"`
+            never.
 
     Returns:
         A `FusionRegions`, or None when nothing is realised.
     """
-    if policy not in OP_FUSION_POLICIES:
+    from autodist_keras.fusion import op_fusion
+
+    if policy not in op_fusion.OP_FUSION_POLICIES:
         raise BackendError(
-            f"Unknown op_fusion policy {policy!r}. Valid: {', '.join(OP_FUSION_POLICIES)}. "
-            f"Received: op_fusion={policy!r}"
+            f"Unknown op_fusion policy {policy!r}. "
+            f"Valid: {', '.join(op_fusion.OP_FUSION_POLICIES)}. Received: op_fusion={policy!r}"
         )
-    regions = [r for r in plan.op_fusion if len(r) > 1]
+    regions = op_fusion.regions_for(plan)
     if not regions or policy == "off":
         return None
-    if policy == "auto" and any(t != "gpu" for t in device_types):
+    if policy == "auto" and not op_fusion.compiled_by_default(device_kinds):
         return None
     return FusionRegions(model, regions)

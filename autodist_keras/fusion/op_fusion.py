@@ -411,3 +411,24 @@ def regions_for(plan):
         more layers, in the plan's order.
     """
     return [list(region) for region in plan.op_fusion if len(region) > 1]
+
+
+# How the runtimes treat op-fusion regions (AutoStrategy's `op_fusion` option).
+OP_FUSION_POLICIES = ("auto", "on", "off")
+
+
+def compiled_by_default(device_kinds):
+    """Whether `op_fusion="auto"` compiles regions on devices of these kinds.
+
+    Only GPUs: on this project's CPU measurements XLA regions were slower than
+    TensorFlow's own kernels (benchmarks/op_fusion_xla.py, docs/disco.md).
+    Disco plans regions by the same rule, so its predictions count no savings
+    the runtime will not make.
+
+    Args:
+        device_kinds: Kinds of the plan's devices (`"gpu"`, `"cpu"`).
+
+    Returns:
+        True when every device is a GPU.
+    """
+    return all(kind == "gpu" for kind in device_kinds)

@@ -104,11 +104,14 @@ class AutoStrategy:
             from autodist_keras.strategies.selection import check_estimator
 
             check_estimator(options["estimator"])
-        if options.get("op_fusion", "auto") not in ("auto", "on", "off"):
-            raise StrategyError(
-                "op_fusion must be 'auto' (realise the plan's op-fusion regions on GPUs), "
-                f"'on' or 'off'. Received: op_fusion={options['op_fusion']!r}"
-            )
+        if "op_fusion" in options:
+            from autodist_keras.fusion.op_fusion import OP_FUSION_POLICIES
+
+            if options["op_fusion"] not in OP_FUSION_POLICIES:
+                raise StrategyError(
+                    "op_fusion must be 'auto' (realise the plan's op-fusion regions on GPUs), "
+                    f"'on' or 'off'. Received: op_fusion={options['op_fusion']!r}"
+                )
         from autodist_keras.devices import Cluster
 
         self.name = strategy

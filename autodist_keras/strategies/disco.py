@@ -541,10 +541,8 @@ def plan(
     )
     cpu_only_fusion_skipped = False
     if use_op is None:
-        # The runtimes realise op-fusion regions as XLA clusters on GPUs only
-        # (op_fusion="auto"): on CPUs XLA measured slower than TensorFlow's own
-        # kernels (benchmarks/op_fusion_xla.py), so no regions are planned there.
-        use_op = all(cluster.device(d).kind == "gpu" for d in base.devices)
+        # Plan regions only where the runtimes compile them by default (GPUs).
+        use_op = op_fusion_lib.compiled_by_default(cluster.device(d).kind for d in base.devices)
         cpu_only_fusion_skipped = not use_op
     use_op = bool(use_op)
     cost = cost_model if cost_model is not None else AnalyticCostModel(cluster)
