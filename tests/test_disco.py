@@ -72,11 +72,16 @@ def test_plan_is_valid_and_carries_the_simulators_prediction(res, clusters):
     assert tensor_fusion.check_layout(res, plan.buckets) == plan.buckets
     assert op_fusion.regions_for(plan) == plan.op_fusion
     assert any("Tensor fusion" in note for note in plan.notes)
-    # Replica shares are the proportional baseline's.
+    # Replica shares: the proportional baseline's, or ones that balance the
+    # predicted per-device step when those predict a faster start.
     prop = baselines.proportional(res, cluster, 64)
-    assert [(r.device, r.batch_share) for r in plan.replicas] == [
-        (r.device, r.batch_share) for r in prop.replicas
-    ]
+    shares = [(r.device, r.batch_share) for r in plan.replicas]
+    if plan.provenance.options["shares"] == "proportional":
+        assert shares == [(r.device, r.batch_share) for r in prop.replicas]
+    else:
+        assert plan.provenance.options["shares"] == "balanced"
+        assert [d for d, _ in shares] == prop.devices
+        assert sum(s for _, s in shares) == 64 and min(s for _, s in shares) >= 1
     subset = disco.plan(res, cluster, 64, devices=cluster.names[:3])
     assert [r.device for r in subset.replicas] == cluster.names[:3]
     again = type(plan).from_json(plan.to_json())
@@ -247,3 +252,29 @@ def test_selection_plans_no_op_fusion_for_the_torch_runtime(tiny):
         found[backend] = disco_candidate.plan.op_fusion
     assert found["tensorflow"], "a launch-bound model on GPUs gets op-fusion regions"
     assert found["torch"] == []
+
+
+def test_balanced_shares_beat_speed_proportional_ones_on_memory_bound_layers(clusters):
+    # MobileNet-style depthwise layers are memory-bound: a device's speed follows
+    # its memory bandwidth, not its peak FLOP/s, so speed-proportional shares
+    # overload the GTX 1080 Ti (lowest bandwidth). Disco starts from shares that
+    # balance each device's predicted step instead.
+    graph = ModelGraph.from_keras(
+        keras.applications.MobileNetV2(input_shape=(96, 96, 3), weights=None, classes=10)
+    )
+    cluster = clusters["testbed"]
+    plan = disco.plan(graph, cluster, 128, op_fusion=False, tensor_fusion=False)
+    assert plan.provenance.options["shares"] == "balanced"
+    assert any("balanced shares" in note for note in plan.notes)
+    prop = baselines.proportional(graph, cluster, 128)
+    share = {r.device: r.batch_share for r in plan.replicas}
+    prop_share = {r.device: r.batch_share for r in prop.replicas}
+    gtx = [d for d in cluster.names if "1080" in cluster.device(d).model]
+    assert all(share[d] < prop_share[d] for d in gtx)
+    same_layout = baselines.proportional(graph, cluster, 128, buckets=plan.buckets)
+    assert plan.prediction.step_time_s < simulate(graph, cluster, same_layout).step_time_s
+    # Measured speeds from the user keep the speed-proportional shares.
+    speeds = {d: cluster.device(d).peak_flops_fp32 for d in cluster.names}
+    given = disco.plan(graph, cluster, 128, op_fusion=False, speeds=speeds)
+    assert given.provenance.options["shares"] == "proportional"
+    assert [r.batch_share for r in given.replicas] == [r.batch_share for r in prop.replicas]

@@ -11,9 +11,12 @@ can delay the all-reduces that compute was hiding.
 
 This planner:
 
-1. takes the replicas and batch shares of the proportional baseline (so on
-   mixed GPUs Disco is never predicted slower than proportional shares with
-   DDP buckets, which is where its search starts);
+1. takes the replicas of the proportional baseline and, of two sets of
+   batch shares, the one predicted faster with DDP buckets: the proportional
+   baseline's (peak FLOP/s) or shares that balance each device's predicted
+   step (`_balanced_base`: compute at its share plus the optimizer update);
+   so on mixed GPUs Disco is never predicted slower than proportional shares
+   with DDP buckets, and its search starts from the faster set;
 2. scores seed layouts (DDP 25 MiB, Horovod 64 MiB, no fusion, and the
    chain-optimal layout of `fusion.tensor_fusion.chain_optimal_bounds`);
 3. searches, from the best seed: fuse every layer the fusion model can absorb
@@ -558,15 +561,30 @@ def plan(
     pricing = time.perf_counter() - priced
     names = timeline.var_names
     unfused = timeline.state(())
+    ddp_bounds = tensor_fusion.bounds_of(names, base.buckets)
+    # The start: proportional shares with DDP buckets, ring all-reduce (the baseline plan).
+    ring = timeline.with_algorithms(["ring"])
+    start_time = ring.step(unfused, ddp_bounds) if ddp_bounds is not None else None
+    shares_from = "proportional"
+    if options.get("speeds") is None and len(base.replicas) > 1 and start_time is not None:
+        # Shares that balance the predicted per-device step (compute and update):
+        # kept when they predict a faster start than the speed-proportional ones.
+        balanced = _balanced_base(base, graph, cluster, cost, batch_size)
+        if balanced is not None:
+            other = _Timeline(graph, cluster, balanced.replicas, cost, algorithms)
+            other_unfused = other.state(())
+            other_start = other.with_algorithms(["ring"]).step(other_unfused, ddp_bounds)
+            if other_start < start_time * (1.0 - 1e-9):
+                base, timeline, start_time = balanced, other, other_start
+                unfused = other_unfused
+                ring = timeline.with_algorithms(["ring"])
+                shares_from = "balanced"
+        pricing = time.perf_counter() - priced
     seeds = {}
     for name, layout in tensor_fusion.BASELINE_LAYOUTS.items():
         bounds = tensor_fusion.bounds_of(names, layout(graph))
         if bounds is not None:
             seeds[name] = tuple(bounds)
-    ddp_bounds = tensor_fusion.bounds_of(names, base.buckets)
-    # The start: proportional shares with DDP buckets, ring all-reduce (the baseline plan).
-    ring = timeline.with_algorithms(["ring"])
-    start_time = ring.step(unfused, ddp_bounds) if ddp_bounds is not None else None
     seed_times = {name: timeline.step(unfused, b) for name, b in seeds.items()}
     seed = "ddp_25mb"
     if use_tensor and seed_times:
@@ -597,7 +615,7 @@ def plan(
         if sim.step_time_s > base_result.step_time_s:
             notes.append(
                 "Disco's search result was predicted slower by the simulator "
-                f"({sim.step_time_s * 1e3:.3f} ms) than proportional shares with DDP "
+                f"({sim.step_time_s * 1e3:.3f} ms) than {shares_from} shares with DDP "
                 f"buckets ({base_result.step_time_s * 1e3:.3f} ms); kept the latter."
             )
             state, bounds = unfused, ddp_bounds
@@ -623,7 +641,7 @@ def plan(
     result.prediction = prediction
 
     notes += _notes(timeline, state, bounds, bucket_algorithm, result, sim, bound, start_time,
-                    use_op)
+                    use_op, shares_from)
     if cpu_only_fusion_skipped:
         notes.append(
             "Op fusion: not searched, because the plan's devices are not all GPUs; the "
@@ -650,6 +668,7 @@ def plan(
         "op_fusion": use_op,
         "tensor_fusion": use_tensor,
         "speeds": options.get("speeds"),
+        "shares": shares_from,
         "devices": list(devices) if devices is not None else None,
         "search": {
             "seed": seed,
@@ -665,6 +684,81 @@ def plan(
     return result
 
 
+def _balanced_base(base, graph, cluster, cost, batch_size):
+    """A copy of `base` whose shares balance each device's predicted step.
+
+    A device's predicted step at `n` samples is its forward and backward
+    time (the cost model, sampled on a grid of batch sizes and interpolated;
+    convex and increasing in `n`) plus its optimizer update, which does not
+    shrink with the share. Samples go one at a time to the device that would
+    finish its step earliest with one more (water filling, optimal for
+    increasing costs), each device keeping at least one sample and at most
+    its predicted memory capacity. Speed-proportional shares ignore the
+    fixed part and the memory-bound layers (whose speed follows memory
+    bandwidth, not peak FLOP/s), so on mixed devices these shares finish
+    the compute together where proportional ones do not.
+
+    Returns:
+        The `Plan`, or None when the shares equal `base`'s or the devices'
+        memory cannot hold the batch.
+    """
+    import heapq
+
+    replicas = base.groups[0].replicas
+    devices = [r.device for r in replicas]
+    grid = sorted({1, batch_size} | {g for k in range(64) if (g := 2**k) < batch_size}
+                  | {3 * 2**k for k in range(63) if 3 * 2**k < batch_size})
+    nodes = list(graph.nodes.values())
+    ntensors = len(graph.variables)
+    curves = {}
+    per_device = []
+    for name in devices:
+        device = cluster.device(name)
+        key = (device.model, device.kind, device.peak_flops_fp32, device.memory_bandwidth)
+        if key not in curves:
+            times = [
+                sum(cost.layer_time(n, device, g, "forward") + cost.layer_time(n, device, g, "backward")
+                    for n in nodes)
+                for g in grid
+            ]
+            update = float(cost.update_time(graph.param_bytes, device, ntensors))
+            curves[key] = (np.array(times, dtype=float) + update)
+        per_device.append(curves[key])
+    caps = [baselines.memory_capacity_samples(graph, cluster, d) for d in devices]
+    if min(caps) < 1 or sum(min(c, batch_size) for c in caps) < batch_size:
+        return None
+    xs = np.array(grid, dtype=float)
+
+    def finish(i, n):
+        return float(np.interp(n, xs, per_device[i]))
+
+    shares = [1] * len(devices)
+    heap = [(finish(i, 2), i) for i in range(len(devices)) if caps[i] > 1]
+    heapq.heapify(heap)
+    for _ in range(batch_size - len(devices)):
+        if not heap:
+            return None
+        _, i = heapq.heappop(heap)
+        shares[i] += 1
+        if shares[i] < caps[i]:
+            heapq.heappush(heap, (finish(i, shares[i] + 1), i))
+    if shares == [r.batch_share for r in replicas]:
+        return None
+    group = base.groups[0]
+    return Plan(
+        global_batch_size=base.global_batch_size,
+        groups=[LayerGroup(name=group.name, layers=list(group.layers),
+                           replicas=[Replica(d, s) for d, s in zip(devices, shares)])],
+        sync=dict(base.sync),
+        buckets=[list(b) for b in base.buckets],
+        provenance=Provenance(
+            planner="disco",
+            graph_fingerprint=base.provenance.graph_fingerprint,
+            cluster_fingerprint=base.provenance.cluster_fingerprint,
+        ),
+    )
+
+
 def _plan_from(base, graph, timeline, state, bounds):
     """The plan of a search state: buckets, per-bucket algorithms and op-fusion regions."""
     names = timeline.var_names
@@ -678,7 +772,8 @@ def _plan_from(base, graph, timeline, state, bounds):
     return _with_layout(base, graph, buckets, bucket_algorithm, regions), bucket_algorithm
 
 
-def _notes(timeline, state, bounds, bucket_algorithm, plan, sim, bound, start_time, use_op):
+def _notes(timeline, state, bounds, bucket_algorithm, plan, sim, bound, start_time, use_op,
+           shares_from="proportional"):
     notes = []
     prefix = timeline.prefix
     sizes = [(prefix[hi] - prefix[lo]) / 2**20 for lo, hi in zip((0,) + tuple(bounds[:-1]), bounds)]
@@ -709,7 +804,7 @@ def _notes(timeline, state, bounds, bucket_algorithm, plan, sim, bound, start_ti
     text = f"Predicted step {step * 1e3:.3f} ms"
     if start_time:
         text += (
-            f" vs {start_time * 1e3:.3f} ms for proportional shares with DDP 25 MiB buckets "
+            f" vs {start_time * 1e3:.3f} ms for {shares_from} shares with DDP 25 MiB buckets "
             f"({(start_time / step - 1) * 100:.1f}% faster)"
         )
     if bound.step_time_s > 0:
