@@ -62,8 +62,11 @@ def test_two_workers_match_single_device():
     assert [r["rank"] for r in results] == [0, 1]
     assert [r["affinity"] for r in results] == [[0], [1]]
     assert results[0]["runtime"]["mode"] == "multi-worker"
+    assert [r["share"] for r in results] == [16, 8]
     for result in results:
         assert len(result["step_times_s"]) == 20
+        # Per-step CPU time of the worker process (measured): positive, one per step.
+        assert len(result["cpu_times_s"]) == 20 and min(result["cpu_times_s"]) > 0
         np.testing.assert_allclose(result["loss"], history.history["loss"], rtol=1e-5)
         for w, want, got in zip(reference.weights, reference.get_weights(), result["weights"]):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=w.path)
@@ -82,3 +85,24 @@ def test_failing_worker_raises_worker_error():
             "nonexistent_module_for_test:build", cluster, x, y, BATCH, steps=2,
             strategy="data_parallel", timeout_s=120,
         )
+
+
+def test_run_steps_details_give_per_rank_cpu_and_shares():
+    from autodist_keras.backends.tensorflow_adapter import run_steps
+    from autodist_keras.devices import Cluster
+
+    cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 8)).astype("float32")
+    y = rng.integers(0, 3, size=(96,)).astype("int32")
+    # Measured step costs reach the workers through the options (cpu1 costs twice per sample).
+    costs = {"node0/cpu0": (0.0, 0.001), "node0/cpu1": (0.0, 0.002)}
+    out = run_steps(worker_model, "proportional", cluster, x, y, batch_size=BATCH, steps=3,
+                    warmup=1, processes=True, timeout_s=300, options={"step_costs": costs},
+                    details=True)
+    assert len(out["step_times_s"]) == 3
+    assert [r["device"] for r in out["ranks"]] == ["node0/cpu0", "node0/cpu1"]
+    assert [r["share"] for r in out["ranks"]] == [16, 8]
+    for rank in out["ranks"]:
+        assert len(rank["step_times_s"]) == 3 and len(rank["cpu_times_s"]) == 3
+        assert min(rank["cpu_times_s"]) > 0

@@ -915,6 +915,7 @@ def run_steps(
     timeout_s=600,
     options=None,
     devices=None,
+    details=False,
 ):
     """Times training steps of a model under a plan (measured wall time).
 
@@ -946,9 +947,15 @@ def run_steps(
             `Plan`, else all of the cluster's). With `processes=True` one
             pinned worker runs per device, so a single-device strategy is
             timed with `devices=[that device]`.
+        details: Return per-rank figures as well (see Returns).
 
     Returns:
-        A list of `steps` step times in seconds.
+        A list of `steps` step times in seconds. With `details=True`, a dict:
+        `"step_times_s"` (that list) and `"ranks"`, one dict per rank (one
+        for the whole process when `processes=False`) with `"device"`,
+        `"share"` (its samples per step), `"step_times_s"` and
+        `"cpu_times_s"` (the process's CPU time per step, all threads;
+        measured steps only).
 
     Example:
 
@@ -992,7 +999,14 @@ def run_steps(
             drop_remainder=True,
             devices=devices,
         )
-        return list(results[0]["step_times_s"][warmup:])
+        times = list(results[0]["step_times_s"][warmup:])
+        if not details:
+            return times
+        ranks = [{"device": r.get("device"), "share": r.get("share"),
+                  "step_times_s": list(r["step_times_s"][warmup:]),
+                  "cpu_times_s": list(r.get("cpu_times_s", [])[warmup:])}
+                 for r in results]
+        return {"step_times_s": times, "ranks": ranks}
     from autodist_keras.strategies.auto import AutoStrategy
 
     if isinstance(plan_or_strategy_name, Plan):
@@ -1006,7 +1020,13 @@ def run_steps(
         model = fn()
     timer = StepTimes()
     fit_repeating(model, x, y, batch_size, steps + warmup, [timer], drop_remainder=True)
-    return timer.times_s[warmup:]
+    if not details:
+        return timer.times_s[warmup:]
+    plan = strategy.plan
+    return {"step_times_s": timer.times_s[warmup:],
+            "ranks": [{"device": ",".join(plan.devices), "share": batch_size,
+                       "step_times_s": timer.times_s[warmup:],
+                       "cpu_times_s": timer.cpu_times_s[warmup:]}]}
 
 
 def fit_repeating(model, x, y, batch_size, steps, callbacks, drop_remainder=False):
@@ -1038,14 +1058,21 @@ def _step_timer_class():
     import keras
 
     class StepTimes(keras.callbacks.Callback):
-        """Wall time of every training batch, from batch begin to its logs being ready."""
+        """Wall time of every training batch, from batch begin to its logs being ready.
+
+        `cpu_times_s` holds this process's CPU time (all threads,
+        `time.process_time`) over the same interval, batch by batch.
+        """
 
         def __init__(self):
             super().__init__()
             self.times_s = []
+            self.cpu_times_s = []
             self._start = None
+            self._cpu_start = None
 
         def on_train_batch_begin(self, batch, logs=None):
+            self._cpu_start = time.process_time()
             self._start = time.perf_counter()
 
         def on_train_batch_end(self, batch, logs=None):
@@ -1053,11 +1080,15 @@ def _step_timer_class():
                 if hasattr(value, "numpy"):
                     value.numpy()  # wait for the step's results
             self.times_s.append(time.perf_counter() - self._start)
+            self.cpu_times_s.append(time.process_time() - self._cpu_start)
 
     return StepTimes
 
 
 def StepTimes():  # noqa: N802  (a class made lazily so keras loads only when used)
-    """Returns a Keras callback recording each training step's wall time in `.times_s`."""
+    """Returns a Keras callback recording each training step's wall time in `.times_s`.
+
+    It also records the process's CPU time per step in `.cpu_times_s`.
+    """
     return _step_timer_class()()
 

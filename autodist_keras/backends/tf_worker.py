@@ -5,8 +5,8 @@ set. The job file (JSON) names the model function, the strategy or plan, the
 cluster, the data (`.npy` files) and where to write results. The worker
 creates the `AutoStrategy` first (which pins it to its device's cores and
 starts the collectives, both of which must precede any TensorFlow op), then
-builds and trains the model, and writes `result<rank>.json` (step times,
-losses) and, when asked, `weights<rank>.npz`.
+builds and trains the model, and writes `result<rank>.json` (step wall and
+CPU times, its batch share, losses) and, when asked, `weights<rank>.npz`.
 """
 
 import json
@@ -80,6 +80,10 @@ def main(argv=None):
     result = {
         "rank": rank,
         "step_times_s": timer.times_s,
+        # CPU time of this process (all threads) per step: the work a step cost
+        # this rank even when other jobs stretch its wall time.
+        "cpu_times_s": timer.cpu_times_s,
+        "share": _share(strategy, device.name),
         "loss": losses,
         "device": device.name,
         "affinity": sorted(os.sched_getaffinity(0)),
@@ -90,6 +94,17 @@ def main(argv=None):
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(result, f)
     os.replace(tmp, os.path.join(out_dir, f"result{rank}.json"))
+
+
+def _share(strategy, device_name):
+    """This rank's samples per step under the plan in force (None before planning)."""
+    plan = strategy.plan
+    if plan is None or not plan.is_data_parallel:
+        return None
+    for replica in plan.replicas:
+        if replica.device == device_name:
+            return int(replica.batch_share)
+    return None
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ OPTION_NAMES = (
     "bucket_bytes",  # gradient bucket threshold in bytes
     "buckets",  # explicit bucket layout
     "speeds",  # measured relative device speeds for the proportional plan
+    "step_costs",  # measured per-replica step costs: the proportional plan balances them
     "timeout_s",  # how long the runtime waits for a worker before failing
     "estimator",  # "learned" (default), "simulator", or a saved LearnedEstimator JSON path
     "op_fusion",  # realise plan.op_fusion regions: "auto" (on GPUs), "on", "off" (TensorFlow)
@@ -43,6 +44,22 @@ OPTION_NAMES = (
 RUNTIME_ONLY_OPTIONS = ("timeout_s", "estimator", "op_fusion")  # not passed to planners
 
 _scope_lock = threading.Lock()
+
+
+def _normalise_step_costs(value):
+    """The `step_costs=` option as plain dicts (read from its JSON file if a path).
+
+    Plain dicts keep the option JSON-serialisable (the TensorFlow workers get
+    it in their job file) and make the plan cache key depend on the costs
+    themselves, not on a file name.
+    """
+    from autodist_keras.errors import PlanError
+    from autodist_keras.strategies import share_balance
+
+    try:
+        return share_balance.step_costs_to_dict(share_balance.load_step_costs(value))
+    except PlanError as e:
+        raise StrategyError(f"step_costs: {e}") from None
 
 
 class AutoStrategy:
@@ -60,7 +77,11 @@ class AutoStrategy:
         plan: A ready `Plan` (or a path to its JSON) to run instead of planning.
         **options: Planner and runtime options: `sync` (`"allreduce"` or
             `"ps"`), `ps_server`, `algorithm`, `bucket_bytes`, `buckets`,
-            `speeds`, `timeout_s`, and `estimator`: what scores the
+            `speeds`, `step_costs` (measured per-replica step costs
+            `{device: (fixed_s, per_sample_s)}` or the path of a JSON file
+            holding them: the proportional plans then balance these costs
+            over the cores, see `share_balance`), `timeout_s`, and
+            `estimator`: what scores the
             candidate plans, `"learned"` (default: the packaged learned
             estimator of the backend where the cluster and plan lie in its
             training domain, the simulator elsewhere), `"simulator"`, or the
@@ -112,6 +133,8 @@ class AutoStrategy:
                     "op_fusion must be 'auto' (realise the plan's op-fusion regions on GPUs), "
                     f"'on' or 'off'. Received: op_fusion={options['op_fusion']!r}"
                 )
+        if "step_costs" in options:
+            options["step_costs"] = _normalise_step_costs(options["step_costs"])
         from autodist_keras.devices import Cluster
 
         self.name = strategy
@@ -258,14 +281,15 @@ class AutoStrategy:
             )
             return plan
         families = [self.name] if self.name in FAMILY_NAMES else []
-        sync_opts = {k: opts[k] for k in ("algorithm", "bucket_bytes") if k in opts}
+        sync_opts = {k: opts[k] for k in ("algorithm", "bucket_bytes", "step_costs") if k in opts}
         self.candidates = selection.build_candidates(
             graph, self.cluster, batch_size, devices=self.devices, families=families,
             options=dict(sync_opts, backend=self.adapter.name), executable=executable,
             scorer=selection.resolve_scorer(estimator, self.adapter.name),
         )
         wanted = BASELINE_FOR_NAME.get(self.name, self.name)
-        if self.name in BASELINE_FOR_NAME and set(opts) - {"algorithm", "bucket_bytes"}:
+        if self.name in BASELINE_FOR_NAME and set(opts) - {"algorithm", "bucket_bytes",
+                                                           "step_costs"}:
             # Options such as sync="ps", ps_server, speeds or buckets shape the plan itself.
             from autodist_keras.estimator import simulate
             from autodist_keras.strategies import baselines
@@ -276,6 +300,7 @@ class AutoStrategy:
             else:
                 if self.name == "data_parallel":
                     opts.pop("speeds", None)
+                    opts.pop("step_costs", None)
                 plan = builder(graph, self.cluster, batch_size, devices=self.devices, **opts)
             plan.prediction = simulate(graph, self.cluster, plan).to_prediction()
         else:

@@ -284,12 +284,20 @@ def proportional(
     algorithm="ring",
     bucket_bytes=DDP_BUCKET_BYTES,
     buckets=None,
+    step_costs=None,
 ):
     """Data parallelism with batch shares proportional to device speed.
 
     Shares are whole samples (largest-remainder rounding) and respect each
     device's predicted memory capacity: a device that cannot hold its share
     keeps what fits and the rest moves to devices with room.
+
+    With `step_costs` (measured per-replica costs `fixed_s + per_sample_s *
+    samples`), the shares instead balance those costs over the resources
+    that run them (`share_balance.balanced_shares`): devices sharing CPU
+    cores count as one resource, so a fixed per-replica cost paid twice on a
+    shared core moves samples to the device that owns its core. The plan's
+    notes and `provenance.options["step_costs"]` record the costs.
 
     Args:
         graph: The `ModelGraph`.
@@ -300,13 +308,28 @@ def proportional(
             default: catalog peak FP32 FLOP/s.
         sync, ps_server, algorithm, bucket_bytes, buckets: As in
             `data_parallel_even`.
+        step_costs: Optional dict `{device: StepCost | (fixed_s,
+            per_sample_s) | {"fixed_s": ..., "per_sample_s": ...}}` of
+            measured per-replica step costs in seconds (e.g. from
+            `share_balance.fit_step_costs`), or the path of a JSON file
+            holding one; replaces `speeds` for the shares.
 
     Returns:
         A `Plan`.
+
+    Example:
+
+    ```python
+    costs = {d: (0.03, 0.002) for d in cluster.names}  # 30 ms + 2 ms per sample
+    plan = proportional(graph, Cluster.cpu_testbed(), 96, step_costs=costs)
+    ```
     """
     started = time.perf_counter()
     devices = _resolve_devices(cluster, devices)
     _check_batch(batch_size, len(devices))
+    if step_costs is not None:
+        return _balanced_plan(graph, cluster, batch_size, devices, step_costs, sync, ps_server,
+                              algorithm, bucket_bytes, buckets, started)
     weights = dict(device_speeds(cluster, devices))
     if speeds is not None:
         unknown = [d for d in devices if d not in speeds]
@@ -327,6 +350,47 @@ def proportional(
         algorithm, bucket_bytes, buckets,
         {"bucket_bytes": bucket_bytes, "speeds": weights}, started,
     )
+
+
+def _balanced_plan(graph, cluster, batch_size, devices, step_costs, sync, ps_server, algorithm,
+                   bucket_bytes, buckets, started):
+    """The proportional plan with shares that balance measured step costs."""
+    from autodist_keras.strategies import share_balance
+
+    costs = share_balance.load_step_costs(step_costs)
+    missing = [d for d in devices if d not in costs]
+    if missing:
+        raise PlanError(
+            f"step_costs has no entry for devices {missing}; measure every device of the plan "
+            f"(or leave the others out with `devices=[...]`). Received: {sorted(costs)}"
+        )
+    costs = {d: costs[d] for d in devices}
+    caps = {d: memory_capacity_samples(graph, cluster, d) for d in devices}
+    empty = [d for d in devices if caps[d] < 1]
+    if empty:
+        raise PlanError(
+            f"Devices {empty} cannot hold this model's parameters, gradients and optimizer "
+            f"state ({graph.param_bytes} parameter bytes, predicted). Leave them out with "
+            f"`devices=[...]`, or use a placement plan. Received: devices={devices}"
+        )
+    shares = share_balance.balanced_shares(cluster, devices, costs, batch_size, caps=caps)
+    recorded = share_balance.step_costs_to_dict(costs)
+    plan = _data_parallel_plan(
+        graph, cluster, batch_size, devices, shares, "proportional", sync, ps_server,
+        algorithm, bucket_bytes, buckets,
+        {"bucket_bytes": bucket_bytes, "step_costs": recorded}, started,
+    )
+    groups = share_balance.resources(cluster, devices)
+    loads = [sum(costs[devices[i]].cost_s(shares[i]) for i in g) for g in groups]
+    described = ", ".join(
+        f"{d} {c.fixed_s * 1e3:.2f} ms + {c.per_sample_s * 1e3:.4f} ms/sample"
+        for d, c in costs.items()
+    )
+    plan.notes.append(
+        "shares balance measured step costs (" + described + "); predicted busiest "
+        f"resource {max(loads) * 1e3:.1f} ms per step from those costs"
+    )
+    return plan
 
 
 BASELINES = {

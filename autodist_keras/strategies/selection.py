@@ -317,8 +317,13 @@ def _file_digest(path):
 
 
 def baseline_candidates(graph, cluster, batch_size, devices, options):
-    """Returns the baseline plans as `(name, builder)` pairs (not yet built)."""
+    """Returns the baseline plans as `(name, builder)` pairs (not yet built).
+
+    With a `step_costs` option (measured per-replica step costs), the
+    proportional candidates balance those costs (`share_balance`).
+    """
     opts = {k: v for k, v in options.items() if k in ("algorithm", "bucket_bytes")}
+    costs = {"step_costs": options["step_costs"]} if options.get("step_costs") else {}
     pairs = [
         ("single_device", lambda: baselines.single_device(
             graph, cluster, batch_size,
@@ -329,11 +334,11 @@ def baseline_candidates(graph, cluster, batch_size, devices, options):
             ("data_parallel_even", lambda: baselines.data_parallel_even(
                 graph, cluster, batch_size, devices=devices, **opts)),
             ("proportional", lambda: baselines.proportional(
-                graph, cluster, batch_size, devices=devices, **opts)),
+                graph, cluster, batch_size, devices=devices, **opts, **costs)),
             ("data_parallel_even_ps", lambda: baselines.data_parallel_even(
                 graph, cluster, batch_size, devices=devices, sync="ps", **opts)),
             ("proportional_ps", lambda: baselines.proportional(
-                graph, cluster, batch_size, devices=devices, sync="ps", **opts)),
+                graph, cluster, batch_size, devices=devices, sync="ps", **opts, **costs)),
         ]
         unshared = unshared_devices(cluster, devices)
         if 2 <= len(unshared) < len(devices):
