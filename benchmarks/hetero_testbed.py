@@ -2,10 +2,24 @@
 
 Three devices on this machine: node0/cpu0 owns core 0; node0/cpu1 and
 node0/cpu2 share core 1. For a convolutional model and an MLP, under each
-Keras backend, it trains with the even and the proportional plan and reports
-the measured median step time over `--steps` steps after `--warmup` steps,
-and the ratio even / proportional measured in the same run. The ideal ratio on
-this testbed is 1.33x (the even split waits for the half-speed devices).
+Keras backend, it trains with three plans and reports the measured median
+step time over `--steps` steps after `--warmup` steps, and the ratios
+even / proportional measured in the same run. The ideal ratio on this
+testbed is 1.33x (the even split waits for the half-speed devices).
+
+The three plans: even shares (`data_parallel`), speed-proportional shares
+(`proportional`), and `proportional` with measured step costs
+(`step_costs=`): after the even and proportional cases, a cost line
+`fixed + per_sample * share` per device is fitted (`share_balance.
+fit_step_costs`, cpu1 and cpu2 as one line) to each rank's median CPU time
+per step, and the third case balances those costs per core. The fixed
+per-replica cost is paid twice on core 1, so speed shares leave core 1 the
+bottleneck; balanced shares give cpu0 more (docs/planners.md, "Baselines,
+and shares from measured step costs"). `--rounds` (default 2) repeats the
+three cases, every second round in reverse order, and each case reports
+the median of its rounds' median steps; the step costs are fitted from the
+first round. `min_ratio` is over the measured-cost plan,
+`min_ratio_speed_proportional` over the plain one.
 
 Models: `cnn` (small CNN, batch 96), `mlp` (512-1024-1024-10, 1.59 M
 parameters, batch 384) and `mlp_large` (the same MLP at batch 3072). At
@@ -30,7 +44,7 @@ backend is fixed per process and TensorFlow's logical devices must be set up
 before it initialises.
 
 Usage:
-    python benchmarks/hetero_testbed.py [--backends tensorflow,torch] [--models cnn,mlp,mlp_large] [--steps 30]
+    python benchmarks/hetero_testbed.py [--backends tensorflow,torch] [--models cnn,mlp,mlp_large] [--steps 30] [--rounds 2]
 
 The last line of output is one JSON object.
 """
@@ -56,7 +70,7 @@ MODELS = {
 }
 
 
-def run_case(model_name, strategy_name, steps, warmup):
+def run_case(model_name, strategy_name, steps, warmup, step_costs=None):
     """Trains one case and returns its measured step times.
 
     PyTorch: `AutoStrategy` in this process (the adapter starts one pinned
@@ -64,17 +78,22 @@ def run_case(model_name, strategy_name, steps, warmup):
     devices that share the process's threads, so the testbed's cores cannot
     be given to them; the case runs through the TensorFlow adapter's
     multi-worker path instead (`run_steps`: one pinned worker per device).
+
+    Every case reports, per rank, its device, share and median CPU time per
+    step (`ranks`, `cpu_ms`), the figures the step costs are fitted from.
+    `step_costs` (a dict or a JSON path) is passed to `AutoStrategy`.
     """
     import keras
 
     if keras.backend.backend() == "tensorflow":
-        return _run_case_tensorflow(model_name, strategy_name, steps, warmup)
+        return _run_case_tensorflow(model_name, strategy_name, steps, warmup, step_costs)
     import numpy as np
 
     from autodist_keras import AutoStrategy
     from autodist_keras import Cluster
 
-    strategy = AutoStrategy(strategy_name, cluster=Cluster.cpu_testbed())
+    options = {"step_costs": step_costs} if step_costs is not None else {}
+    strategy = AutoStrategy(strategy_name, cluster=Cluster.cpu_testbed(), **options)
     import keras
 
     from autodist_keras.graph import zoo
@@ -102,12 +121,11 @@ def run_case(model_name, strategy_name, steps, warmup):
         model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
         strategy.adapter.close()
         ranks = _profile_summary(profile_dir, len(strategy.plan.replicas), warmup)
-    core_cpu = {}
-    for row in ranks:
-        if row and row.get("cpu_ms") is not None and len(row["affinity"]) == 1:
-            core = str(row["affinity"][0])
-            core_cpu[core] = round(core_cpu.get(core, 0.0) + row["cpu_ms"], 1)
-    shares = [r.batch_share for r in strategy.plan.replicas]
+    replicas = strategy.plan.replicas
+    for row, replica in zip(ranks, replicas):
+        if row:
+            row["device"], row["share"] = replica.device, replica.batch_share
+    shares = [r.batch_share for r in replicas]
     return {
         "median_step_s": timer.median_s,
         "steps": len(timer.times_s),
@@ -117,8 +135,18 @@ def run_case(model_name, strategy_name, steps, warmup):
         "ranks": ranks,
         # CPU time per step summed over the ranks pinned to each core: the
         # busiest core bounds the step, whatever other jobs do to wall time.
-        "core_cpu_ms": core_cpu,
+        "core_cpu_ms": _core_cpu(ranks),
     }
+
+
+def _core_cpu(ranks):
+    """CPU ms per step summed over the ranks pinned to each single core."""
+    core_cpu = {}
+    for row in ranks:
+        if row and row.get("cpu_ms") is not None and len(row["affinity"]) == 1:
+            core = str(row["affinity"][0])
+            core_cpu[core] = round(core_cpu.get(core, 0.0) + row["cpu_ms"], 1)
+    return core_cpu
 
 
 PHASES = ("forward", "backward", "reduce_wait", "total", "cpu_forward", "cpu_backward",
@@ -147,7 +175,7 @@ def _profile_summary(directory, world, warmup):
     return out
 
 
-def _run_case_tensorflow(model_name, strategy_name, steps, warmup):
+def _run_case_tensorflow(model_name, strategy_name, steps, warmup, step_costs=None):
     import statistics
 
     import numpy as np
@@ -164,12 +192,127 @@ def _run_case_tensorflow(model_name, strategy_name, steps, warmup):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(n, *shape)).astype("float32")
     y = rng.integers(0, classes, size=(n,)).astype("int32")
-    times = run_steps(f"_testbed_models:build_{builder}", strategy_name,
-                      Cluster.cpu_testbed(), x, y, batch_size=batch, steps=steps,
-                      warmup=warmup, processes=True, timeout_s=1500)
+    cluster = Cluster.cpu_testbed()
+    options = {"step_costs": step_costs} if step_costs is not None else {}
+    out = run_steps(f"_testbed_models:build_{builder}", strategy_name, cluster, x, y,
+                    batch_size=batch, steps=steps, warmup=warmup, processes=True,
+                    timeout_s=1500, options=options, details=True)
+    times = out["step_times_s"]
+    ranks = []
+    for rank in out["ranks"]:
+        ranks.append({
+            "device": rank["device"],
+            "share": rank["share"],
+            "affinity": list(cluster.device(rank["device"]).cpu_affinity),
+            "total_ms": round(statistics.median(rank["step_times_s"]) * 1e3, 1),
+            # The worker process's CPU time per step (all threads), median.
+            "cpu_ms": round(statistics.median(rank["cpu_times_s"]) * 1e3, 1)
+            if rank["cpu_times_s"] else None,
+        })
     return {"median_step_s": statistics.median(times), "steps": len(times),
-            "shares": None, "predicted_step_s": None,
+            "shares": [r["share"] for r in ranks], "predicted_step_s": None,
+            "ranks": ranks, "core_cpu_ms": _core_cpu(ranks),
             "how": "TensorFlow multi-worker, one pinned process per testbed device"}
+
+
+CASES = (
+    # key, strategy name, with the fitted step costs
+    ("even", "data_parallel", False),
+    ("proportional", "proportional", False),
+    ("proportional_measured", "proportional", True),
+)
+
+
+def _run_subprocess(backend, model_name, strategy_name, args, costs_path=None):
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
+    command = [sys.executable, __file__, "--case", f"{model_name}:{strategy_name}",
+               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if costs_path:
+        command += ["--step-costs", costs_path]
+    started = time.perf_counter()
+    out = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=1800)
+    if out.returncode != 0:
+        print(out.stderr[-3000:], file=sys.stderr)
+        return {"error": out.stderr.strip().splitlines()[-1:]}
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def fit_costs(runs):
+    """Step costs per device from the per-rank CPU per step of the even and proportional runs."""
+    from autodist_keras import Cluster
+    from autodist_keras.strategies.share_balance import fit_step_costs
+    from autodist_keras.strategies.share_balance import interchangeable_devices
+
+    observations = []
+    for run in runs:
+        for rank in run.get("ranks") or []:
+            if rank and rank.get("cpu_ms") is not None and rank.get("share"):
+                observations.append((rank["device"], rank["share"], rank["cpu_ms"] / 1e3))
+    cluster = Cluster.cpu_testbed()
+    # cpu1 and cpu2 (one thread each on core 1) get one line from both ranks' figures.
+    return fit_step_costs(observations, tied=interchangeable_devices(cluster, cluster.names))
+
+
+def predicted_busiest_core_ms(costs, shares):
+    """The busiest core's CPU per step the fitted costs predict for some shares (predicted)."""
+    from autodist_keras import Cluster
+    from autodist_keras.strategies.share_balance import resources
+
+    cluster = Cluster.cpu_testbed()
+    devices = list(costs)
+    return round(max(sum(costs[devices[i]].cost_s(shares[i]) for i in group)
+                     for group in resources(cluster, devices)) * 1e3, 1)
+
+
+def run_model(backend, model_name, args, workdir):
+    """Even, proportional and proportional with fitted step costs, in alternating rounds."""
+    import statistics
+
+    from autodist_keras.strategies.share_balance import step_costs_to_dict
+
+    rounds = {key: [] for key, _, _ in CASES}
+    costs, costs_path = None, None
+    for r in range(args.rounds):
+        order = CASES if r % 2 == 0 else tuple(reversed(CASES))
+        for key, strategy_name, measured in order:
+            if measured and costs is None:
+                try:
+                    costs = fit_costs([rounds["even"][-1], rounds["proportional"][-1]])
+                except Exception as e:  # noqa: BLE001  (report it; the other cases stand)
+                    rounds[key].append({"error": [f"fitting step costs failed: {e}"]})
+                    continue
+                costs_path = os.path.join(workdir, f"{backend}_{model_name}_costs.json")
+                with open(costs_path, "w", encoding="utf-8") as f:
+                    json.dump({"step_costs": step_costs_to_dict(costs)}, f)
+            if measured and costs_path is None:
+                continue
+            rounds[key].append(_run_subprocess(backend, model_name, strategy_name, args,
+                                               costs_path if measured else None))
+    row = {}
+    for key, _, _ in CASES:
+        good = [run for run in rounds[key] if run.get("median_step_s")]
+        if not good:
+            row[key] = rounds[key][-1] if rounds[key] else {"error": ["not run"]}
+            continue
+        row[key] = dict(good[0])
+        row[key]["round_median_step_s"] = [run["median_step_s"] for run in good]
+        row[key]["median_step_s"] = statistics.median(row[key]["round_median_step_s"])
+        if len(good) > 1:
+            row[key]["round_core_cpu_ms"] = [run.get("core_cpu_ms") for run in good]
+    if costs is not None:
+        row["step_costs"] = step_costs_to_dict(costs)
+        row["predicted_busiest_core_ms_from_costs"] = {
+            key: predicted_busiest_core_ms(costs, row[key]["shares"])
+            for key, _, _ in CASES if row[key].get("shares")
+        }
+    even = row["even"].get("median_step_s")
+    for key in ("proportional", "proportional_measured"):
+        other = row[key].get("median_step_s")
+        row[f"even_over_{key}"] = round(even / other, 3) if even and other else None
+    return row
 
 
 def main():
@@ -178,56 +321,67 @@ def main():
     parser.add_argument("--models", default="cnn,mlp,mlp_large")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="rounds of the three cases, every second one in reverse order")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--step-costs", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
         model_name, strategy_name = args.case.split(":")
-        print(json.dumps(run_case(model_name, strategy_name, args.steps, args.warmup)))
+        print(json.dumps(run_case(model_name, strategy_name, args.steps, args.warmup,
+                                  step_costs=args.step_costs)))
         return
+    import tempfile
+
     results = {}
+    started = time.perf_counter()
     print(f"hetero_testbed: {platform.node()}, {os.cpu_count()} cores, "
-          f"{args.steps} measured steps after {args.warmup} warm-up steps per case")
-    for backend in args.backends.split(","):
-        for model_name in args.models.split(","):
-            row = {}
-            for strategy_name in ("data_parallel", "proportional"):
-                env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
-                started = time.perf_counter()
-                out = subprocess.run(
-                    [sys.executable, __file__, "--case", f"{model_name}:{strategy_name}",
-                     "--steps", str(args.steps), "--warmup", str(args.warmup)],
-                    env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800,
-                )
-                if out.returncode != 0:
-                    print(out.stderr[-3000:], file=sys.stderr)
-                    row[strategy_name] = {"error": out.stderr.strip().splitlines()[-1:]}
-                    continue
-                row[strategy_name] = json.loads(out.stdout.strip().splitlines()[-1])
-                row[strategy_name]["wall_s"] = round(time.perf_counter() - started, 1)
-            even = row.get("data_parallel", {}).get("median_step_s")
-            prop = row.get("proportional", {}).get("median_step_s")
-            row["even_over_proportional"] = round(even / prop, 3) if even and prop else None
-            results[f"{backend}/{model_name}"] = row
-            print(
-                f"{backend:<10} {model_name:<4} even {_ms(even)} ms "
-                f"{row.get('data_parallel', {}).get('shares')}  proportional {_ms(prop)} ms "
-                f"{row.get('proportional', {}).get('shares')}  ratio "
-                f"{row['even_over_proportional']}x (measured, target >= 1.25x, ideal 1.33x)"
-            )
-            cores = [row.get(k, {}).get("core_cpu_ms") for k in ("data_parallel", "proportional")]
-            if all(cores):
-                print(f"{'':<15} CPU ms per step on each core: even {cores[0]}, "
-                      f"proportional {cores[1]}")
-    ratios = [r["even_over_proportional"] for r in results.values() if r["even_over_proportional"]]
+          f"{args.steps} measured steps after {args.warmup} warm-up steps per case, "
+          f"{args.rounds} round(s) (every second one in reverse order; median step of the "
+          "rounds)")
+    with tempfile.TemporaryDirectory() as workdir:
+        for backend in args.backends.split(","):
+            for model_name in args.models.split(","):
+                row = run_model(backend, model_name, args, workdir)
+                results[f"{backend}/{model_name}"] = row
+                _print_row(backend, model_name, row)
+    ratios = [r["even_over_proportional_measured"] for r in results.values()
+              if r["even_over_proportional_measured"]]
+    plain = [r["even_over_proportional"] for r in results.values()
+             if r["even_over_proportional"]]
     print(json.dumps({
         "benchmark": "hetero_testbed",
         "load_average_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "steps": args.steps,
         "warmup": args.warmup,
+        "rounds": args.rounds,
+        "wall_s": round(time.perf_counter() - started, 1),
         "results": results,
         "min_ratio": min(ratios) if ratios else None,
+        "min_ratio_speed_proportional": min(plain) if plain else None,
         "target_ratio": 1.25,
     }))
+
+
+def _print_row(backend, model_name, row):
+    def case(key):
+        data = row.get(key, {})
+        return f"{_ms(data.get('median_step_s'))} ms {data.get('shares')}"
+
+    print(f"{backend:<10} {model_name:<9} even {case('even')}  proportional "
+          f"{case('proportional')}  measured costs {case('proportional_measured')}")
+    print(f"{'':<20} even/proportional {row['even_over_proportional']}x, "
+          f"even/proportional with measured costs {row['even_over_proportional_measured']}x "
+          "(measured, target >= 1.25x, ideal 1.33x)")
+    if row.get("step_costs"):
+        fitted = ", ".join(f"{d} {c['fixed_s'] * 1e3:.1f} ms + {c['per_sample_s'] * 1e3:.3f} "
+                           "ms/sample" for d, c in row["step_costs"].items())
+        print(f"{'':<20} fitted CPU cost per step: {fitted}")
+        print(f"{'':<20} busiest core from those costs (predicted): "
+              f"{row['predicted_busiest_core_ms_from_costs']} ms")
+    cores = {k: row.get(k, {}).get("core_cpu_ms") for k, _, _ in CASES}
+    if all(cores.values()):
+        print(f"{'':<20} CPU ms per step on each core (measured, first round): {cores}")
 
 
 def _ms(seconds):

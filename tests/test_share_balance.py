@@ -199,3 +199,19 @@ def test_auto_search_proportional_candidates_use_costs(graph, testbed):
     for name in ("proportional", "proportional_ps"):
         assert [r.batch_share for r in by_name[name].plan.replicas] == [56, 20, 20]
     assert [r.batch_share for r in by_name["data_parallel_even"].plan.replicas] == [32, 32, 32]
+
+
+def test_tied_devices_share_one_line(testbed):
+    from autodist_keras.strategies.share_balance import interchangeable_devices
+
+    tied = interchangeable_devices(testbed, TESTBED)
+    assert tied == [["node0/cpu1", "node0/cpu2"]]
+    assert interchangeable_devices(Cluster.resolve("2xV100"), ["node0/gpu0", "node0/gpu1"]) == []
+    # Each of cpu1 and cpu2 alone would fit a noisy line; tied, both get the line through all
+    # four points, and only one share each is enough.
+    observations = [("node0/cpu0", 32, 0.079), ("node0/cpu0", 48, 0.115),
+                    ("node0/cpu1", 32, 0.086), ("node0/cpu2", 24, 0.074)]
+    fitted = fit_step_costs(observations, tied=tied)
+    assert fitted["node0/cpu1"] == fitted["node0/cpu2"]
+    assert fitted["node0/cpu1"].per_sample_s == pytest.approx(0.0015)
+    assert fitted["node0/cpu1"].fixed_s == pytest.approx(0.038)

@@ -165,7 +165,7 @@ def _observation(obs):
     )
 
 
-def fit_step_costs(observations):
+def fit_step_costs(observations, tied=None):
     """Fits `cost = fixed_s + per_sample_s * samples` per device by least squares.
 
     The fit is a non-negative least-squares line (`scipy.optimize.nnls`): a
@@ -178,13 +178,18 @@ def fit_step_costs(observations):
             "cost_s"}` or a tuple `(device, samples, cost_s)`: the device's
             share in samples and what one step cost it in seconds (e.g. the
             median CPU time per step of its replica).
+        tied: Optional lists of devices known to cost the same (e.g. from
+            `interchangeable_devices`: the testbed's cpu1 and cpu2, one
+            thread each on core 1). Each list gets one line fitted to all
+            its devices' observations, so noise cannot make one of them look
+            cheaper per sample than the other.
 
     Returns:
         A dict `{device: StepCost}`, in order of first appearance.
 
     Raises:
-        PlanError: If an observation is malformed, or a device has fewer than
-            two distinct sample counts.
+        PlanError: If an observation is malformed, or a device (or tied
+            list) has fewer than two distinct sample counts.
 
     Example:
 
@@ -206,8 +211,14 @@ def fit_step_costs(observations):
         by_device.setdefault(str(device), []).append((float(samples), float(cost)))
     if not by_device:
         raise PlanError("fit_step_costs needs observations. Received: []")
+    pooled = {d: list(points) for d, points in by_device.items()}
+    for group in tied or ():
+        members = [str(d) for d in group if str(d) in by_device]
+        points = [p for d in members for p in by_device[d]]
+        for d in members:
+            pooled[d] = points
     fitted = {}
-    for device, points in by_device.items():
+    for device, points in pooled.items():
         counts = sorted({n for n, _ in points})
         if len(counts) < 2:
             raise PlanError(
@@ -220,6 +231,33 @@ def fit_step_costs(observations):
         (fixed, per_sample), _ = nnls(a, b)
         fitted[device] = StepCost(round(float(fixed), 12), round(float(per_sample), 12))
     return fitted
+
+
+def interchangeable_devices(cluster, devices):
+    """Lists of CPU-testbed devices that are the same device in the same situation.
+
+    Testbed devices of one node with the same cores and thread count (the
+    default testbed's node0/cpu1 and node0/cpu2) cost a replica the same, so
+    their step costs can be fitted as one line (`fit_step_costs(...,
+    tied=...)`). Devices without a CPU affinity (GPUs) are never tied here:
+    which of them drives the step, or which link it sits on, may differ; tie
+    them explicitly when you know they match.
+
+    Args:
+        cluster: The `Cluster`.
+        devices: Device names.
+
+    Returns:
+        A list of lists of device names with two or more members each.
+    """
+    groups = {}
+    for name in devices:
+        d = cluster.device(name)
+        if d.cpu_affinity is None:
+            continue
+        key = (d.node, d.model, tuple(sorted(d.cpu_affinity)), d.threads)
+        groups.setdefault(key, []).append(name)
+    return [g for g in groups.values() if len(g) > 1]
 
 
 def resources(cluster, devices):
