@@ -19,7 +19,10 @@ and shares from measured step costs"). `--rounds` (default 2) repeats the
 three cases, every second round in reverse order, and each case reports
 the median of its rounds' median steps; the step costs are fitted from the
 first round. `min_ratio` is over the measured-cost plan,
-`min_ratio_speed_proportional` over the plain one.
+`min_ratio_speed_proportional` over the plain one. The default run is 36
+cases; one case took 14-33 s (torch) and 29-45 s (TensorFlow, mlp_large the
+longest) here with a load average of 1.2-2.7, so the whole run takes about
+20 minutes (an estimate from those cases, not a timed full run).
 
 Models: `cnn` (small CNN, batch 96), `mlp` (512-1024-1024-10, 1.59 M
 parameters, batch 384) and `mlp_large` (the same MLP at batch 3072). At

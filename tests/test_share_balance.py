@@ -52,7 +52,8 @@ def test_fit_recovers_exact_lines():
 
 def test_fit_clips_negative_slope_and_intercept():
     # Cost falls with the share (noise): no per-sample part, the mean as fixed cost.
-    falling = fit_step_costs([("a", 10, 0.05), ("a", 20, 0.03)])["a"]
+    with pytest.warns(UserWarning, match="does not grow with its share"):
+        falling = fit_step_costs([("a", 10, 0.05), ("a", 20, 0.03)])["a"]
     assert falling == StepCost(pytest.approx(0.04), 0.0)
     # A line through the points would cross zero below 0 samples: through the origin.
     steep = fit_step_costs([("a", 10, 0.01), ("a", 20, 0.05)])["a"]

@@ -40,6 +40,7 @@ import dataclasses
 import json
 import math
 import os
+import warnings
 
 from autodist_keras.errors import PlanError
 
@@ -229,6 +230,13 @@ def fit_step_costs(observations, tied=None):
         a = np.array([[1.0, n] for n, _ in points])
         b = np.array([c for _, c in points])
         (fixed, per_sample), _ = nnls(a, b)
+        if per_sample <= 0:
+            warnings.warn(
+                f"fit_step_costs: the measured cost of {device!r} does not grow with its share "
+                f"(points {sorted(points)}), so its per-sample cost is 0 and balanced shares may "
+                "give it as many samples as its cap allows. Measure more steps or shares further "
+                "apart.", stacklevel=2,
+            )
         fitted[device] = StepCost(round(float(fixed), 12), round(float(per_sample), 12))
     return fitted
 
