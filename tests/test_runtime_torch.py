@@ -385,3 +385,44 @@ def test_sum_reduction_loss_is_rejected():
     x, y = _data("mlp", n=48)
     with pytest.raises(BackendError, match="reduction='sum_over_batch_size'"):
         model.fit(x, y, batch_size=BATCH, verbose=0)
+
+
+# ------------------------------------------------------- shard transport
+def test_shards_by_shared_memory_and_by_message_give_the_same_weights(monkeypatch):
+    """Spawned workers read their rows from shared-memory slots (torch_shm);
+    AUTODIST_KERAS_TORCH_SHM=0 sends them as messages instead. Both match
+    single-device training, and no file is left in /dev/shm."""
+    import glob
+
+    before = set(glob.glob("/dev/shm/autodist_keras_batch_*"))
+    strategy = _strategy("proportional", 3)
+    model, _ = _distributed("mlp", "adam", strategy)
+    driver = strategy.adapter._run.driver
+    assert driver._slots is not None and driver._use_shm
+    _assert_same_weights(model, _reference_weights("mlp", "adam")[0])
+    assert set(glob.glob("/dev/shm/autodist_keras_batch_*")) <= before
+
+    monkeypatch.setenv("AUTODIST_KERAS_TORCH_SHM", "0")
+    strategy = _strategy("proportional", 3)
+    model, _ = _distributed("mlp", "adam", strategy)
+    assert strategy.adapter._run.driver._slots is None
+    assert strategy.adapter.last_run["in_sync"] is True
+    _assert_same_weights(model, _reference_weights("mlp", "adam")[0])
+
+
+def test_pack_into_writes_the_pack_layout():
+    import torch
+
+    from autodist_keras.backends import torch_transport as tt
+
+    leaves = [torch.arange(15, dtype=torch.float32).reshape(5, 3),
+              torch.tensor([True, False, True, True, False]),
+              torch.arange(5, dtype=torch.int64)]
+    metas = [tt.leaf_meta(t) for t in leaves]
+    buffer = torch.zeros(tt.packed_size(metas, rows=5) + 16, dtype=torch.uint8)
+    assert tt.pack_into(buffer, leaves, start=2) == tt.packed_size(metas, rows=5)
+    out = tt.unpack(buffer, metas, rows=5)
+    for got, want in zip(out, leaves):
+        assert got.dtype == want.dtype
+        assert torch.equal(got[2:], want[2:])
+        assert not got[:2].any()  # rows before `start` are not written

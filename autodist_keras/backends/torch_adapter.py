@@ -300,7 +300,11 @@ class _FitRun:
         if self.driver is None and not self.local:
             self._start(data)
         if self.local:
-            return self.model.train_step(data[0])
+            # One replica: from the next step on, Keras's loop calls Keras's own
+            # train function (torch.compile'd under jit_compile, as in plain
+            # Keras); `_fit` clears it afterwards, so the next fit plans again.
+            self.model.make_train_function(force=True)
+            return self.model.train_function(data)
         logs = self.driver.train_step(data)
         self.adapter.last_run["steps"] = self.driver.steps
         return logs

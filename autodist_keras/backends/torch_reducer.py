@@ -243,6 +243,14 @@ class GradientReducer:
             self.comm.broken = True
             self.error = CommFailure(str(e))
 
+    def launch_rest(self):
+        """Launches every bucket backward has not launched (variables that got
+        no gradient reduce zeros). `finish` does it too; calling it first lets a
+        rank do other work while every collective is in flight."""
+        for bucket in self.buckets[self._next:]:
+            bucket.pending = 0
+        self._launch_ready()
+
     def finish(self):
         """Launches remaining buckets, waits for all, returns the summed gradients.
 
@@ -255,9 +263,7 @@ class GradientReducer:
         """
         import torch.distributed as dist
 
-        for bucket in self.buckets[self._next:]:
-            bucket.pending = 0
-        self._launch_ready()
+        self.launch_rest()
         if self.error is not None:
             raise self.error
         second = []

@@ -30,6 +30,7 @@ driver.end(history)
 import itertools
 import json
 import math
+import os
 import traceback
 import warnings
 
@@ -37,11 +38,13 @@ from autodist_keras.backends import torch_transport as tt
 from autodist_keras.backends.torch_device import device_info
 from autodist_keras.backends.torch_device import pin
 from autodist_keras.backends.torch_device import unpin
+from autodist_keras.backends.torch_shm import SharedSlots
 from autodist_keras.backends.torch_step import ReplicaTrainer
 from autodist_keras.errors import BackendError
 from autodist_keras.errors import WorkerError
 
 _session_ids = itertools.count(1)
+SHM_ENV = "AUTODIST_KERAS_TORCH_SHM"
 
 
 # ------------------------------------------------------------------ helpers
@@ -289,7 +292,12 @@ class Driver:
         self.replica_checksums = None
         self._header = None
         self._ypred = None  # (spec, metas) of the model's predictions
-        self._shares = {}
+        self._layouts = {}
+        # Spawned workers share rank 0's machine: shards go through shared memory
+        # (torch_shm) unless AUTODIST_KERAS_TORCH_SHM=0.
+        self._use_shm = spawned and os.environ.get(SHM_ENV, "1") != "0"
+        self._slots = None
+        self._slots_unlinked = True
         self.steps = 0
 
     # ----------------------------------------------------------- failures
@@ -307,6 +315,9 @@ class Driver:
             optimizer.build(model.trainable_variables)
         # Local checks first: nothing is sent if rank 0 cannot run the plan.
         self.trainer = ReplicaTrainer(model, self.comm, self.plan, self._nodes(), self._device_ranks())
+        # Slot reuse is safe because each step's gradient all-reduce orders the
+        # ranks (torch_shm); a model with nothing to reduce sends messages.
+        self._use_shm = self._use_shm and self.trainer.reducer.num_buckets > 0
         weights, opt_vars = state_variables(model)
         payload = {
             "session": self.session_id,
@@ -361,11 +372,6 @@ class Driver:
         return {d["name"]: r for r, d in enumerate(self.devices)}
 
     # -------------------------------------------------------------- train
-    def _shares_for(self, n):
-        if n not in self._shares:
-            self._shares[n] = self.plan.shares_for(n)
-        return self._shares[n]
-
     def _learning_rate(self):
         optimizer = self.model.optimizer
         lr = getattr(optimizer, "_learning_rate", None)
@@ -373,12 +379,40 @@ class Driver:
             return float(lr.numpy()) if hasattr(lr, "numpy") else float(lr)
         return math.nan
 
+    def _layout(self, n):
+        """`(shares, offsets)` of a global batch of `n` samples (cached per `n`)."""
+        layout = self._layouts.get(n)
+        if layout is None:
+            shares = self.plan.shares_for(n)
+            offsets = [0]
+            for s in shares:
+                offsets.append(offsets[-1] + s)
+            layout = self._layouts[n] = (shares, offsets)
+        return layout
+
+    def _shared_slots(self, metas, n):
+        """The shared-memory slots big enough for a batch of `n` rows, or None
+        when shards travel as messages (see `torch_shm`)."""
+        if not self._use_shm:
+            return None
+        need = tt.packed_size(metas, rows=n)
+        if self._slots is None or self._slots.slot_bytes < need:
+            from autodist_keras.backends.torch_shm import SharedSlots
+
+            if self._slots is not None:
+                self._slots.unlink()
+            self._slots = SharedSlots.create(tt.padded_size(need))
+            if self._slots is None:  # no usable /dev/shm: send messages from now on
+                self._use_shm = False
+                return None
+            self._slots_unlinked = False
+        return self._slots
+
     def train_step(self, data):
         """One distributed training step; returns Keras's logs (global metrics)."""
         import torch
         from keras.src.trainers.data_adapters import data_adapter_utils
 
-        model = self.model
         profile = self.trainer.profile
         profile.begin()
         batch = data[0]
@@ -399,23 +433,31 @@ class Driver:
                     f"the same first (batch) dimension to be split across replicas. "
                     f"Received: shapes {[tuple(t.shape) for t in leaves]}"
                 )
-        shares = self._shares_for(n)
-        offsets = [0]
-        for s in shares:
-            offsets.append(offsets[-1] + s)
+        shares, offsets = self._layout(n)
         header = {"spec": spec, "metas": [tt.leaf_meta(t) for t in leaves]}
+        world = self.comm.world_size
+        slots = self._shared_slots(header["metas"], n) if n > shares[0] else None
+        slot = -1
+        if slots is not None:
+            header["shm"] = slots.describe()
+            slot = self.steps % 2
+            # The workers' rows of every leaf, in `pack`'s layout for n rows.
+            tt.pack_into(slots.slot(slot), leaves, start=shares[0])
+        elif self._header is not None and "shm" in self._header:
+            header["shm"] = self._header["shm"]  # unchanged mapping, shards by message
         header_len = 0 if header == self._header else tt.json_length(header)
         self.in_step = True
-        sends, recvs = [], {}
+        sends, recvs, done = [], {}, {}
         try:
-            self.comm.broadcast_command(tt.CMD_TRAIN, n, header_len, self._learning_rate())
+            self.comm.broadcast_command(tt.CMD_TRAIN, n, header_len, self._learning_rate(), slot)
             if header_len:
                 self.comm.broadcast_json(header)
                 self._header = header
-            for r in range(1, self.comm.world_size):
-                if shares[r] > 0:
-                    shard = tt.pack([t[offsets[r]:offsets[r + 1]] for t in leaves])
-                    sends.append((self.comm.isend(shard, r, tag=1), r))
+            if slot < 0:
+                for r in range(1, world):
+                    if shares[r] > 0:
+                        shard = tt.pack([t[offsets[r]:offsets[r + 1]] for t in leaves])
+                        sends.append((self.comm.isend(shard, r, tag=1), r))
             own = tt.unflatten_tree(spec, [t[:shares[0]] for t in leaves])
             profile.mark("sent")
 
@@ -424,47 +466,68 @@ class Driver:
                     ypred_spec, ypred_leaves = tt.flatten_tree(y_pred)
                     self._ypred = (ypred_spec, [tt.leaf_meta(t) for t in ypred_leaves])
                 metas = self._ypred[1]
-                for r in range(1, self.comm.world_size):
+                for r in range(1, world):
                     if shares[r] > 0:
                         size = tt.packed_size(metas, rows=shares[r]) + tt.ALIGN
                         buf = torch.empty(size, dtype=torch.uint8)
                         recvs[r] = (self.comm.irecv(buf, r, tag=2), buf)
 
-            saved = self._save_loss_metrics()
-            y_pred0, loss0 = self.trainer.step(
-                own[0], own[1], own[2], shares[0], n,
-                after_forward=post_receives if shares[0] > 0 else None,
-            )
-            self._restore_loss_metrics(saved)
-            if shares[0] == 0:
-                if self._ypred is None:
-                    self._ypred = self._predict_spec(leaves, spec)
-                post_receives(None, None)
-            for work, r in sends:
-                self.comm.wait(work, peer=r)
-            profile.mark("sends_done")
-            preds, losses = [], []
-            ypred_spec, metas = self._ypred
-            if shares[0] > 0:
-                preds.append([t.detach() for t in tt.flatten_tree(y_pred0)[1]])
-                losses.append((shares[0], float(loss0.detach())))
-            for r in range(1, self.comm.world_size):
-                if shares[r] > 0:
-                    work, buf = recvs[r]
+            def global_metrics():
+                # Runs while the gradient collectives are in flight: the metrics
+                # need only the predictions, which every rank sent after its
+                # forward pass, so rank 0 computes them instead of waiting.
+                self._restore_loss_metrics(saved)
+                if shares[0] == 0:
+                    if self._ypred is None:
+                        self._ypred = self._predict_spec(leaves, spec)
+                    post_receives(None, None)
+                for work, r in sends:
                     self.comm.wait(work, peer=r)
-                    parts = tt.unpack(buf, metas, rows=shares[r])
-                    loss_bytes = buf[tt.packed_size(metas, rows=shares[r]):][:8]
-                    preds.append(parts)
-                    losses.append((shares[r], float(loss_bytes.view(torch.float64)[0])))
-            profile.mark("predictions")
+                profile.mark("sends_done")
+                preds, losses = [], []
+                ypred_spec, metas = self._ypred
+                if shares[0] > 0:
+                    preds.append([t.detach() for t in tt.flatten_tree(y_pred0[0])[1]])
+                    losses.append((shares[0], float(y_pred0[1].detach())))
+                for r in range(1, world):
+                    if shares[r] > 0:
+                        work, buf = recvs[r]
+                        self.comm.wait(work, peer=r)
+                        parts = tt.unpack(buf, metas, rows=shares[r])
+                        loss_bytes = buf[tt.packed_size(metas, rows=shares[r]):][:8]
+                        preds.append(parts)
+                        losses.append((shares[r], float(loss_bytes.view(torch.float64)[0])))
+                profile.mark("predictions")
+                try:
+                    done["logs"] = self._metrics(x, y, sample_weight, ypred_spec, preds, losses, n)
+                except Exception as e:  # noqa: BLE001 - raised once the step is complete
+                    done["error"] = e
+                profile.mark("metrics")
+
+            y_pred0 = [None, None]
+
+            def after_forward(y_pred, loss):
+                y_pred0[:] = [y_pred, loss]
+                post_receives(y_pred, loss)
+
+            saved = self._save_loss_metrics()
+            self.trainer.step(
+                own[0], own[1], own[2], shares[0], n,
+                after_forward=after_forward if shares[0] > 0 else None,
+                before_wait=global_metrics,
+            )
         except tt.CommFailure as failure:
             self._fail(failure)
         self.in_step = False
         self.steps += 1
-        logs = self._metrics(x, y, sample_weight, ypred_spec, preds, losses, n)
-        profile.mark("metrics")
+        if slots is not None and not self._slots_unlinked:
+            # Every worker mapped the file while reading this step's header.
+            slots.unlink()
+            self._slots_unlinked = True
         profile.end()
-        return logs
+        if "error" in done:
+            raise done["error"]
+        return done["logs"]
 
     def _predict_spec(self, leaves, spec):
         import torch
@@ -512,6 +575,8 @@ class Driver:
         """Ends the session: sends the History, checks the replicas agree."""
         import torch
 
+        if self._slots is not None:
+            self._slots.unlink()
         if self.trainer is not None:
             self.trainer.detach()
             self.trainer.profile.save({"plan_shares": [r.batch_share for r in self.plan.replicas]})
@@ -677,6 +742,8 @@ def serve(comm, reporter, model=None, on_model=None):
         return None, None
     trainer.attach()
     header = None
+    slots = None  # shared-memory batch slots (spawned workers), from a header
+    rows = {}  # global batch size -> (first row, number of rows) of this rank
     profile = trainer.profile
     try:
         while True:
@@ -692,16 +759,34 @@ def serve(comm, reporter, model=None, on_model=None):
                 return model, payload
             if kind != tt.CMD_TRAIN:
                 raise BackendError(f"Rank {rank} got an unknown command. Received: {command}")
-            n, header_len, lr = int(command[1]), int(command[2]), command[3]
+            n, header_len, lr, slot = int(command[1]), int(command[2]), command[3], int(command[4])
             if header_len:
                 header = comm.broadcast_json(length=header_len)
+                described = header.get("shm")
+                if described and (slots is None or slots.path != described["path"]):
+                    slots = SharedSlots.open(described)
             _set_learning_rate(model, lr)
-            share = plan.shares_for(n)[rank]
+            if n not in rows:
+                shares = plan.shares_for(n)
+                rows[n] = (sum(shares[:rank]), shares[rank])
+            start, share = rows[n]
             shard = (None, None, None)
             if share > 0:
-                buf = torch.empty(tt.packed_size(header["metas"], rows=share), dtype=torch.uint8)
-                comm.wait(comm.irecv(buf, 0, tag=1), peer=0)
-                shard = tt.unflatten_tree(header["spec"], tt.unpack(buf, header["metas"], rows=share))
+                if slot >= 0:
+                    if slots is None:
+                        raise BackendError(
+                            f"Rank {rank} was told to read its shard from shared memory "
+                            "but no shared slots were described in the batch header. "
+                            f"Received: slot {slot}"
+                        )
+                    # Views of the workers' rows that rank 0 wrote into the slot.
+                    full = tt.unpack(slots.slot(slot), header["metas"], rows=n)
+                    leaves = [t[start:start + share] for t in full]
+                else:
+                    buf = torch.empty(tt.packed_size(header["metas"], rows=share), dtype=torch.uint8)
+                    comm.wait(comm.irecv(buf, 0, tag=1), peer=0)
+                    leaves = tt.unpack(buf, header["metas"], rows=share)
+                shard = tt.unflatten_tree(header["spec"], leaves)
             profile.mark("shard")
             sent = []
 

@@ -184,7 +184,8 @@ class ReplicaTrainer:
     def detach(self):
         self.reducer.detach()
 
-    def step(self, x, y, sample_weight, share, global_batch, after_forward=None):
+    def step(self, x, y, sample_weight, share, global_batch, after_forward=None,
+             before_wait=None):
         """One training step on this replica's shard.
 
         Args:
@@ -195,6 +196,10 @@ class ReplicaTrainer:
             after_forward: Optional callable `(y_pred, loss)` run right after
                 the forward pass (rank 0 and workers exchange predictions
                 there, overlapping backward).
+            before_wait: Optional callable `()` run after backward (or, with
+                `share` 0, after the zero gradients are set), while the
+                gradient collectives are in flight and before this rank waits
+                for them (rank 0 updates the global metrics there).
 
         Returns:
             `(y_pred, loss)`: this shard's predictions and unscaled loss
@@ -230,6 +235,9 @@ class ReplicaTrainer:
             model.zero_grad()
             self.state_sync.launch(0.0)
         profile.mark("backward")
+        if before_wait is not None:
+            self.reducer.launch_rest()
+            before_wait()
         grads = self.reducer.finish()
         profile.mark("reduce_wait")
         if model.trainable_weights:

@@ -296,6 +296,11 @@ def _padded(n):
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def padded_size(n):
+    """`n` bytes rounded up to the 8-byte alignment `pack` uses."""
+    return _padded(int(n))
+
+
 def packed_size(metas, rows=None):
     """Bytes of the buffer `pack` makes for leaves described by `metas`."""
     return sum(_padded(_nbytes(d, s, rows)) for d, s in metas)
@@ -318,6 +323,32 @@ def pack(tensors):
     if not parts:
         return torch.zeros(0, dtype=torch.uint8)
     return torch.cat(parts)
+
+
+def pack_into(buffer, tensors, start=0):
+    """Writes tensors into `buffer` in `pack`'s layout, without a new buffer.
+
+    Args:
+        buffer: A uint8 tensor of at least the packed size.
+        tensors: Tensors with the same first (batch) dimension.
+        start: Only rows `start:` of each tensor are written (the bytes of
+            earlier rows are left as they are).
+
+    Returns:
+        The number of bytes the layout spans.
+    """
+    import torch
+
+    offset = 0
+    for t in tensors:
+        t = t.detach()
+        if t.dtype == torch.bool:
+            t = t.to(torch.uint8)
+        n = t.numel() * t.element_size()
+        view = buffer[offset:offset + n].view(t.dtype).reshape(t.shape)
+        view[start:].copy_(t[start:])
+        offset += _padded(n)
+    return offset
 
 
 def unpack(buffer, metas, rows=None):

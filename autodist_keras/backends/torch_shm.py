@@ -1,0 +1,100 @@
+"""Shared-memory batch slots between rank 0 and the workers it spawned.
+
+Spawned workers run on rank 0's machine, so rank 0 need not send each of them
+its shard through a socket: it writes the global batch (the workers' rows) once
+into a slot of a file in `/dev/shm` that every rank has mapped, and each worker
+reads its rows as views of that memory. There are two slots, used in turn: rank
+0 writes step `k + 1`'s batch only after step `k`'s gradient all-reduce, which
+every worker joins only after it has finished step `k - 1`, the last step that
+read the other slot.
+
+The file is unlinked as soon as every worker has mapped it (the mappings stay
+valid), so nothing is left in `/dev/shm` even if a process is killed later.
+When `/dev/shm` is missing or too small, `SharedSlots.create` returns None and
+the runtime sends shards as messages (as it does under torchrun, whose ranks may
+be on other machines).
+
+Example:
+
+```python
+slots = SharedSlots.create(slot_bytes=1 << 20)      # rank 0
+worker_slots = SharedSlots.open(slots.describe())   # a worker, from the JSON header
+slots.unlink()                                      # once every worker has mapped it
+```
+"""
+
+import os
+import tempfile
+import weakref
+
+SHM_DIR = "/dev/shm"
+NUM_SLOTS = 2
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+class SharedSlots:
+    """`NUM_SLOTS` equal byte slots in one shared file, mapped as a uint8 tensor.
+
+    Args:
+        path: The file.
+        slot_bytes: Bytes per slot.
+        owner: True on the rank that created the file (it unlinks it).
+    """
+
+    def __init__(self, path, slot_bytes, owner=False):
+        import torch
+
+        self.path = path
+        self.slot_bytes = int(slot_bytes)
+        size = self.slot_bytes * NUM_SLOTS
+        self.buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        self._finalizer = weakref.finalize(self, _unlink, path) if owner else None
+
+    @classmethod
+    def create(cls, slot_bytes, directory=SHM_DIR):
+        """Rank 0: makes and maps a new file, or returns None if shared memory is unusable.
+
+        The file's space is reserved up front (`posix_fallocate`), so a full
+        `/dev/shm` is found here rather than as a crash on the first write.
+        """
+        slot_bytes = max(int(slot_bytes), 1)
+        if not os.path.isdir(directory) or not hasattr(os, "posix_fallocate"):
+            return None
+        try:
+            fd, path = tempfile.mkstemp(prefix="autodist_keras_batch_", dir=directory)
+        except OSError:
+            return None
+        try:
+            try:
+                os.posix_fallocate(fd, 0, slot_bytes * NUM_SLOTS)
+            finally:
+                os.close(fd)
+            return cls(path, slot_bytes, owner=True)
+        except (OSError, RuntimeError):
+            _unlink(path)
+            return None
+
+    @classmethod
+    def open(cls, description):
+        """A worker: maps the file `describe()` named on rank 0."""
+        return cls(description["path"], description["slot_bytes"])
+
+    def describe(self):
+        """What a worker needs to map the slots (JSON-able)."""
+        return {"path": self.path, "slot_bytes": self.slot_bytes}
+
+    def slot(self, index):
+        """The uint8 view of slot `index`."""
+        start = int(index) * self.slot_bytes
+        return self.buffer[start:start + self.slot_bytes]
+
+    def unlink(self):
+        """Removes the file (rank 0; existing mappings stay valid)."""
+        if self._finalizer is not None:
+            self._finalizer()
