@@ -70,6 +70,16 @@ def _residual_model(blocks=2, filters=16, size=16, name="res"):
     return keras.Model(inputs, outputs, name=name)
 
 
+def _tiny_mlp():
+    """16 -> Dense 32 (relu, "hidden") -> Dense 4 ("head"): a model for plan tests."""
+    import keras
+
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(32, activation="relu", name="hidden")(inputs)
+    outputs = keras.layers.Dense(4, name="head")(x)
+    return keras.Model(inputs, outputs, name="mlp")
+
+
 def _plan_json(plan):
     """A plan as sorted JSON with the (run-dependent) planning time zeroed."""
     import json
@@ -89,6 +99,28 @@ def residual_model():
 def plan_json():
     """`plan_json(plan)`: compares plans for determinism (planning time zeroed)."""
     return _plan_json
+
+
+@pytest.fixture(scope="session")
+def tiny_mlp():
+    """The builder of a 16-32-4 MLP (a fresh Keras model per call)."""
+    return _tiny_mlp
+
+
+@pytest.fixture(scope="module")
+def tiny_graph():
+    """The 16-32-4 MLP of `tiny_mlp` as a `ModelGraph`."""
+    from autodist_keras.graph import ModelGraph
+
+    return ModelGraph.from_keras(_tiny_mlp())
+
+
+@pytest.fixture(scope="module")
+def testbed():
+    """The default CPU testbed: cpu0 owns core 0, cpu1 and cpu2 share core 1."""
+    from autodist_keras.devices import Cluster
+
+    return Cluster.cpu_testbed()
 
 
 @pytest.fixture(scope="module")

@@ -20,21 +20,9 @@ from autodist_keras.strategies.plan import split_batch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _mlp():
-    inputs = keras.Input((16,))
-    x = keras.layers.Dense(32, activation="relu", name="hidden")(inputs)
-    outputs = keras.layers.Dense(4, name="head")(x)
-    return keras.Model(inputs, outputs, name="mlp")
-
-
 @pytest.fixture(scope="module")
-def graph():
-    return ModelGraph.from_keras(_mlp())
-
-
-@pytest.fixture(scope="module")
-def testbed():
-    return Cluster.cpu_testbed()
+def graph(tiny_graph):
+    return tiny_graph
 
 
 def test_split_batch_is_whole_and_exact():

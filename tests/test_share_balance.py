@@ -20,21 +20,9 @@ from autodist_keras.strategies.share_balance import resources
 TESTBED = ["node0/cpu0", "node0/cpu1", "node0/cpu2"]
 
 
-def _mlp():
-    inputs = keras.Input((16,))
-    x = keras.layers.Dense(32, activation="relu", name="hidden")(inputs)
-    outputs = keras.layers.Dense(4, name="head")(x)
-    return keras.Model(inputs, outputs, name="mlp")
-
-
 @pytest.fixture(scope="module")
-def graph():
-    return ModelGraph.from_keras(_mlp())
-
-
-@pytest.fixture(scope="module")
-def testbed():
-    return Cluster.cpu_testbed()
+def graph(tiny_graph):
+    return tiny_graph
 
 
 def test_fit_recovers_exact_lines():
@@ -152,14 +140,14 @@ def test_proportional_step_cost_errors(graph, testbed):
         baselines.proportional(graph, testbed, 96, step_costs={d: "fast" for d in TESTBED})
 
 
-def test_auto_strategy_option(graph, testbed, tmp_path):
+def test_auto_strategy_option(tiny_mlp, testbed, tmp_path):
     costs = {d: [0.03, 0.002] for d in TESTBED}
     path = tmp_path / "costs.json"
     path.write_text(json.dumps({"step_costs": {d: {"fixed_s": 0.03, "per_sample_s": 0.002}
                                                for d in TESTBED}}))
     for given in (costs, str(path)):
         strategy = AutoStrategy("proportional", cluster=testbed, step_costs=given)
-        model = _mlp()
+        model = tiny_mlp()
         plan = strategy.plan_for(model, 96)
         assert [r.batch_share for r in plan.replicas] == [56, 20, 20]
         assert plan.provenance.options["step_costs"]["node0/cpu0"] == {
@@ -169,9 +157,9 @@ def test_auto_strategy_option(graph, testbed, tmp_path):
         round_trip = Plan.from_dict(json.loads(json.dumps(strategy.explain("json")["plan"])))
         assert round_trip.provenance.options["step_costs"] == plan.provenance.options[
             "step_costs"]
-    plain = AutoStrategy("proportional", cluster=testbed).plan_for(_mlp(), 96)
+    plain = AutoStrategy("proportional", cluster=testbed).plan_for(tiny_mlp(), 96)
     assert [r.batch_share for r in plain.replicas] == [48, 24, 24]
-    even = AutoStrategy("data_parallel", cluster=testbed, step_costs=costs).plan_for(_mlp(), 96)
+    even = AutoStrategy("data_parallel", cluster=testbed, step_costs=costs).plan_for(tiny_mlp(), 96)
     assert [r.batch_share for r in even.replicas] == [32, 32, 32]
     with pytest.raises(StrategyError, match="step_costs.*Received"):
         AutoStrategy("proportional", cluster=testbed, step_costs=str(tmp_path / "none.json"))

@@ -101,8 +101,8 @@ def memory_capacity_samples(graph, cluster, device_name, optimizer_slots=2):
     return int(free // per_sample)
 
 
-def _shares_with_memory(graph, cluster, devices, weights, batch_size):
-    """Proportional shares, capped by memory, the excess moved to devices with room."""
+def _memory_caps(graph, cluster, devices):
+    """Predicted samples per device that fit; raises if a device holds none."""
     caps = {d: memory_capacity_samples(graph, cluster, d) for d in devices}
     empty = [d for d in devices if caps[d] < 1]
     if empty:
@@ -111,6 +111,12 @@ def _shares_with_memory(graph, cluster, devices, weights, batch_size):
             f"state ({graph.param_bytes} parameter bytes, predicted). Leave them out with "
             f"`devices=[...]`, or use a placement plan. Received: devices={devices}"
         )
+    return caps
+
+
+def _shares_with_memory(graph, cluster, devices, weights, batch_size):
+    """Proportional shares, capped by memory, the excess moved to devices with room."""
+    caps = _memory_caps(graph, cluster, devices)
     if sum(caps.values()) < batch_size:
         short = ", ".join(f"{d}: {caps[d]}" for d in devices)
         raise PlanError(
@@ -365,14 +371,7 @@ def _balanced_plan(graph, cluster, batch_size, devices, step_costs, sync, ps_ser
             f"(or leave the others out with `devices=[...]`). Received: {sorted(costs)}"
         )
     costs = {d: costs[d] for d in devices}
-    caps = {d: memory_capacity_samples(graph, cluster, d) for d in devices}
-    empty = [d for d in devices if caps[d] < 1]
-    if empty:
-        raise PlanError(
-            f"Devices {empty} cannot hold this model's parameters, gradients and optimizer "
-            f"state ({graph.param_bytes} parameter bytes, predicted). Leave them out with "
-            f"`devices=[...]`, or use a placement plan. Received: devices={devices}"
-        )
+    caps = _memory_caps(graph, cluster, devices)
     shares = share_balance.balanced_shares(cluster, devices, costs, batch_size, caps=caps)
     recorded = share_balance.step_costs_to_dict(costs)
     plan = _data_parallel_plan(
