@@ -24,6 +24,9 @@ Two comparisons, each measured in one run on this machine:
 
 Each side runs `--rounds` short fits; the sides alternate, and the order
 flips every round (A B, B A, ...), so load from other jobs hits both alike.
+Both sides keep their processes between rounds (the adapter its spawned
+worker, DDP its two ranks, each idle while the other side runs), so a round
+costs only its steps and rounds stay close together in time.
 Reported per comparison: median wall step time of each side over all
 measured steps, the median of the per-round ratios, and median CPU time per
 step of the measuring process (less sensitive to other jobs than wall time).
@@ -128,7 +131,9 @@ def single_device_case(steps, warmup, rounds):
     return _summary(plain, auto, "plain")
 
 
-def _ddp_rank(rank, world, port, steps, warmup, out_path):
+def _ddp_rank(rank, world, port, steps, warmup, conn):
+    """One DDP rank, kept for every round: runs `steps + warmup` steps per "run"
+    message on `conn` and answers with rank 0's times (idle in between)."""
     os.sched_setaffinity(0, {rank % os.cpu_count()})
     os.environ["KERAS_BACKEND"] = "torch"
     import torch
@@ -153,58 +158,80 @@ def _ddp_rank(rank, world, port, steps, warmup, out_path):
     shards = [(torch.from_numpy(x[s * BATCH + rank * share:s * BATCH + (rank + 1) * share]),
                torch.from_numpy(y[s * BATCH + rank * share:s * BATCH + (rank + 1) * share]))
               for s in range(steps + warmup)]
-    times, cpu = [], []
-    for step in range(steps + warmup):
-        xb, yb = shards[step]
-        start, cpu_start = time.perf_counter(), time.process_time()
-        optimizer.zero_grad()
-        loss = loss_fn(yb, ddp(xb))
-        loss.backward()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - cpu_start)
-    dist.barrier()
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump([times[warmup:], cpu[warmup:]], f)
+    conn.send("ready")
+    while conn.recv() == "run":
+        times, cpu = [], []
+        for step in range(steps + warmup):
+            xb, yb = shards[step]
+            start, cpu_start = time.perf_counter(), time.process_time()
+            optimizer.zero_grad()
+            loss = loss_fn(yb, ddp(xb))
+            loss.backward()
+            optimizer.step()
+            times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - cpu_start)
+        conn.send([times[warmup:], cpu[warmup:]])
     dist.destroy_process_group()
 
 
-def ddp_times(steps, warmup, tmp):
-    import multiprocessing
+class _DDPRanks:
+    """Two DDP processes started once and kept, so that a round costs only its
+    steps (not two Python, Keras and PyTorch start-ups): rounds can then be short
+    and many, which is what alternating needs on a machine whose speed drifts."""
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out_path = os.path.join(tmp, "ddp_times.json")
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_ddp_rank, args=(r, 2, port, steps, warmup, out_path))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=900)
-        if p.is_alive():
-            p.kill()
-            raise RuntimeError("DDP rank timed out")
-    with open(out_path) as f:
-        return json.load(f)
+    def __init__(self, steps, warmup):
+        import multiprocessing
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = multiprocessing.get_context("spawn")
+        self.conns, self.procs = [], []
+        for r in range(2):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_ddp_rank, args=(r, 2, port, steps, warmup, child), daemon=True)
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+        for conn in self.conns:
+            if not conn.poll(900) or conn.recv() != "ready":
+                raise RuntimeError("a DDP rank did not start")
+
+    def run(self):
+        """One round; returns rank 0's `(times, cpu_times)`."""
+        for conn in self.conns:
+            conn.send("run")
+        results = []
+        for conn in self.conns:
+            if not conn.poll(900):
+                raise RuntimeError("DDP rank timed out")
+            results.append(conn.recv())
+        return results[0]
+
+    def close(self):
+        for conn in self.conns:
+            conn.send("exit")
+        for p in self.procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
 
 
 def two_process_case(steps, warmup, rounds):
     """PyTorch adapter (2 processes) vs torch DDP (2 processes)."""
-    import tempfile
-
     from autodist_keras import AutoStrategy
     from autodist_keras import Cluster
 
     cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
-    with tempfile.TemporaryDirectory() as tmp:
+    ranks = _DDPRanks(steps, warmup)
+    try:
         ddp, auto = _alternate(
             rounds,
-            lambda: ddp_times(steps, warmup, tmp),
+            ranks.run,
             lambda: _fit_times(AutoStrategy("data_parallel", cluster=cluster), steps, warmup),
         )
+    finally:
+        ranks.close()
     return _summary(ddp, auto, "ddp")
 
 

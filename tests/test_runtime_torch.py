@@ -426,3 +426,28 @@ def test_pack_into_writes_the_pack_layout():
         assert got.dtype == want.dtype
         assert torch.equal(got[2:], want[2:])
         assert not got[:2].any()  # rows before `start` are not written
+
+
+def test_one_replica_plan_runs_keras_own_train_function():
+    """A one-replica plan plans at the first step, then hands Keras's loop
+    Keras's own train function; weights equal plain Keras bit for bit, and a
+    second fit plans again through the adapter."""
+    from autodist_keras import AutoStrategy
+    from autodist_keras.devices import Cluster
+
+    strategy = AutoStrategy(strategy="single_device", cluster=Cluster.detect())  # no pinning
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(getattr(self.model.train_function, "__name__", None))
+
+    model, _ = _distributed("mlp", "sgd", strategy, fit_kwargs={"callbacks": [Record()]})
+    assert strategy.adapter.last_run["mode"] == "local"
+    assert seen[0] == "one_step_on_data" and set(seen) == {"one_step_on_data"}
+    assert model.train_function is None
+    reference, _ = _reference("mlp", "sgd")
+    for wa, we in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_array_equal(wa, we)
+    model.fit(*_data("mlp", n=48), batch_size=BATCH, epochs=1, verbose=0)
+    assert strategy.adapter.last_run["mode"] == "local"
