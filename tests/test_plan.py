@@ -10,6 +10,7 @@ import pytest
 
 from autodist_keras.devices import Cluster
 from autodist_keras.errors import PlanError
+from autodist_keras.fusion import tensor_fusion
 from autodist_keras.graph import ModelGraph
 from autodist_keras.strategies import baselines
 from autodist_keras.strategies.plan import Plan
@@ -63,6 +64,27 @@ def test_buckets_follow_threshold(graph):
     small = baselines.gradient_buckets(graph, 300)
     assert sorted(sum(small, [])) == sorted(v.name for v in graph.variables)
     assert 1 < len(small) <= len(graph.variables)
+
+
+def test_first_bucket_is_capped_like_ddp(wide):
+    # 8.4 M parameters: the head and the last layer's bias fit in DDP's 1 MiB
+    # first bucket, so their all-reduce can start while backward goes on.
+    sizes = {v.name: v.bytes for v in wide.variables}
+    ddp = baselines.gradient_buckets(wide)
+    assert sum(sizes[n] for n in ddp[0]) <= baselines.DDP_FIRST_BUCKET_BYTES
+    assert ddp[0][0].startswith("wide_head/")
+    assert all(
+        sum(sizes[n] for n in b) <= baselines.DDP_BUCKET_BYTES or len(b) == 1 for b in ddp[1:]
+    )
+    assert sorted(sum(ddp, [])) == sorted(sizes)
+    # Horovod-style fusion and an infinite threshold have no smaller first bucket.
+    assert len(baselines.gradient_buckets(wide, float("inf"))) == 1
+    flat = baselines.gradient_buckets(wide, first_bucket_bytes=None)
+    assert len(flat[0]) > len(ddp[0])
+    assert tensor_fusion.horovod_buckets(wide) == baselines.gradient_buckets(
+        wide, baselines.HOROVOD_FUSION_BYTES, first_bucket_bytes=None)
+    with pytest.raises(PlanError, match="first_bucket_bytes.*Received"):
+        baselines.gradient_buckets(wide, first_bucket_bytes=0)
 
 
 @pytest.mark.parametrize(

@@ -85,6 +85,8 @@ def no_fusion(graph):
 def ddp_buckets(graph, bucket_bytes=DDP_BUCKET_BYTES):
     """PyTorch DDP style buckets: pack in launch order up to `bucket_bytes` (25 MiB).
 
+    The first bucket is capped at 1 MiB, as DDP's is.
+
     Args:
         graph: The `ModelGraph`.
         bucket_bytes: Bucket cap in bytes. A variable larger than the cap
@@ -106,7 +108,7 @@ def horovod_buckets(graph, threshold_bytes=HOROVOD_FUSION_BYTES):
     Returns:
         A list of lists of variable names.
     """
-    return gradient_buckets(graph, threshold_bytes)
+    return gradient_buckets(graph, threshold_bytes, first_bucket_bytes=None)
 
 
 BASELINE_LAYOUTS = {

@@ -26,17 +26,22 @@ from autodist_keras.strategies.plan import SyncSpec
 from autodist_keras.strategies.plan import split_batch
 
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # torch DDP's first bucket (its last layers' gradients)
 HOROVOD_FUSION_BYTES = 64 * 1024 * 1024
 BYTES_PER_PARAM_STATE = 4  # Adam keeps two float32 slots per parameter: counted as 2 x 4 bytes.
 
 
-def gradient_buckets(graph, bucket_bytes=DDP_BUCKET_BYTES, variables=None):
+def gradient_buckets(graph, bucket_bytes=DDP_BUCKET_BYTES, variables=None,
+                     first_bucket_bytes=DDP_FIRST_BUCKET_BYTES):
     """Packs gradients into buckets in the order backward produces them.
 
     Backward runs from the last layer to the first, so the last layer's
     gradients are ready first. Variables are packed in reverse graph order
     until a bucket would exceed `bucket_bytes` (DDP-style). A variable larger
-    than the threshold gets a bucket of its own.
+    than the threshold gets a bucket of its own. As in PyTorch DDP, the first
+    bucket is capped lower (`first_bucket_bytes`, 1 MiB): the last layers'
+    gradients start their all-reduce while backward is still running instead
+    of waiting for 25 MiB of gradients.
 
     Args:
         graph: The `ModelGraph`.
@@ -44,6 +49,10 @@ def gradient_buckets(graph, bucket_bytes=DDP_BUCKET_BYTES, variables=None):
             variable in its own bucket (no tensor fusion); `float("inf")`
             puts everything in one bucket.
         variables: Restrict to these variable names (default: all).
+        first_bucket_bytes: Threshold of the first bucket (at most
+            `bucket_bytes`); `None`, or an infinite `bucket_bytes`, applies
+            `bucket_bytes` to every bucket (Horovod-style fusion has no
+            smaller first bucket).
 
     Returns:
         A list of lists of variable names, in launch order.
@@ -57,9 +66,16 @@ def gradient_buckets(graph, bucket_bytes=DDP_BUCKET_BYTES, variables=None):
         return [[t.name] for t in order]
     if bucket_bytes < 0:
         raise PlanError(f"bucket_bytes must be positive. Received: {bucket_bytes}")
+    if first_bucket_bytes is not None and first_bucket_bytes <= 0:
+        raise PlanError(
+            f"first_bucket_bytes must be positive or None. Received: {first_bucket_bytes}"
+        )
+    whole = first_bucket_bytes is None or bucket_bytes == float("inf")
+    first = bucket_bytes if whole else min(first_bucket_bytes, bucket_bytes)
     buckets, current, size = [], [], 0
     for tensor in order:
-        if current and size + tensor.bytes > bucket_bytes:
+        cap = first if not buckets else bucket_bytes
+        if current and size + tensor.bytes > cap:
             buckets.append(current)
             current, size = [], 0
         current.append(tensor.name)
