@@ -31,7 +31,6 @@ model.fit(x, y, batch_size=48, shuffle=False)
 """
 
 import contextlib
-import time
 
 from autodist_keras.backends import tf_fusion
 from autodist_keras.backends import tf_multiworker
@@ -1055,32 +1054,24 @@ def fit_repeating(model, x, y, batch_size, steps, callbacks, drop_remainder=Fals
 
 
 def _step_timer_class():
-    import keras
+    from autodist_keras.timing import StepTimer
 
-    class StepTimes(keras.callbacks.Callback):
-        """Wall time of every training batch, from batch begin to its logs being ready.
+    class StepTimes(StepTimer):
+        """`StepTimer` without warm-up whose clock stops when the logs are ready.
 
-        `cpu_times_s` holds this process's CPU time (all threads,
-        `time.process_time`) over the same interval, batch by batch.
+        TensorFlow may hand the callback logs whose values are still being
+        computed; reading them waits for the step, so the wall time (and the
+        process's CPU time, `cpu_times_s`) covers the whole step.
         """
 
         def __init__(self):
-            super().__init__()
-            self.times_s = []
-            self.cpu_times_s = []
-            self._start = None
-            self._cpu_start = None
-
-        def on_train_batch_begin(self, batch, logs=None):
-            self._cpu_start = time.process_time()
-            self._start = time.perf_counter()
+            super().__init__(warmup=0)
 
         def on_train_batch_end(self, batch, logs=None):
             for value in (logs or {}).values():
                 if hasattr(value, "numpy"):
                     value.numpy()  # wait for the step's results
-            self.times_s.append(time.perf_counter() - self._start)
-            self.cpu_times_s.append(time.process_time() - self._cpu_start)
+            super().on_train_batch_end(batch, logs)
 
     return StepTimes
 
