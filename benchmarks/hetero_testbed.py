@@ -267,12 +267,9 @@ def fit_costs(runs):
 def predicted_busiest_core_ms(costs, shares):
     """The busiest core's CPU per step the fitted costs predict for some shares (predicted)."""
     from autodist_keras import Cluster
-    from autodist_keras.strategies.share_balance import resources
+    from autodist_keras.strategies.share_balance import busiest_load_s
 
-    cluster = Cluster.cpu_testbed()
-    devices = list(costs)
-    return round(max(sum(costs[devices[i]].cost_s(shares[i]) for i in group)
-                     for group in resources(cluster, devices)) * 1e3, 1)
+    return round(busiest_load_s(Cluster.cpu_testbed(), list(costs), costs, shares) * 1e3, 1)
 
 
 def run_model(backend, model_name, args, workdir):

@@ -14,6 +14,7 @@ from autodist_keras.strategies import baselines
 from autodist_keras.strategies.plan import Plan
 from autodist_keras.strategies.share_balance import StepCost
 from autodist_keras.strategies.share_balance import balanced_shares
+from autodist_keras.strategies.share_balance import busiest_load_s
 from autodist_keras.strategies.share_balance import fit_step_costs
 from autodist_keras.strategies.share_balance import resources
 
@@ -204,3 +205,11 @@ def test_tied_devices_share_one_line(testbed):
     assert fitted["node0/cpu1"] == fitted["node0/cpu2"]
     assert fitted["node0/cpu1"].per_sample_s == pytest.approx(0.0015)
     assert fitted["node0/cpu1"].fixed_s == pytest.approx(0.038)
+
+
+def test_busiest_load_sums_the_devices_sharing_a_core(testbed):
+    costs = {d: (0.03, 0.002) for d in TESTBED}
+    # Even: core 1 carries cpu1 and cpu2, 2 x (30 ms + 32 x 2 ms).
+    assert busiest_load_s(testbed, TESTBED, costs, [32, 32, 32]) == pytest.approx(0.188)
+    # Balanced: core 0 30 + 56 x 2 = 142 ms, core 1 2 x 30 + 40 x 2 = 140 ms.
+    assert busiest_load_s(testbed, TESTBED, costs, [56, 20, 20]) == pytest.approx(0.142)

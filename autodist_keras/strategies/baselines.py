@@ -380,30 +380,23 @@ def _balanced_plan(graph, cluster, batch_size, devices, step_costs, sync, ps_ser
     from autodist_keras.strategies import share_balance
 
     costs = share_balance.load_step_costs(step_costs)
-    missing = [d for d in devices if d not in costs]
-    if missing:
-        raise PlanError(
-            f"step_costs has no entry for devices {missing}; measure every device of the plan "
-            f"(or leave the others out with `devices=[...]`). Received: {sorted(costs)}"
-        )
-    costs = {d: costs[d] for d in devices}
     caps = _memory_caps(graph, cluster, devices)
     shares = share_balance.balanced_shares(cluster, devices, costs, batch_size, caps=caps)
+    costs = {d: costs[d] for d in devices}
     recorded = share_balance.step_costs_to_dict(costs)
     plan = _data_parallel_plan(
         graph, cluster, batch_size, devices, shares, "proportional", sync, ps_server,
         algorithm, bucket_bytes, buckets,
         {"bucket_bytes": bucket_bytes, "step_costs": recorded}, started,
     )
-    groups = share_balance.resources(cluster, devices)
-    loads = [sum(costs[devices[i]].cost_s(shares[i]) for i in g) for g in groups]
+    busiest = share_balance.busiest_load_s(cluster, devices, costs, shares)
     described = ", ".join(
         f"{d} {c.fixed_s * 1e3:.2f} ms + {c.per_sample_s * 1e3:.4f} ms/sample"
         for d, c in costs.items()
     )
     plan.notes.append(
         "shares balance measured step costs (" + described + "); predicted busiest "
-        f"resource {max(loads) * 1e3:.1f} ms per step from those costs"
+        f"resource {busiest * 1e3:.1f} ms per step from those costs"
     )
     return plan
 

@@ -299,6 +299,24 @@ def resources(cluster, devices):
     return sorted(groups.values(), key=lambda g: g[0])
 
 
+def busiest_load_s(cluster, devices, step_costs, shares):
+    """The largest summed step cost of any resource under some shares (predicted).
+
+    Args:
+        cluster: The `Cluster`.
+        devices: Device names, in `shares` order.
+        step_costs: Dict `{device: StepCost | (fixed_s, per_sample_s) | dict}`.
+        shares: Samples per device.
+
+    Returns:
+        Seconds: the busiest resource's `sum(fixed_s + per_sample_s * n)`.
+    """
+    devices = list(devices)
+    costs = [as_step_cost(step_costs[d], d) for d in devices]
+    return max(sum(costs[i].cost_s(shares[i]) for i in group)
+               for group in resources(cluster, devices))
+
+
 def balanced_shares(cluster, devices, step_costs, batch_size, caps=None):
     """Shares that minimise the busiest resource's summed step cost.
 
@@ -392,7 +410,7 @@ def balanced_shares(cluster, devices, step_costs, batch_size, caps=None):
         # one t_r per shared resource (its largest device cost); minimise sum t_r.
         m = len(shared)
         a_ub2, b_ub2 = [], []
-        for row, rhs in zip(*load_rows(groups)):
+        for row, rhs in zip(a_ub, b_ub):
             a_ub2.append(row[:n] + [0.0] * m)
             b_ub2.append(rhs + best * (1 + 1e-9) + 1e-12)
         for r, members in enumerate(shared):
