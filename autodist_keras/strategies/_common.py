@@ -266,6 +266,21 @@ def result_notes(result, budget):
     return notes
 
 
+def batch_grid(batch):
+    """Batch sizes at which to sample a cost curve: 1, 2, 3, 4, 6, 8, 12, ... and `batch`.
+
+    Layer times are convex and piecewise linear in the batch under the
+    roofline, so interpolating between these points is close to exact.
+    """
+    pts = {1, batch}
+    g = 2
+    while g < batch:
+        pts.add(g)
+        pts.add(g + g // 2)
+        g *= 2
+    return sorted(p for p in pts if p <= batch)
+
+
 def ms(seconds):
     """Seconds as a short millisecond string."""
     return f"{seconds * 1e3:.2f} ms"

@@ -57,6 +57,7 @@ from autodist_keras.errors import StrategyError
 from autodist_keras.estimator.cost_model import AnalyticCostModel
 from autodist_keras.fusion import op_fusion as op_fusion_lib
 from autodist_keras.fusion import tensor_fusion
+from autodist_keras.strategies import _common
 from autodist_keras.strategies import baselines
 from autodist_keras.strategies.plan import LayerGroup
 from autodist_keras.strategies.plan import Plan
@@ -448,9 +449,12 @@ def _check_options(options):
     return algorithms
 
 
-def _with_layout(base, graph, buckets, bucket_algorithm, regions):
-    """A copy of the proportional plan `base` with other buckets, algorithms and regions."""
+def _with_layout(base, graph, buckets, bucket_algorithm, regions, shares=None):
+    """A copy of the data-parallel plan `base` with other buckets, algorithms and
+    regions (and, with `shares`, other batch shares in replica order)."""
     group = base.groups[0]
+    if shares is None:
+        shares = [r.batch_share for r in group.replicas]
     sync = {}
     for bucket, algorithm in zip(buckets, bucket_algorithm):
         for name in bucket:
@@ -463,7 +467,7 @@ def _with_layout(base, graph, buckets, bucket_algorithm, regions):
             LayerGroup(
                 name=group.name,
                 layers=list(group.layers),
-                replicas=[Replica(r.device, r.batch_share) for r in group.replicas],
+                replicas=[Replica(r.device, n) for r, n in zip(group.replicas, shares)],
             )
         ],
         sync=sync,
@@ -573,11 +577,11 @@ def plan(
         if balanced is not None:
             other = _Timeline(graph, cluster, balanced.replicas, cost, algorithms)
             other_unfused = other.state(())
-            other_start = other.with_algorithms(["ring"]).step(other_unfused, ddp_bounds)
+            other_ring = other.with_algorithms(["ring"])
+            other_start = other_ring.step(other_unfused, ddp_bounds)
             if other_start < start_time * (1.0 - 1e-9):
-                base, timeline, start_time = balanced, other, other_start
+                base, timeline, ring, start_time = balanced, other, other_ring, other_start
                 unfused = other_unfused
-                ring = timeline.with_algorithms(["ring"])
                 shares_from = "balanced"
         pricing = time.perf_counter() - priced
     seeds = {}
@@ -706,8 +710,7 @@ def _balanced_base(base, graph, cluster, cost, batch_size):
 
     replicas = base.groups[0].replicas
     devices = [r.device for r in replicas]
-    grid = sorted({1, batch_size} | {g for k in range(64) if (g := 2**k) < batch_size}
-                  | {3 * 2**k for k in range(63) if 3 * 2**k < batch_size})
+    grid = _common.batch_grid(batch_size)
     nodes = list(graph.nodes.values())
     ntensors = len(graph.variables)
     curves = {}
@@ -744,19 +747,8 @@ def _balanced_base(base, graph, cluster, cost, batch_size):
             heapq.heappush(heap, (finish(i, shares[i] + 1), i))
     if shares == [r.batch_share for r in replicas]:
         return None
-    group = base.groups[0]
-    return Plan(
-        global_batch_size=base.global_batch_size,
-        groups=[LayerGroup(name=group.name, layers=list(group.layers),
-                           replicas=[Replica(d, s) for d, s in zip(devices, shares)])],
-        sync=dict(base.sync),
-        buckets=[list(b) for b in base.buckets],
-        provenance=Provenance(
-            planner="disco",
-            graph_fingerprint=base.provenance.graph_fingerprint,
-            cluster_fingerprint=base.provenance.cluster_fingerprint,
-        ),
-    )
+    return _with_layout(base, graph, base.buckets, ["ring"] * len(base.buckets), [],
+                        shares=shares)
 
 
 def _plan_from(base, graph, timeline, state, bounds):

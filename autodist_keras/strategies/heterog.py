@@ -291,16 +291,6 @@ def _seeds(graph, cluster, cost, names, batch_size, bucket_bytes, budget):
     return out, skipped, (sum(times) / len(times) if times else 0.0)
 
 
-def _grid(batch):
-    pts = {1, batch}
-    g = 2
-    while g < batch:
-        pts.add(g)
-        pts.add(g + g // 2)
-        g *= 2
-    return sorted(p for p in pts if p <= batch)
-
-
 class _Space:
     """The search space: groups, replica sets, sync options, LP and evaluation."""
 
@@ -324,7 +314,7 @@ class _Space:
             isolate=self.isolated,
         )
         self.coarse = CoarseGraph(graph, self.chunks)
-        self.grid = _grid(batch)
+        self.grid = _common.batch_grid(batch)
         self.ccost = CoarseCostModel(cost, self.coarse, grid=self.grid)
         self.tables = CostTables(self.coarse.graph, cluster, self.ccost, names)
         self.fine_tables = fine_tables
