@@ -169,10 +169,14 @@ def _observation(obs):
 def fit_step_costs(observations, tied=None):
     """Fits `cost = fixed_s + per_sample_s * samples` per device by least squares.
 
-    The fit is a non-negative least-squares line (`scipy.optimize.nnls`): a
-    slope that would come out negative (cost not growing with the share, i.e.
-    noise) is 0 with the mean cost as the fixed part; an intercept that would
-    come out negative is 0 with the line through the origin.
+    The fit is a non-negative least-squares line (`scipy.optimize.nnls`). An
+    intercept that would come out negative is 0, with the line through the
+    origin. A slope that would come out zero or negative (the cost does not
+    grow with the share: noise, or shares too close together) cannot say how
+    the device's cost scales, and a zero per-sample cost would let balanced
+    shares pile every sample on that device; the device then gets the line
+    through the origin instead (cost proportional to its share, i.e. its
+    measured speed) and a warning says so.
 
     Args:
         observations: Measured steps, each a dict `{"device", "samples",
@@ -231,11 +235,14 @@ def fit_step_costs(observations, tied=None):
         b = np.array([c for _, c in points])
         (fixed, per_sample), _ = nnls(a, b)
         if per_sample <= 0:
+            fixed = 0.0
+            per_sample = float(a[:, 1] @ b) / float(a[:, 1] @ a[:, 1])
             warnings.warn(
                 f"fit_step_costs: the measured cost of {device!r} does not grow with its share "
-                f"(points {sorted(points)}), so its per-sample cost is 0 and balanced shares may "
-                "give it as many samples as its cap allows. Measure more steps or shares further "
-                "apart.", stacklevel=2,
+                f"(points {sorted(points)}), so its cost is taken as proportional to its share "
+                f"({per_sample * 1e3:.4g} ms per sample, no fixed part): its measured speed. "
+                "Measure more steps, or shares further apart, to fit a fixed part.",
+                stacklevel=2,
             )
         fitted[device] = StepCost(round(float(fixed), 12), round(float(per_sample), 12))
     return fitted
