@@ -15,12 +15,17 @@ fit_step_costs`, cpu1 and cpu2 as one line) to each rank's median CPU time
 per step, and the third case balances those costs per core. The fixed
 per-replica cost is paid twice on core 1, so speed shares leave core 1 the
 bottleneck; balanced shares give cpu0 more (docs/planners.md, "Baselines,
-and shares from measured step costs"). `--rounds` (default 2) repeats the
+and shares from measured step costs"). `--rounds` (default 4) repeats the
 three cases, every second round in reverse order, and each case reports
 the median of its rounds' median steps; the step costs are fitted from the
-first round. `min_ratio` is over the speed-proportional plan (the issue's
-baseline), `min_ratio_measured_costs` over the measured-cost one. The
-default run is 36 cases and took 25 min (1515 s) in one timed run.
+first round. Each row also lists every round's own even/proportional ratio
+(`round_ratios_even_over_proportional`): on this VM one round's CPU time
+per step can rise 30% while its neighbour's does not (e.g. torch cnn,
+proportional: 57.4 then 72.2 ms CPU per step on core 0), which two rounds
+cannot outvote. `min_ratio` is over the speed-proportional plan (the issue's
+baseline), `min_ratio_measured_costs` over the measured-cost one. Two rounds
+(36 cases) took 25 min in one timed run and 12 min in another, on a faster
+day of the same VM.
 
 Measured-cost shares did not pay off in that run (load average 1.4-1.7):
 they were slower than speed-proportional shares in all 6 (backend, model)
@@ -52,7 +57,7 @@ backend is fixed per process and TensorFlow's logical devices must be set up
 before it initialises.
 
 Usage:
-    python benchmarks/hetero_testbed.py [--backends tensorflow,torch] [--models cnn,mlp,mlp_large] [--steps 30] [--rounds 2]
+    python benchmarks/hetero_testbed.py [--backends tensorflow,torch] [--models cnn,mlp,mlp_large] [--steps 30] [--rounds 4]
 
 The last line of output is one JSON object.
 """
@@ -317,6 +322,12 @@ def run_model(backend, model_name, args, workdir):
     for key in ("proportional", "proportional_measured"):
         other = row[key].get("median_step_s")
         row[f"even_over_{key}"] = round(even / other, 3) if even and other else None
+    # Each round's own ratio (even and proportional of one round ran minutes
+    # apart at most): a round hit by the VM's neighbours shows up here as an
+    # outlier instead of only moving the medians.
+    pairs = zip(row["even"].get("round_median_step_s") or [],
+                row["proportional"].get("round_median_step_s") or [])
+    row["round_ratios_even_over_proportional"] = [round(e / p, 3) for e, p in pairs]
     return row
 
 
@@ -326,7 +337,7 @@ def main():
     parser.add_argument("--models", default="cnn,mlp,mlp_large")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=2,
+    parser.add_argument("--rounds", type=int, default=4,
                         help="rounds of the three cases, every second one in reverse order")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--step-costs", default=None, help=argparse.SUPPRESS)
@@ -378,6 +389,8 @@ def _print_row(backend, model_name, row):
     print(f"{'':<20} even/proportional {row['even_over_proportional']}x, "
           f"even/proportional with measured costs {row['even_over_proportional_measured']}x "
           "(measured, target >= 1.25x, ideal 1.33x)")
+    print(f"{'':<20} each round's even/proportional: "
+          f"{row.get('round_ratios_even_over_proportional')}")
     if row.get("step_costs"):
         fitted = ", ".join(f"{d} {c['fixed_s'] * 1e3:.1f} ms + {c['per_sample_s'] * 1e3:.3f} "
                            "ms/sample" for d, c in row["step_costs"].items())
