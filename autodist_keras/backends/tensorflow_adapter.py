@@ -88,6 +88,42 @@ class _Replica:
         self.node = node
 
 
+def configure_logical_cpus(cluster):
+    """Gives TensorFlow one logical CPU device per CPU device of `cluster`, if it can.
+
+    Logical devices can only be created before TensorFlow runs its first
+    operation. `AutoStrategy` calls this when it is created, so a script that
+    creates the strategy first gets its devices even if it builds the model
+    outside `strategy.scope()`; the adapter calls it again and raises if the
+    devices are missing. With `TF_CONFIG` set (one worker per device) it does
+    nothing.
+
+    Args:
+        cluster: The `Cluster`.
+
+    Returns:
+        The number of logical CPU devices the cluster needs (0 under
+        `TF_CONFIG`).
+    """
+    import tensorflow as tf
+
+    if tf_multiworker.parse_tf_config() is not None:
+        return 0
+    needed = len([d for d in cluster.devices if d.kind != "gpu"])
+    if needed <= 1:
+        return needed
+    physical = tf.config.list_physical_devices("CPU")[0]
+    try:
+        existing = tf.config.get_logical_device_configuration(physical) or []
+        if len(existing) < needed:
+            tf.config.set_logical_device_configuration(
+                physical, [tf.config.LogicalDeviceConfiguration() for _ in range(needed)]
+            )
+    except RuntimeError:
+        pass  # TensorFlow is already initialised: the adapter checks what it has.
+    return needed
+
+
 class TensorFlowAdapter(BackendAdapter):
     """Backend adapter for `KERAS_BACKEND=tensorflow`.
 
@@ -128,18 +164,9 @@ class TensorFlowAdapter(BackendAdapter):
         """Creates one logical CPU device per CPU device of the cluster."""
         import tensorflow as tf
 
-        needed = len(self._local_cpu_devices())
+        needed = configure_logical_cpus(self.cluster)
         if needed <= 1:
             return
-        physical = tf.config.list_physical_devices("CPU")[0]
-        try:
-            existing = tf.config.get_logical_device_configuration(physical) or []
-            if len(existing) < needed:
-                tf.config.set_logical_device_configuration(
-                    physical, [tf.config.LogicalDeviceConfiguration() for _ in range(needed)]
-                )
-        except RuntimeError:
-            pass  # TensorFlow is already initialised: check what it has.
         have = len(tf.config.list_logical_devices("CPU"))
         if have < needed:
             raise BackendError(

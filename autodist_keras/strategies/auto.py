@@ -159,6 +159,14 @@ class AutoStrategy:
         self._plans = {}
         self._adapter = None
         self._models = []
+        import keras
+
+        if keras.backend.backend() == "tensorflow":
+            # Logical devices must exist before TensorFlow runs its first op,
+            # which building a model outside `scope()` would do.
+            from autodist_keras.backends.tensorflow_adapter import configure_logical_cpus
+
+            configure_logical_cpus(self.cluster)
 
     # ----------------------------------------------------------- properties
     @property

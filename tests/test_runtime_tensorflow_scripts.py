@@ -1,0 +1,84 @@
+"""User scripts on the TensorFlow backend, each in a fresh process (real subprocesses).
+
+TensorFlow's logical CPU devices can only be created before its first
+operation, so these cases need a process of their own: the test session's
+TensorFlow is already running (tests/conftest.py).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow",
+    reason="TensorFlow logical devices, set up when the AutoStrategy is created",
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The strategy is created first, then the model is built and TensorFlow starts
+# outside `strategy.scope()`; only compile runs inside it.
+STRATEGY_FIRST = """
+import json
+import numpy as np
+import keras
+import tensorflow as tf
+from autodist_keras import AutoStrategy, Cluster
+
+strategy = AutoStrategy("proportional", cluster=Cluster.cpu_testbed())
+keras.utils.set_random_seed(3)
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                          keras.layers.Dense(4)])
+with strategy.scope():
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+rng = np.random.default_rng(0)
+x = rng.normal(size=(96, 8)).astype("float32")
+y = rng.normal(size=(96, 4)).astype("float32")
+history = model.fit(x, y, batch_size=24, shuffle=False, verbose=0)
+print(json.dumps({"logical_cpus": len(tf.config.list_logical_devices("CPU")),
+                  "shares": [r.batch_share for r in strategy.plan.replicas],
+                  "losses": history.history["loss"]}))
+"""
+
+# TensorFlow starts before the strategy exists: the error must say what to do.
+TF_FIRST = """
+import keras
+from autodist_keras import AutoStrategy, Cluster
+
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+strategy = AutoStrategy("proportional", cluster=Cluster.cpu_testbed())
+with strategy.scope():
+    model.compile(optimizer="sgd", loss="mse")
+"""
+
+
+def _run(tmp_path, source):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(source))
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3",
+               AUTODIST_KERAS_CACHE=str(tmp_path / "cache"))
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+
+
+def test_strategy_created_first_gives_the_devices_to_a_model_built_outside_scope(tmp_path):
+    result = _run(tmp_path, STRATEGY_FIRST)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["logical_cpus"] == 3
+    assert report["shares"] == [12, 6, 6]
+    assert len(report["losses"]) == 1 and report["losses"][0] > 0
+
+
+def test_tensorflow_started_before_the_strategy_fails_with_the_fix(tmp_path):
+    result = _run(tmp_path, TF_FIRST)
+    assert result.returncode != 0
+    assert "BackendError" in result.stderr
+    message = result.stderr.replace("\n", " ")
+    assert "Create the AutoStrategy" in message
+    assert "Received: 1 logical CPU device(s)" in message
