@@ -32,7 +32,9 @@ model.fit(x, y, batch_size=48, epochs=2)   # 3 processes, uneven shares
 import os
 import types
 
+from autodist_keras.backends import torch_fusion
 from autodist_keras.backends.base import BackendAdapter
+from autodist_keras.backends.torch_fusion import DEFAULT_COMPILER
 from autodist_keras.errors import BackendError
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -237,6 +239,7 @@ class _FitRun:
         self.local = False
         self.token = None
         self.failed = False
+        self.fusion = None  # the one-replica path's op-fusion regions, if compiled
 
     # ------------------------------------------------------------ first step
     def _start(self, data):
@@ -268,10 +271,18 @@ class _FitRun:
         world = len(devices)
         timeout_s = self.adapter.timeout_s
         info = {"world_size": world, "plan_devices": plan.devices}
+        op_fusion = (strategy.options.get("op_fusion", "auto"),
+                     strategy.options.get("op_fusion_compiler", DEFAULT_COMPILER))
         if world == 1 and self.env is None:
             self.local = True
             self.token = pin(devices[0])
             info["mode"] = "local"
+            self.fusion = torch_fusion.for_plan(self.model, plan, [d["kind"] for d in devices],
+                                                *op_fusion)
+            if self.fusion is not None:
+                self.fusion.install()
+            info["op_fusion_regions"] = len(self.fusion.realised) if self.fusion else 0
+            info["op_fusion"] = self.fusion.summary() if self.fusion else None
             self.adapter.last_run = info
             return
         if self.env is not None:
@@ -292,9 +303,13 @@ class _FitRun:
         self.adapter.last_run = info
         # Pin rank 0 after the workers exist, so they do not inherit its affinity.
         self.token = pin(devices[0])
-        driver = Driver(self.model, plan, comm, strategy.cluster, reporter, spawned, timeout_s, wake=wake)
+        driver = Driver(self.model, plan, comm, strategy.cluster, reporter, spawned, timeout_s,
+                        wake=wake, op_fusion=op_fusion)
         driver.setup()
         self.driver = driver
+        fusion = driver.trainer.fusion
+        info["op_fusion_regions"] = len(fusion.realised) if fusion else 0
+        info["op_fusion"] = fusion.summary() if fusion else None
 
     def train_function(self, data):
         if self.driver is None and not self.local:
@@ -346,3 +361,5 @@ class _FitRun:
 
         unpin(self.token)
         self.token = None
+        if self.fusion is not None:
+            self.fusion.uninstall()

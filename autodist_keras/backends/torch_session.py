@@ -268,7 +268,8 @@ class Driver:
             workers wait for it between fits).
     """
 
-    def __init__(self, model, plan, comm, cluster, reporter, spawned, timeout_s, wake=None):
+    def __init__(self, model, plan, comm, cluster, reporter, spawned, timeout_s, wake=None,
+                 op_fusion=("auto", "inductor")):
         if len(plan.replicas) != comm.world_size:
             raise BackendError(
                 f"The plan has {len(plan.replicas)} replicas but {comm.world_size} "
@@ -276,6 +277,7 @@ class Driver:
                 "planned device, or plan for the devices you launch on. "
                 f"Received: plan devices {plan.devices}"
             )
+        self.op_fusion = op_fusion  # (policy, torch.compile backend)
         self.model = model
         self.plan = plan
         self.comm = comm
@@ -315,6 +317,11 @@ class Driver:
             optimizer.build(model.trainable_variables)
         # Local checks first: nothing is sent if rank 0 cannot run the plan.
         self.trainer = ReplicaTrainer(model, self.comm, self.plan, self._nodes(), self._device_ranks())
+        from autodist_keras.backends import torch_fusion
+
+        policy, compiler = self.op_fusion
+        self.trainer.fusion = torch_fusion.for_plan(
+            model, self.plan, [d["kind"] for d in self.devices], policy, compiler)
         # Slot reuse is safe because each step's gradient all-reduce orders the
         # ranks (torch_shm); a model with nothing to reduce sends messages.
         self._use_shm = self._use_shm and self.trainer.reducer.num_buckets > 0
@@ -330,6 +337,8 @@ class Driver:
             "trainable_paths": [v.path for v in model.trainable_weights],
             "timeout_s": self.timeout_s,
             "profile_dir": self.trainer.profile.directory,
+            # Rank 0 decided whether the plan's op-fusion regions are compiled.
+            "op_fusion_compiler": self.trainer.fusion.compiler if self.trainer.fusion else None,
             "keras": {
                 "floatx": keras.config.floatx(),
                 "epsilon": keras.config.epsilon(),
@@ -731,6 +740,12 @@ def serve(comm, reporter, model=None, on_model=None):
         trainer = ReplicaTrainer(model, comm, plan, nodes, device_ranks,
                                  paths=setup.get("trainable_paths"))
         trainer.profile.directory = setup.get("profile_dir")
+        if setup.get("op_fusion_compiler"):
+            from autodist_keras.backends.torch_fusion import TorchFusionRegions
+            from autodist_keras.fusion.op_fusion import regions_for
+
+            trainer.fusion = TorchFusionRegions(model, regions_for(plan),
+                                                compiler=setup["op_fusion_compiler"])
         if on_model is not None:
             on_model(setup, model)
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it

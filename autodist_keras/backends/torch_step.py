@@ -177,12 +177,18 @@ class ReplicaTrainer:
                                        paths=paths)
         self.state_sync = StateSync(comm, model.non_trainable_weights)
         self.profile = StepProfile(comm.rank)
+        # Optional `torch_fusion.TorchFusionRegions`, installed while attached.
+        self.fusion = None
 
     def attach(self):
         self.reducer.attach()
+        if self.fusion is not None:
+            self.fusion.install()
 
     def detach(self):
         self.reducer.detach()
+        if self.fusion is not None:
+            self.fusion.uninstall()
 
     def step(self, x, y, sample_weight, share, global_batch, after_forward=None,
              before_wait=None):

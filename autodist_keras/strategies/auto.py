@@ -39,9 +39,11 @@ OPTION_NAMES = (
     "step_costs",  # measured per-replica step costs: the proportional plan balances them
     "timeout_s",  # how long the runtime waits for a worker before failing
     "estimator",  # "learned" (default), "simulator", or a saved LearnedEstimator JSON path
-    "op_fusion",  # realise plan.op_fusion regions: "auto" (on GPUs), "on", "off" (TensorFlow)
+    "op_fusion",  # realise plan.op_fusion regions: "auto" (on GPUs), "on", "off"
+    "op_fusion_compiler",  # PyTorch: the torch.compile backend of the regions ("inductor")
 )
-RUNTIME_ONLY_OPTIONS = ("timeout_s", "estimator", "op_fusion")  # not passed to planners
+# Not passed to planners.
+RUNTIME_ONLY_OPTIONS = ("timeout_s", "estimator", "op_fusion", "op_fusion_compiler")
 
 _scope_lock = threading.Lock()
 
@@ -86,9 +88,11 @@ class AutoStrategy:
             estimator of the backend where the cluster and plan lie in its
             training domain, the simulator elsewhere), `"simulator"`, or the
             path of a JSON file written by `LearnedEstimator.save()`; and
-            `op_fusion`: whether TensorFlow compiles the plan's op-fusion
-            regions (Disco) as XLA clusters, `"auto"` (default: on GPUs),
-            `"on"` or `"off"`.
+            `op_fusion`: whether the runtime compiles the plan's op-fusion
+            regions (Disco), as XLA clusters on TensorFlow and as
+            `torch.compile`d functions on PyTorch, `"auto"` (default: on
+            GPUs), `"on"` or `"off"`; `op_fusion_compiler`: the
+            `torch.compile` backend for them (default `"inductor"`).
 
     Example:
 
@@ -133,6 +137,13 @@ class AutoStrategy:
                     "op_fusion must be 'auto' (realise the plan's op-fusion regions on GPUs), "
                     f"'on' or 'off'. Received: op_fusion={options['op_fusion']!r}"
                 )
+        if "op_fusion_compiler" in options and (
+                not isinstance(options["op_fusion_compiler"], str)
+                or not options["op_fusion_compiler"]):
+            raise StrategyError(
+                "op_fusion_compiler must name a torch.compile backend, e.g. 'inductor'. "
+                f"Received: op_fusion_compiler={options['op_fusion_compiler']!r}"
+            )
         if "step_costs" in options:
             options["step_costs"] = _normalise_step_costs(options["step_costs"])
         from autodist_keras.devices import Cluster

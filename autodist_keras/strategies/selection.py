@@ -461,10 +461,9 @@ def build_candidates(
         candidates.append(candidate)
         if progress is not None:
             progress.update(1)
+    # Disco plans op-fusion regions where both runtimes compile them by default
+    # (every device a GPU: XLA clusters on TensorFlow, torch.compile on PyTorch).
     family_options = {}
-    if options.get("backend") == "torch":
-        # The PyTorch runtime does not realise op-fusion regions: plan none for it.
-        family_options["disco"] = {"op_fusion": False}
     for family in families:
         started = time.perf_counter()
         candidate = Candidate(name=family, family=family)
