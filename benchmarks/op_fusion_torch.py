@@ -1,0 +1,106 @@
+"""Disco's op-fusion regions compiled by torch.compile on PyTorch: measured step time, on vs off.
+
+The PyTorch counterpart of `benchmarks/op_fusion_xla.py`, with its models and
+plans: Disco plans op fusion for one CPU testbed device (`disco.plan(...,
+op_fusion=True)`, forced, since Disco plans no regions on CPUs by default);
+the model then trains with `AutoStrategy(plan=..., op_fusion="on")` (each
+region that is a chain of layers runs as one `torch.compile`d function,
+`backends/torch_fusion.py`; TorchInductor by default, `--compiler` to
+change) and `op_fusion="off"` (Keras's own layer-by-layer call). The sides
+alternate `--rounds` times in one run; each side's figure is the median over
+all its measured steps after `--warmup` warm-up steps per round (the
+compilation happens in the first warm-up step of every "on" round).
+
+Usage:
+    python benchmarks/op_fusion_torch.py [--steps 30] [--rounds 3] [--compiler inductor]
+
+The last line of output is one JSON object.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+
+os.environ["KERAS_BACKEND"] = "torch"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from op_fusion_xla import MODELS  # noqa: E402  (the same models and plans)
+from op_fusion_xla import _build  # noqa: E402
+from op_fusion_xla import _plan  # noqa: E402
+
+
+def _times(name, cluster, plan, op_fusion, compiler, steps, warmup):
+    import keras
+    import numpy as np
+
+    from autodist_keras import AutoStrategy
+    from autodist_keras.timing import StepTimer
+
+    _, _, shape, classes, batch = MODELS[name]
+    strategy = AutoStrategy("disco", cluster=cluster, plan=plan, op_fusion=op_fusion,
+                            op_fusion_compiler=compiler)
+    with strategy.scope():
+        model = _build(name)
+        model.compile(optimizer="sgd",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    n = batch * (steps + warmup)
+    x = rng.normal(size=(n, *shape)).astype("float32")
+    y = rng.integers(0, classes, size=(n,)).astype("int32")
+    timer = StepTimer(warmup=warmup)
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+    run = strategy.adapter.last_run
+    return timer.times_s, run.get("op_fusion_regions", 0), run.get("op_fusion")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--models", default="cnn", help="cnn, mlp (the MLP has no regions)")
+    parser.add_argument("--compiler", default="inductor", help="torch.compile backend")
+    args = parser.parse_args()
+
+    from autodist_keras import Cluster
+
+    cluster = Cluster.cpu_testbed()
+    device = cluster.names[0]
+    print(f"op_fusion_torch: {platform.node() or 'machine'}, {os.cpu_count()} cores, device "
+          f"{device}, compiler {args.compiler}; {args.steps} measured steps after "
+          f"{args.warmup} warm-up, {args.rounds} alternating rounds per side; load "
+          f"{os.getloadavg()[0]:.1f}")
+    results = {}
+    for name in args.models.split(","):
+        plan = _plan(name, cluster, device)
+        regions = [r for r in plan.op_fusion if len(r) > 1]
+        times = {"off": [], "on": []}
+        realised, detail = {}, None
+        for _ in range(args.rounds):
+            for side in ("off", "on"):
+                t, realised[side], info = _times(name, cluster, plan, side, args.compiler,
+                                                 args.steps, args.warmup)
+                times[side] += t
+                detail = info or detail
+        off, on = statistics.median(times["off"]), statistics.median(times["on"])
+        results[name] = {
+            "regions": len(regions),
+            "regions_realised": realised,
+            "fallbacks": (detail or {}).get("fallbacks"),
+            "median_step_s_off": off,
+            "median_step_s_on": on,
+            "steps_each": len(times["off"]),
+            "off_over_on": round(off / on, 3),
+        }
+        print(f"{name:4s} {len(regions)} regions ({realised.get('on', 0)} compiled)  off "
+              f"{off * 1e3:.1f} ms  on ({args.compiler}) {on * 1e3:.1f} ms  off/on "
+              f"{off / on:.3f}x (measured)")
+    print(json.dumps({"benchmark": "op_fusion_torch", "compiler": args.compiler,
+                      "load_after": os.getloadavg()[0], "results": results}))
+
+
+if __name__ == "__main__":
+    main()
