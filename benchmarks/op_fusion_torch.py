@@ -27,33 +27,9 @@ import sys
 os.environ["KERAS_BACKEND"] = "torch"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from op_fusion_xla import MODELS  # noqa: E402  (the same models and plans)
-from op_fusion_xla import _build  # noqa: E402
+from op_fusion_xla import MODELS  # noqa: E402  (the same models, plans and timing)
 from op_fusion_xla import _plan  # noqa: E402
-
-
-def _times(name, cluster, plan, op_fusion, compiler, steps, warmup):
-    import keras
-    import numpy as np
-
-    from autodist_keras import AutoStrategy
-    from autodist_keras.timing import StepTimer
-
-    _, _, shape, classes, batch = MODELS[name]
-    strategy = AutoStrategy("disco", cluster=cluster, plan=plan, op_fusion=op_fusion,
-                            op_fusion_compiler=compiler)
-    with strategy.scope():
-        model = _build(name)
-        model.compile(optimizer="sgd",
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    rng = np.random.default_rng(0)
-    n = batch * (steps + warmup)
-    x = rng.normal(size=(n, *shape)).astype("float32")
-    y = rng.integers(0, classes, size=(n,)).astype("int32")
-    timer = StepTimer(warmup=warmup)
-    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
-    run = strategy.adapter.last_run
-    return timer.times_s, run.get("op_fusion_regions", 0), run.get("op_fusion")
+from op_fusion_xla import _times  # noqa: E402
 
 
 def main():
@@ -81,10 +57,11 @@ def main():
         realised, detail = {}, None
         for _ in range(args.rounds):
             for side in ("off", "on"):
-                t, realised[side], info = _times(name, cluster, plan, side, args.compiler,
-                                                 args.steps, args.warmup)
+                t, strategy = _times(name, cluster, plan, side, args.steps, args.warmup,
+                                     op_fusion_compiler=args.compiler)
                 times[side] += t
-                detail = info or detail
+                realised[side] = strategy.adapter.last_run.get("op_fusion_regions", 0)
+                detail = strategy.adapter.last_run.get("op_fusion") or detail
         off, on = statistics.median(times["off"]), statistics.median(times["on"])
         results[name] = {
             "regions": len(regions),

@@ -53,7 +53,8 @@ def _plan(name, cluster, device):
                       op_fusion=True)  # CPU plans get no regions unless forced
 
 
-def _times(name, cluster, plan, op_fusion, steps, warmup):
+def _times(name, cluster, plan, op_fusion, steps, warmup, **options):
+    """Trains `name` under `plan` and returns `(step times, strategy)`."""
     import keras
     import numpy as np
 
@@ -61,7 +62,7 @@ def _times(name, cluster, plan, op_fusion, steps, warmup):
     from autodist_keras.timing import StepTimer
 
     _, _, shape, classes, batch = MODELS[name]
-    strategy = AutoStrategy("disco", cluster=cluster, plan=plan, op_fusion=op_fusion)
+    strategy = AutoStrategy("disco", cluster=cluster, plan=plan, op_fusion=op_fusion, **options)
     with strategy.scope():
         model = _build(name)
         model.compile(optimizer="sgd",
@@ -72,7 +73,7 @@ def _times(name, cluster, plan, op_fusion, steps, warmup):
     y = rng.integers(0, classes, size=(n,)).astype("int32")
     timer = StepTimer(warmup=warmup)
     model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
-    return timer.times_s, strategy.adapter.runtime_info.get("op_fusion_regions", 0)
+    return timer.times_s, strategy
 
 
 def main():
@@ -101,7 +102,8 @@ def main():
         realised = {}
         for _ in range(args.rounds):
             for side in ("off", "on"):
-                t, realised[side] = _times(name, cluster, plan, side, args.steps, args.warmup)
+                t, strategy = _times(name, cluster, plan, side, args.steps, args.warmup)
+                realised[side] = strategy.adapter.runtime_info.get("op_fusion_regions", 0)
                 times[side] += t
         off, on = statistics.median(times["off"]), statistics.median(times["on"])
         results[name] = {

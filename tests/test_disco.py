@@ -239,8 +239,9 @@ def test_cpu_devices_get_no_op_fusion_unless_forced(tiny):
     assert forced.provenance.options.get("op_fusion") is True
 
 
-def test_selection_plans_no_op_fusion_for_the_torch_runtime(tiny):
-    """The PyTorch runtime does not compile regions, so auto's Disco candidate has none there."""
+def test_selection_plans_op_fusion_by_the_same_rule_for_both_runtimes(tiny):
+    """Both runtimes compile regions on GPUs (XLA clusters, torch.compile), so auto's
+    Disco candidate gets the same regions on either backend, and none on CPUs."""
     from autodist_keras.strategies import selection
 
     cluster = Cluster.from_string("2xV100")
@@ -251,7 +252,11 @@ def test_selection_plans_no_op_fusion_for_the_torch_runtime(tiny):
         (disco_candidate,) = [c for c in candidates if c.family == "disco"]
         found[backend] = disco_candidate.plan.op_fusion
     assert found["tensorflow"], "a launch-bound model on GPUs gets op-fusion regions"
-    assert found["torch"] == []
+    assert found["torch"] == found["tensorflow"]
+    (cpu_candidate,) = [c for c in selection.build_candidates(
+        tiny, Cluster.cpu_testbed(), 48, families=["disco"], options={"backend": "torch"})
+        if c.family == "disco"]
+    assert cpu_candidate.plan.op_fusion == []
 
 
 def test_balanced_shares_beat_speed_proportional_ones_on_memory_bound_layers(clusters):

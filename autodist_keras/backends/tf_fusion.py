@@ -26,8 +26,6 @@ regions.mark()   # inside the traced function, after the gradients
 
 import contextlib
 
-from autodist_keras.errors import BackendError
-
 GRADIENT_PREFIX = "gradient_tape/"
 
 
@@ -41,17 +39,12 @@ class FusionRegions:
     """
 
     def __init__(self, model, regions):
-        layers = _layers_by_name(model)
-        self.regions = [list(r) for r in regions if len(r) > 1]
+        from autodist_keras.fusion.op_fusion import region_layers
+
+        self.regions, layers = region_layers(model, regions)
         self._region_of = {}
         for index, region in enumerate(self.regions):
             for name in region:
-                if name not in layers:
-                    raise BackendError(
-                        f"Op-fusion region {index} names a layer the model does not have. "
-                        f"Make the plan for this model. Received: {name!r}; the model's "
-                        f"layers include {sorted(layers)[:8]}"
-                    )
                 self._region_of[name] = index
         self._layers = {name: layers[name] for name in self._region_of}
         self._ranges = []  # (first_id, last_id, scope) of recorded layer calls
@@ -151,16 +144,6 @@ def _forward_scope(path, scope_of_op):
     return None
 
 
-def _layers_by_name(model):
-    out = {}
-    stack = list(getattr(model, "layers", []))
-    while stack:
-        layer = stack.pop()
-        out.setdefault(layer.name, layer)
-        stack.extend(getattr(layer, "layers", []) or [])
-    return out
-
-
 def for_plan(model, plan, device_kinds, policy="auto"):
     """The `FusionRegions` to realise for `plan`, or None.
 
@@ -175,16 +158,7 @@ def for_plan(model, plan, device_kinds, policy="auto"):
     Returns:
         A `FusionRegions`, or None when nothing is realised.
     """
-    from autodist_keras.fusion import op_fusion
+    from autodist_keras.fusion.op_fusion import regions_to_realise
 
-    if policy not in op_fusion.OP_FUSION_POLICIES:
-        raise BackendError(
-            f"Unknown op_fusion policy {policy!r}. "
-            f"Valid: {', '.join(op_fusion.OP_FUSION_POLICIES)}. Received: op_fusion={policy!r}"
-        )
-    regions = op_fusion.regions_for(plan)
-    if not regions or policy == "off":
-        return None
-    if policy == "auto" and not op_fusion.compiled_by_default(device_kinds):
-        return None
-    return FusionRegions(model, regions)
+    regions = regions_to_realise(plan, device_kinds, policy)
+    return None if regions is None else FusionRegions(model, regions)

@@ -58,17 +58,10 @@ class TorchFusionRegions:
             )
         self.model = model
         self.compiler = compiler
-        self.regions = [list(r) for r in regions if len(r) > 1]
+        from autodist_keras.fusion.op_fusion import region_layers
+
+        self.regions, layers = region_layers(model, regions)
         self.graph = _functional_of(model)
-        layers = {layer.name: layer for layer in _all_layers(model)}
-        for index, region in enumerate(self.regions):
-            for name in region:
-                if name not in layers:
-                    raise BackendError(
-                        f"Op-fusion region {index} names a layer the model does not have. "
-                        f"Make the plan for this model. Received: {name!r}; the model's "
-                        f"layers include {sorted(layers)[:8]}"
-                    )
         self.realised = []
         self.fallbacks = {}
         self.calls = [0] * len(self.regions)
@@ -269,15 +262,6 @@ def _functional_of(model):
     return None
 
 
-def _all_layers(model):
-    out, stack = [], list(getattr(model, "layers", []) or [])
-    while stack:
-        layer = stack.pop()
-        out.append(layer)
-        stack.extend(getattr(layer, "layers", []) or [])
-    return out
-
-
 def for_plan(model, plan, device_kinds, policy="auto", compiler=DEFAULT_COMPILER):
     """The `TorchFusionRegions` to realise for `plan`, or None.
 
@@ -296,16 +280,7 @@ def for_plan(model, plan, device_kinds, policy="auto", compiler=DEFAULT_COMPILER
     Raises:
         BackendError: For an unknown policy or a region naming an unknown layer.
     """
-    from autodist_keras.fusion import op_fusion
+    from autodist_keras.fusion.op_fusion import regions_to_realise
 
-    if policy not in op_fusion.OP_FUSION_POLICIES:
-        raise BackendError(
-            f"Unknown op_fusion policy {policy!r}. "
-            f"Valid: {', '.join(op_fusion.OP_FUSION_POLICIES)}. Received: op_fusion={policy!r}"
-        )
-    regions = op_fusion.regions_for(plan)
-    if not regions or policy == "off":
-        return None
-    if policy == "auto" and not op_fusion.compiled_by_default(device_kinds):
-        return None
-    return TorchFusionRegions(model, regions, compiler=compiler)
+    regions = regions_to_realise(plan, device_kinds, policy)
+    return None if regions is None else TorchFusionRegions(model, regions, compiler=compiler)

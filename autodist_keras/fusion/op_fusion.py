@@ -432,3 +432,67 @@ def compiled_by_default(device_kinds):
         True when every device is a GPU.
     """
     return all(kind == "gpu" for kind in device_kinds)
+
+
+def region_layers(model, regions):
+    """The regions of two or more layers and the model's layers by name, checked.
+
+    Args:
+        model: A Keras model.
+        regions: Lists of layer names (`regions_for(plan)`).
+
+    Returns:
+        `(regions, layers)`: the regions with two or more layers (lists), and
+        a dict `{name: layer}` of every layer of `model`, nested ones included.
+
+    Raises:
+        BackendError: If a region names a layer `model` does not have.
+    """
+    from autodist_keras.errors import BackendError
+
+    layers, stack = {}, list(getattr(model, "layers", []) or [])
+    while stack:
+        layer = stack.pop()
+        layers.setdefault(layer.name, layer)
+        stack.extend(getattr(layer, "layers", []) or [])
+    kept = [list(r) for r in regions if len(r) > 1]
+    for index, region in enumerate(kept):
+        for name in region:
+            if name not in layers:
+                raise BackendError(
+                    f"Op-fusion region {index} names a layer the model does not have. "
+                    f"Make the plan for this model. Received: {name!r}; the model's "
+                    f"layers include {sorted(layers)[:8]}"
+                )
+    return kept, layers
+
+
+def regions_to_realise(plan, device_kinds, policy="auto"):
+    """The regions a runtime compiles under AutoStrategy's `op_fusion` policy.
+
+    Args:
+        plan: The `Plan` (its `op_fusion` regions).
+        device_kinds: Kinds of the replicas' devices (`"gpu"`, `"cpu"`).
+        policy: `"auto"` (the regions when every replica is a GPU,
+            `compiled_by_default`), `"on"` (always) or `"off"` (never).
+
+    Returns:
+        The list of regions (`regions_for(plan)`), or None when nothing is
+        to be compiled.
+
+    Raises:
+        BackendError: For an unknown policy.
+    """
+    from autodist_keras.errors import BackendError
+
+    if policy not in OP_FUSION_POLICIES:
+        raise BackendError(
+            f"Unknown op_fusion policy {policy!r}. "
+            f"Valid: {', '.join(OP_FUSION_POLICIES)}. Received: op_fusion={policy!r}"
+        )
+    regions = regions_for(plan)
+    if not regions or policy == "off":
+        return None
+    if policy == "auto" and not compiled_by_default(device_kinds):
+        return None
+    return regions
