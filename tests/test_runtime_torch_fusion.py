@@ -110,6 +110,16 @@ def test_a_branch_output_used_outside_the_region_falls_back():
     assert "outside the region uses an inner layer's output" in fusion.fallbacks[0]
 
 
+def test_a_region_with_dropout_falls_back():
+    from autodist_keras.backends.torch_fusion import TorchFusionRegions
+
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(6, name="a")(inputs)
+    outputs = keras.layers.Dropout(0.5, name="drop")(hidden)
+    fusion = TorchFusionRegions(keras.Model(inputs, outputs), [["a", "drop"]])
+    assert fusion.realised == [] and "random numbers" in fusion.fallbacks[0]
+
+
 def test_bad_region_compiler_and_policy_are_clear_errors():
     from autodist_keras import AutoStrategy
     from autodist_keras.backends.torch_fusion import TorchFusionRegions

@@ -223,6 +223,9 @@ def _chain_problem(chain, chain_nodes, nodes, output_ids):
         if getattr(layer, "supports_masking", False) and type(layer).compute_mask is not (
                 _base_compute_mask()):
             return f"layer {layer.name!r} computes masks, which a region does not carry"
+        if _draws_random_numbers(layer):
+            return (f"layer {layer.name!r} draws random numbers (e.g. Dropout), which "
+                    "compiled code would draw differently from Keras's own call")
     members = {id(n) for n in chain_nodes}
     inner = set()
     for previous, node, layer in zip(chain_nodes, chain_nodes[1:], chain[1:]):
@@ -242,6 +245,12 @@ def _chain_problem(chain, chain_nodes, nodes, output_ids):
             return (f"layer {node.operation.name!r} outside the region uses an inner "
                     "layer's output")
     return None
+
+
+def _draws_random_numbers(layer):
+    from keras.random import SeedGenerator
+
+    return any(isinstance(v, SeedGenerator) for v in vars(layer).values())
 
 
 def _base_compute_mask():
