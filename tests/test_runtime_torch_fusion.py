@@ -181,3 +181,24 @@ def test_inductor_compiles_the_regions_of_one_replica():
     assert fusion.compiler == "inductor" and fusion.realised == [0, 1, 2]
     assert min(fusion.calls) >= SAMPLES // BATCH
     _assert_same_weights(model, reference, rtol=1e-4, atol=1e-5)
+
+
+def test_fit_that_raises_still_restores_call():
+    from autodist_keras import AutoStrategy
+
+    class Stop(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                raise RuntimeError("stop here")
+
+    plan, cluster = _plan(2)
+    strategy = AutoStrategy(cluster=cluster, plan=plan, op_fusion="on",
+                            op_fusion_compiler="aot_eager")
+    with strategy.scope():
+        model = _build()
+        _compile(model)
+    x, y = _data()
+    with pytest.raises(RuntimeError, match="stop here"):
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[Stop()])
+    assert strategy.adapter.last_run["op_fusion_regions"] == 3
+    assert "call" not in model.__dict__

@@ -361,5 +361,8 @@ class _FitRun:
 
         unpin(self.token)
         self.token = None
-        if self.fusion is not None:
-            self.fusion.uninstall()
+        # The user's model gets Keras's own `call` back, also when fit raised.
+        trainer = getattr(self.driver, "trainer", None)
+        for fusion in (self.fusion, getattr(trainer, "fusion", None)):
+            if fusion is not None:
+                fusion.uninstall()

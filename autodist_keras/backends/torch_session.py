@@ -266,6 +266,9 @@ class Driver:
         timeout_s: Seconds an operation may wait for a worker.
         wake: Optional callable run just before SETUP is sent (spawned
             workers wait for it between fits).
+        op_fusion: `(policy, compiler)`: AutoStrategy's `op_fusion` and
+            `op_fusion_compiler` options; rank 0 decides from them whether the
+            plan's op-fusion regions are compiled, and the workers follow.
     """
 
     def __init__(self, model, plan, comm, cluster, reporter, spawned, timeout_s, wake=None,
