@@ -21,15 +21,12 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 
 os.environ["KERAS_BACKEND"] = "torch"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from op_fusion_xla import MODELS  # noqa: E402  (the same models, plans and timing)
-from op_fusion_xla import _plan  # noqa: E402
-from op_fusion_xla import _times  # noqa: E402
+from op_fusion_xla import compare  # noqa: E402  (the same models, plans and rounds)
 
 
 def main():
@@ -51,30 +48,14 @@ def main():
           f"{os.getloadavg()[0]:.1f}")
     results = {}
     for name in args.models.split(","):
-        plan = _plan(name, cluster, device)
-        regions = [r for r in plan.op_fusion if len(r) > 1]
-        times = {"off": [], "on": []}
-        realised, detail = {}, None
-        for _ in range(args.rounds):
-            for side in ("off", "on"):
-                t, strategy = _times(name, cluster, plan, side, args.steps, args.warmup,
-                                     op_fusion_compiler=args.compiler)
-                times[side] += t
-                realised[side] = strategy.adapter.last_run.get("op_fusion_regions", 0)
-                detail = strategy.adapter.last_run.get("op_fusion") or detail
-        off, on = statistics.median(times["off"]), statistics.median(times["on"])
-        results[name] = {
-            "regions": len(regions),
-            "regions_realised": realised,
-            "fallbacks": (detail or {}).get("fallbacks"),
-            "median_step_s_off": off,
-            "median_step_s_on": on,
-            "steps_each": len(times["off"]),
-            "off_over_on": round(off / on, 3),
-        }
-        print(f"{name:4s} {len(regions)} regions ({realised.get('on', 0)} compiled)  off "
-              f"{off * 1e3:.1f} ms  on ({args.compiler}) {on * 1e3:.1f} ms  off/on "
-              f"{off / on:.3f}x (measured)")
+        row, info = compare(name, cluster, device, args, lambda s: s.adapter.last_run,
+                            op_fusion_compiler=args.compiler)
+        row["fallbacks"] = (info.get("op_fusion") or {}).get("fallbacks")
+        results[name] = row
+        off, on = row["median_step_s_off"], row["median_step_s_on"]
+        print(f"{name:4s} {row['regions']} regions ({row['regions_realised'].get('on', 0)} "
+              f"compiled)  off {off * 1e3:.1f} ms  on ({args.compiler}) {on * 1e3:.1f} ms  "
+              f"off/on {row['off_over_on']:.3f}x (measured)")
     print(json.dumps({"benchmark": "op_fusion_torch", "compiler": args.compiler,
                       "load_after": os.getloadavg()[0], "results": results}))
 

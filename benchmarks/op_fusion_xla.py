@@ -76,6 +76,42 @@ def _times(name, cluster, plan, op_fusion, steps, warmup, **options):
     return timer.times_s, strategy
 
 
+def compare(name, cluster, device, args, run_info, **options):
+    """Alternates `args.rounds` rounds of regions off and on for one model (measured).
+
+    Args:
+        name: A key of `MODELS`.
+        cluster, device: Where Disco plans and the model trains.
+        args: The parsed `--steps`, `--warmup` and `--rounds`.
+        run_info: Callable returning the adapter's run facts for a strategy
+            (they hold `op_fusion_regions`).
+        **options: More `AutoStrategy` options.
+
+    Returns:
+        `(row, info)`: the JSON-ready result row and the run facts of the
+        last "on" run.
+    """
+    plan = _plan(name, cluster, device)
+    times = {"off": [], "on": []}
+    realised, info = {}, {}
+    for _ in range(args.rounds):
+        for side in ("off", "on"):
+            t, strategy = _times(name, cluster, plan, side, args.steps, args.warmup, **options)
+            times[side] += t
+            info = run_info(strategy)
+            realised[side] = info.get("op_fusion_regions", 0)
+    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    row = {
+        "regions": len([r for r in plan.op_fusion if len(r) > 1]),
+        "regions_realised": realised,
+        "median_step_s_off": off,
+        "median_step_s_on": on,
+        "steps_each": len(times["off"]),
+        "off_over_on": round(off / on, 3),
+    }
+    return row, info
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -96,26 +132,11 @@ def main():
           f"{args.rounds} alternating rounds per side; load {os.getloadavg()[0]:.1f}")
     results = {}
     for name in args.models.split(","):
-        plan = _plan(name, cluster, device)
-        regions = [r for r in plan.op_fusion if len(r) > 1]
-        times = {"off": [], "on": []}
-        realised = {}
-        for _ in range(args.rounds):
-            for side in ("off", "on"):
-                t, strategy = _times(name, cluster, plan, side, args.steps, args.warmup)
-                realised[side] = strategy.adapter.runtime_info.get("op_fusion_regions", 0)
-                times[side] += t
-        off, on = statistics.median(times["off"]), statistics.median(times["on"])
-        results[name] = {
-            "regions": len(regions),
-            "regions_realised": realised,
-            "median_step_s_off": off,
-            "median_step_s_on": on,
-            "steps_each": len(times["off"]),
-            "off_over_on": round(off / on, 3),
-        }
-        print(f"{name:4s} {len(regions)} regions  off {off * 1e3:.1f} ms  on (XLA) {on * 1e3:.1f} ms"
-              f"  off/on {off / on:.3f}x (measured)")
+        row, _ = compare(name, cluster, device, args, lambda s: s.adapter.runtime_info)
+        results[name] = row
+        off, on = row["median_step_s_off"], row["median_step_s_on"]
+        print(f"{name:4s} {row['regions']} regions  off {off * 1e3:.1f} ms  on (XLA) "
+              f"{on * 1e3:.1f} ms  off/on {row['off_over_on']:.3f}x (measured)")
     print(json.dumps({"benchmark": "op_fusion_xla", "load_after": os.getloadavg()[0],
                       "results": results}))
 

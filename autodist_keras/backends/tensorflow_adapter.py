@@ -88,6 +88,11 @@ class _Replica:
         self.node = node
 
 
+def _cpu_devices(cluster):
+    """The cluster's CPU and CPU-testbed devices: one logical CPU device each."""
+    return [d for d in cluster.devices if d.kind != "gpu"]
+
+
 def configure_logical_cpus(cluster):
     """Gives TensorFlow one logical CPU device per CPU device of `cluster`, if it can.
 
@@ -109,7 +114,7 @@ def configure_logical_cpus(cluster):
 
     if tf_multiworker.parse_tf_config() is not None:
         return 0
-    needed = len([d for d in cluster.devices if d.kind != "gpu"])
+    needed = len(_cpu_devices(cluster))
     if needed <= 1:
         return needed
     physical = tf.config.list_physical_devices("CPU")[0]
@@ -158,7 +163,7 @@ class TensorFlowAdapter(BackendAdapter):
 
     # -------------------------------------------------------------- devices
     def _local_cpu_devices(self):
-        return [d for d in self.cluster.devices if d.kind != "gpu"]
+        return _cpu_devices(self.cluster)
 
     def _setup_local_devices(self):
         """Creates one logical CPU device per CPU device of the cluster."""

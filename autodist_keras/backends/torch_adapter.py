@@ -281,8 +281,7 @@ class _FitRun:
                                                 *op_fusion)
             if self.fusion is not None:
                 self.fusion.install()
-            info["op_fusion_regions"] = len(self.fusion.realised) if self.fusion else 0
-            info["op_fusion"] = self.fusion.summary() if self.fusion else None
+            info.update(torch_fusion.run_info(self.fusion))
             self.adapter.last_run = info
             return
         if self.env is not None:
@@ -307,9 +306,7 @@ class _FitRun:
                         wake=wake, op_fusion=op_fusion)
         driver.setup()
         self.driver = driver
-        fusion = driver.trainer.fusion
-        info["op_fusion_regions"] = len(fusion.realised) if fusion else 0
-        info["op_fusion"] = fusion.summary() if fusion else None
+        info.update(torch_fusion.run_info(driver.trainer.fusion))
 
     def train_function(self, data):
         if self.driver is None and not self.local:

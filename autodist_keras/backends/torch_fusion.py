@@ -5,16 +5,18 @@ unit. On the torch backend Keras runs a functional model layer by layer
 (`Function._run_through_graph`); `TorchFusionRegions` replaces the model's
 `call` while a fit runs with the same graph walk, in which each realised
 region is one `torch.compile`d function: its first layer's node runs every
-layer of the region (each through its own `__call__`, so masks, dtype
-policies and training-mode updates such as BatchNormalization's moving
-statistics behave as without fusion), and its other nodes pass the result
-through. TorchInductor (the default compiler) then fuses the region's
-element-wise work into a few kernels, forward and backward.
+layer of the region (each layer's own `call`, with the `training` flag, so
+training-mode updates such as BatchNormalization's moving statistics happen
+as without fusion), and its other nodes pass the result through.
+TorchInductor (the default compiler) then fuses the region's element-wise
+work into a few kernels, forward and backward.
 
 A region is realised when it is a chain: every layer is called once in the
 model, each layer after the first takes exactly the previous layer's output,
-and no output but the last is used outside the region. Other regions run
-layer by layer, and `fallbacks` says why; nothing is dropped silently.
+no output but the last is used outside the region, and no layer needs what
+Keras's `__call__` adds around `call` (mixed-precision casts, masks) or draws
+random numbers. Other regions run layer by layer, and `fallbacks` says why;
+nothing is dropped silently.
 
 Example:
 
@@ -56,7 +58,6 @@ class TorchFusionRegions:
                 "op_fusion_compiler must name a torch.compile backend, e.g. 'inductor'. "
                 f"Received: {compiler!r}"
             )
-        self.model = model
         self.compiler = compiler
         from autodist_keras.fusion.op_fusion import region_layers
 
@@ -155,18 +156,18 @@ class TorchFusionRegions:
             if position > 0:
                 # The region's first node already ran this layer: pass its result on.
                 return lambda *args, **kw: args[0]
-            return lambda *args, **kw: self._run_region(index, args, kw, context)
+            return lambda x, **kw: self._run_region(index, x, training)
 
         outputs = graph._run_through_graph(inputs, operation_fn=op_fn)
         return unpack_singleton(outputs)
 
-    def _run_region(self, index, args, kwargs, context):
+    def _run_region(self, index, x, training):
         compiled = self._compiled.get(index)
         if compiled is None:
             compiled = self._compiled[index] = _compile_chain(
                 self._chains[index], index, self.compiler)
         self.calls[index] += 1
-        return compiled(args[0], context.get("training"))
+        return compiled(x, training)
 
     def summary(self):
         """A JSON-ready dict: regions, realised, fallbacks (with reasons), calls, compiler."""
@@ -177,6 +178,12 @@ class TorchFusionRegions:
             "calls": list(self.calls),
             "compiler": self.compiler,
         }
+
+
+def run_info(fusion):
+    """The adapter's `last_run` facts for `fusion` (a `TorchFusionRegions` or None)."""
+    return {"op_fusion_regions": len(fusion.realised) if fusion else 0,
+            "op_fusion": fusion.summary() if fusion else None}
 
 
 def _compile_chain(chain, index, compiler):

@@ -34,6 +34,7 @@ import os
 import traceback
 import warnings
 
+from autodist_keras.backends import torch_fusion
 from autodist_keras.backends import torch_transport as tt
 from autodist_keras.backends.torch_device import device_info
 from autodist_keras.backends.torch_device import pin
@@ -272,7 +273,7 @@ class Driver:
     """
 
     def __init__(self, model, plan, comm, cluster, reporter, spawned, timeout_s, wake=None,
-                 op_fusion=("auto", "inductor")):
+                 op_fusion=("auto", torch_fusion.DEFAULT_COMPILER)):
         if len(plan.replicas) != comm.world_size:
             raise BackendError(
                 f"The plan has {len(plan.replicas)} replicas but {comm.world_size} "
@@ -320,8 +321,6 @@ class Driver:
             optimizer.build(model.trainable_variables)
         # Local checks first: nothing is sent if rank 0 cannot run the plan.
         self.trainer = ReplicaTrainer(model, self.comm, self.plan, self._nodes(), self._device_ranks())
-        from autodist_keras.backends import torch_fusion
-
         policy, compiler = self.op_fusion
         self.trainer.fusion = torch_fusion.for_plan(
             model, self.plan, [d["kind"] for d in self.devices], policy, compiler)
@@ -744,11 +743,10 @@ def serve(comm, reporter, model=None, on_model=None):
                                  paths=setup.get("trainable_paths"))
         trainer.profile.directory = setup.get("profile_dir")
         if setup.get("op_fusion_compiler"):
-            from autodist_keras.backends.torch_fusion import TorchFusionRegions
             from autodist_keras.fusion.op_fusion import regions_for
 
-            trainer.fusion = TorchFusionRegions(model, regions_for(plan),
-                                                compiler=setup["op_fusion_compiler"])
+            trainer.fusion = torch_fusion.TorchFusionRegions(
+                model, regions_for(plan), compiler=setup["op_fusion_compiler"])
         if on_model is not None:
             on_model(setup, model)
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
