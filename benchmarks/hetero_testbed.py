@@ -55,12 +55,17 @@ summed over the ranks pinned to each core. On a machine shared with other
 jobs, wall times are inflated unevenly; the busiest core's CPU time still
 shows which plan is cheaper.
 
-Each (backend, model, plan) case runs in its own process, because the Keras
-backend is fixed per process and TensorFlow's logical devices must be set up
-before it initialises.
+Each (backend, model) runs in its own process, because the Keras backend is
+fixed per process and TensorFlow's logical devices must be set up before it
+initialises. TensorFlow runs every (model, plan) case of every round in a
+process of its own (its multi-worker processes live for one case). PyTorch
+alternates the cases of every round in one process, whose adapter keeps its
+worker processes between fits, so the two sides of a ratio run seconds
+apart instead of minutes (`--no-interleave`: one process per case, as
+before).
 
 Usage:
-    python benchmarks/hetero_testbed.py [--backends tensorflow,torch] [--models cnn,mlp,mlp_large] [--steps 30] [--rounds 4]
+    python benchmarks/hetero_testbed.py [--backends tensorflow,torch] [--models cnn,mlp,mlp_large] [--steps 30] [--rounds 4] [--no-interleave]
 
 The last line of output is one JSON object.
 """
@@ -103,19 +108,24 @@ def run_case(model_name, strategy_name, steps, warmup, step_costs=None):
 
     if keras.backend.backend() == "tensorflow":
         return _run_case_tensorflow(model_name, strategy_name, steps, warmup, step_costs)
-    import numpy as np
+    strategy, model = _build_torch(model_name, strategy_name, step_costs)
+    try:
+        return _fit_torch(strategy, model, model_name, steps, warmup)
+    finally:
+        strategy.adapter.close()
+
+
+def _build_torch(model_name, strategy_name, step_costs=None):
+    """`(strategy, model)`: an `AutoStrategy` on the testbed and the compiled model."""
+    import keras
 
     from autodist_keras import AutoStrategy
     from autodist_keras import Cluster
+    from autodist_keras.graph import zoo
 
     options = {"step_costs": step_costs} if step_costs is not None else {}
     strategy = AutoStrategy(strategy_name, cluster=Cluster.cpu_testbed(), **options)
-    import keras
-
-    from autodist_keras.graph import zoo
-    from autodist_keras.timing import StepTimer
-
-    builder, kwargs, shape, classes, batch = MODELS[model_name]
+    builder, kwargs, _, _, _ = MODELS[model_name]
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = getattr(zoo, builder)(**kwargs)
@@ -123,19 +133,31 @@ def run_case(model_name, strategy_name, steps, warmup, step_costs=None):
             optimizer="sgd",
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
+    return strategy, model
+
+
+def _fit_torch(strategy, model, model_name, steps, warmup):
+    """One measured `fit` (PyTorch); the adapter's worker processes stay up."""
+    import tempfile
+
+    import numpy as np
+
+    from autodist_keras.backends.torch_step import PROFILE_ENV
+    from autodist_keras.timing import StepTimer
+
+    _, _, shape, classes, batch = MODELS[model_name]
     n = batch * (steps + warmup)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(n, *shape)).astype("float32")
     y = rng.integers(0, classes, size=(n,)).astype("int32")
     timer = StepTimer(warmup=warmup)
-    import tempfile
-
-    from autodist_keras.backends.torch_step import PROFILE_ENV
-
     with tempfile.TemporaryDirectory() as profile_dir:
         os.environ[PROFILE_ENV] = profile_dir
-        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
-        strategy.adapter.close()
+        try:
+            model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
+                      callbacks=[timer])
+        finally:
+            del os.environ[PROFILE_ENV]
         ranks = _profile_summary(profile_dir, len(strategy.plan.replicas), warmup)
     replicas = strategy.plan.replicas
     for row, replica in zip(ranks, replicas):
@@ -153,6 +175,38 @@ def run_case(model_name, strategy_name, steps, warmup, step_costs=None):
         # busiest core bounds the step, whatever other jobs do to wall time.
         "core_cpu_ms": _core_cpu(ranks),
     }
+
+
+def run_interleaved_torch(model_name, steps, warmup, rounds, workdir):
+    """Every round of the three cases in this one process (PyTorch).
+
+    The adapter keeps its worker processes between `fit` calls of one process
+    (same world size), so the cases can alternate every `steps` steps
+    without starting processes: each side's rounds then lie seconds apart
+    instead of minutes, and a slow minute of the VM hits both sides alike.
+    Each case keeps its strategy and model across its rounds.
+
+    Returns:
+        `(rounds, costs)`, as `_collect_rounds`.
+    """
+    built = {}
+
+    def run(strategy_name, costs_path):
+        key = (strategy_name, costs_path)
+        try:
+            if key not in built:
+                built[key] = _build_torch(model_name, strategy_name, costs_path)
+            strategy, model = built[key]
+            return _fit_torch(strategy, model, model_name, steps, warmup)
+        except Exception as e:  # noqa: BLE001  (report it; the other cases stand)
+            return {"error": [f"{type(e).__name__}: {e}"]}
+
+    try:
+        return _collect_rounds(rounds, run, os.path.join(workdir, f"torch_{model_name}_costs.json"))
+    finally:
+        from autodist_keras.backends.torch_pool import shutdown_pools
+
+        shutdown_pools()
 
 
 def _core_cpu(ranks):
@@ -244,13 +298,16 @@ CASES = (
 
 def _run_subprocess(backend, model_name, strategy_name, args, costs_path=None):
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
-    command = [sys.executable, __file__, "--case", f"{model_name}:{strategy_name}",
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    command = [sys.executable, __file__, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if strategy_name is None:  # every case, in alternating rounds, in that one process
+        command += ["--interleaved-case", model_name, "--rounds", str(args.rounds)]
+    else:
+        command += ["--case", f"{model_name}:{strategy_name}"]
     if costs_path:
         command += ["--step-costs", costs_path]
     started = time.perf_counter()
     out = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=1800)
+                         timeout=1800 * (args.rounds if strategy_name is None else 1))
     if out.returncode != 0:
         print(out.stderr[-3000:], file=sys.stderr)
         return {"error": out.stderr.strip().splitlines()[-1:]}
@@ -283,30 +340,62 @@ def predicted_busiest_core_ms(costs, shares):
     return round(busiest_load_s(Cluster.cpu_testbed(), list(costs), costs, shares) * 1e3, 1)
 
 
-def run_model(backend, model_name, args, workdir):
-    """Even, proportional and proportional with fitted step costs, in alternating rounds."""
-    import statistics
+def _collect_rounds(n_rounds, run, costs_path):
+    """Runs the three cases in `n_rounds` rounds, every second one in reverse order.
 
+    Args:
+        n_rounds: Number of rounds.
+        run: Callable `(strategy_name, step_costs_path or None)` returning one
+            case's result dict.
+        costs_path: Where to write the step costs fitted after the first
+            even and proportional cases (the measured-cost case reads them).
+
+    Returns:
+        `(rounds, costs)`: each case's results, one per round, and the fitted
+        step costs as a dict (None if they could not be fitted).
+    """
     from autodist_keras.strategies.share_balance import step_costs_to_dict
 
     rounds = {key: [] for key, _, _ in CASES}
-    costs, costs_path = None, None
-    for r in range(args.rounds):
+    costs = None
+    for r in range(n_rounds):
         order = CASES if r % 2 == 0 else tuple(reversed(CASES))
         for key, strategy_name, measured in order:
             if measured and costs is None:
                 try:
-                    costs = fit_costs([rounds["even"][-1], rounds["proportional"][-1]])
+                    costs = step_costs_to_dict(
+                        fit_costs([rounds["even"][-1], rounds["proportional"][-1]]))
                 except Exception as e:  # noqa: BLE001  (report it; the other cases stand)
                     rounds[key].append({"error": [f"fitting step costs failed: {e}"]})
                     continue
-                costs_path = os.path.join(workdir, f"{backend}_{model_name}_costs.json")
                 with open(costs_path, "w", encoding="utf-8") as f:
-                    json.dump({"step_costs": step_costs_to_dict(costs)}, f)
-            if measured and costs_path is None:
+                    json.dump({"step_costs": costs}, f)
+            if measured and costs is None:
                 continue
-            rounds[key].append(_run_subprocess(backend, model_name, strategy_name, args,
-                                               costs_path if measured else None))
+            rounds[key].append(run(strategy_name, costs_path if measured else None))
+    return rounds, costs
+
+
+def run_model(backend, model_name, args, workdir):
+    """Even, proportional and proportional with fitted step costs, in alternating rounds.
+
+    TensorFlow: every case in its own process. PyTorch: every case of every
+    round in one process (`run_interleaved_torch`), unless `--no-interleave`.
+    """
+    import statistics
+
+    from autodist_keras.strategies.share_balance import load_step_costs
+
+    if backend == "torch" and args.interleave:
+        result = _run_subprocess(backend, model_name, None, args)
+        if "error" in result:
+            result = {"rounds": {key: [result] for key, _, _ in CASES}, "costs": None}
+        rounds, costs = result["rounds"], result["costs"]
+    else:
+        rounds, costs = _collect_rounds(
+            args.rounds,
+            lambda name, path: _run_subprocess(backend, model_name, name, args, path),
+            os.path.join(workdir, f"{backend}_{model_name}_costs.json"))
     row = {}
     for key, _, _ in CASES:
         good = [run for run in rounds[key] if run.get("median_step_s")]
@@ -319,9 +408,9 @@ def run_model(backend, model_name, args, workdir):
         if len(good) > 1:
             row[key]["round_core_cpu_ms"] = [run.get("core_cpu_ms") for run in good]
     if costs is not None:
-        row["step_costs"] = step_costs_to_dict(costs)
+        row["step_costs"] = costs
         row["predicted_busiest_core_ms_from_costs"] = {
-            key: predicted_busiest_core_ms(costs, row[key]["shares"])
+            key: predicted_busiest_core_ms(load_step_costs(costs), row[key]["shares"])
             for key, _, _ in CASES if row[key].get("shares")
         }
     even = row["even"].get("median_step_s")
@@ -329,7 +418,7 @@ def run_model(backend, model_name, args, workdir):
         other = row[key].get("median_step_s")
         row[f"even_over_{key}"] = round(even / other, 3) if even and other else None
     # Each round's own ratio (even and proportional of one round ran minutes
-    # apart at most): a round hit by the VM's neighbours shows up here as an
+    # apart at most, seconds when interleaved): a round hit by the VM's neighbours shows up here as an
     # outlier instead of only moving the medians.
     pairs = zip(row["even"].get("round_median_step_s") or [],
                 row["proportional"].get("round_median_step_s") or [])
@@ -345,7 +434,11 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=4,
                         help="rounds of the three cases, every second one in reverse order")
+    parser.add_argument("--no-interleave", dest="interleave", action="store_false",
+                        help="PyTorch: run every case in its own process (as TensorFlow does) "
+                             "instead of alternating the cases in one process")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--interleaved-case", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--step-costs", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
@@ -355,6 +448,12 @@ def main():
         return
     import tempfile
 
+    if args.interleaved_case:
+        with tempfile.TemporaryDirectory() as workdir:
+            rounds, costs = run_interleaved_torch(args.interleaved_case, args.steps, args.warmup,
+                                                  args.rounds, workdir)
+        print(json.dumps({"rounds": rounds, "costs": costs}))
+        return
     results = {}
     started = time.perf_counter()
     print(f"hetero_testbed: {platform.node()}, {os.cpu_count()} cores, "
