@@ -245,9 +245,94 @@ def _profile_summary(directory, world, warmup):
     return out
 
 
-def _run_case_tensorflow(model_name, strategy_name, steps, warmup, step_costs=None):
+def run_interleaved_tensorflow(model_name, steps, warmup, rounds, workdir):
+    """Every round of the three cases in one set of TensorFlow worker processes.
+
+    The workers (one pinned process per testbed device) build one model per
+    plan and alternate them every `steps` steps (`launch_local_workers(...,
+    alternate_plans=...)`). The step costs for the third plan come from a
+    short calibration run first (one round of even and proportional, its
+    own worker processes).
+
+    Returns:
+        `(rounds, costs)`, as `_collect_rounds`.
+    """
+    import numpy as np
+
+    from autodist_keras import AutoStrategy
+    from autodist_keras import Cluster
+    from autodist_keras.backends.tf_multiworker import launch_local_workers
+    from autodist_keras.strategies.share_balance import step_costs_to_dict
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (here, ROOT, os.environ.get("PYTHONPATH")) if p)
+    sys.path.insert(0, here)
+    import _testbed_models
+
+    builder, _, shape, classes, batch = MODELS[model_name]
+    cluster = Cluster.cpu_testbed()
+    model_fn = f"_testbed_models:build_{builder}"
+
+    def plan(strategy_name, **options):
+        strategy = AutoStrategy(strategy_name, cluster=cluster, **options)
+        with strategy.scope():
+            model = getattr(_testbed_models, f"build_{builder}")()
+        return strategy.plan_for(model, batch)
+
+    n = batch * min(steps + warmup, 4)  # the workers repeat the data (fit_repeating)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, *shape)).astype("float32")
+    y = rng.integers(0, classes, size=(n,)).astype("int32")
+
+    def alternate(plans, keys, n_rounds):
+        results = launch_local_workers(model_fn, cluster, x, y, batch, steps + warmup,
+                                       drop_remainder=True, timeout_s=600 + 300 * n_rounds,
+                                       alternate_plans=plans, rounds=n_rounds)
+        out = {key: [] for key in keys}
+        for fit, *others in zip(*(r["phases"] for r in results)):
+            per_rank = [fit] + others
+            out[keys[fit["plan"]]].append(_tensorflow_case_result(
+                cluster, [dict(f, device=r["device"]) for f, r in zip(per_rank, results)],
+                warmup))
+        return out
+
+    even, proportional = plan("data_parallel"), plan("proportional")
+    calibration = alternate([even, proportional], ["even", "proportional"], 1)
+    costs = step_costs_to_dict(fit_costs([calibration["even"][0],
+                                          calibration["proportional"][0]]))
+    costs_path = os.path.join(workdir, f"tensorflow_{model_name}_costs.json")
+    with open(costs_path, "w", encoding="utf-8") as f:
+        json.dump({"step_costs": costs}, f)
+    measured = plan("proportional", step_costs=costs_path)
+    keys = [key for key, _, _ in CASES]
+    return alternate([even, proportional, measured], keys, rounds), costs
+
+
+def _tensorflow_case_result(cluster, ranks_raw, warmup):
+    """One case's result dict from the per-rank step and CPU times of one fit."""
     import statistics
 
+    ranks = []
+    for rank in ranks_raw:
+        times = rank["step_times_s"][warmup:]
+        cpu = (rank.get("cpu_times_s") or [])[warmup:]
+        ranks.append({
+            "device": rank["device"],
+            "share": rank["share"],
+            "affinity": list(cluster.device(rank["device"]).cpu_affinity),
+            "total_ms": round(statistics.median(times) * 1e3, 1),
+            # The worker process's CPU time per step (all threads), median.
+            "cpu_ms": round(statistics.median(cpu) * 1e3, 1) if cpu else None,
+        })
+    times = ranks_raw[0]["step_times_s"][warmup:]
+    return {"median_step_s": statistics.median(times), "steps": len(times),
+            "shares": [r["share"] for r in ranks], "predicted_step_s": None,
+            "ranks": ranks, "core_cpu_ms": _core_cpu(ranks),
+            "how": "TensorFlow multi-worker, one pinned process per testbed device"}
+
+
+def _run_case_tensorflow(model_name, strategy_name, steps, warmup, step_costs=None):
     import numpy as np
 
     from autodist_keras import Cluster
@@ -267,22 +352,7 @@ def _run_case_tensorflow(model_name, strategy_name, steps, warmup, step_costs=No
     out = run_steps(f"_testbed_models:build_{builder}", strategy_name, cluster, x, y,
                     batch_size=batch, steps=steps, warmup=warmup, processes=True,
                     timeout_s=1500, options=options, details=True)
-    times = out["step_times_s"]
-    ranks = []
-    for rank in out["ranks"]:
-        ranks.append({
-            "device": rank["device"],
-            "share": rank["share"],
-            "affinity": list(cluster.device(rank["device"]).cpu_affinity),
-            "total_ms": round(statistics.median(rank["step_times_s"]) * 1e3, 1),
-            # The worker process's CPU time per step (all threads), median.
-            "cpu_ms": round(statistics.median(rank["cpu_times_s"]) * 1e3, 1)
-            if rank["cpu_times_s"] else None,
-        })
-    return {"median_step_s": statistics.median(times), "steps": len(times),
-            "shares": [r["share"] for r in ranks], "predicted_step_s": None,
-            "ranks": ranks, "core_cpu_ms": _core_cpu(ranks),
-            "how": "TensorFlow multi-worker, one pinned process per testbed device"}
+    return _tensorflow_case_result(cluster, out["ranks"], warmup=0)  # run_steps dropped it
 
 
 # Models whose per-replica step cost grows with the replica's share on this CPU.
@@ -386,7 +456,7 @@ def run_model(backend, model_name, args, workdir):
 
     from autodist_keras.strategies.share_balance import load_step_costs
 
-    if backend == "torch" and args.interleave:
+    if args.interleave:
         result = _run_subprocess(backend, model_name, None, args)
         if "error" in result:
             result = {"rounds": {key: [result] for key, _, _ in CASES}, "costs": None}
@@ -449,9 +519,13 @@ def main():
     import tempfile
 
     if args.interleaved_case:
+        import keras
+
+        run = (run_interleaved_tensorflow if keras.backend.backend() == "tensorflow"
+               else run_interleaved_torch)
         with tempfile.TemporaryDirectory() as workdir:
-            rounds, costs = run_interleaved_torch(args.interleaved_case, args.steps, args.warmup,
-                                                  args.rounds, workdir)
+            rounds, costs = run(args.interleaved_case, args.steps, args.warmup, args.rounds,
+                                workdir)
         print(json.dumps({"rounds": rounds, "costs": costs}))
         return
     results = {}

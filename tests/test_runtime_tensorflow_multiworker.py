@@ -113,3 +113,33 @@ def test_run_steps_details_give_per_rank_cpu_and_shares():
     for rank in out["ranks"]:
         assert len(rank["step_times_s"]) == 3 and len(rank["cpu_times_s"]) == 3
         assert min(rank["cpu_times_s"]) > 0
+
+
+def test_alternating_plans_in_the_same_workers():
+    """`alternate_plans`: one model per plan in each worker, fits alternating by round."""
+    from autodist_keras.backends import tf_multiworker
+    from autodist_keras.devices import Cluster
+    from autodist_keras.graph import ModelGraph
+    from autodist_keras.strategies import baselines
+
+    cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
+    graph = ModelGraph.from_keras(worker_model())
+    even = baselines.data_parallel_even(graph, cluster, BATCH)
+    uneven = baselines.proportional(graph, cluster, BATCH,
+                                    speeds={"node0/cpu0": 2.0, "node0/cpu1": 1.0})
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 8)).astype("float32")
+    y = rng.integers(0, 3, size=(96,)).astype("int32")
+    results = tf_multiworker.launch_local_workers(
+        worker_model, cluster, x, y, BATCH, steps=3, alternate_plans=[even, uneven], rounds=3,
+        drop_remainder=True, timeout_s=400,
+    )
+    for rank, result in enumerate(results):
+        phases = result["phases"]
+        # Rounds alternate their order: 0 1, 1 0, 0 1.
+        assert [p["plan"] for p in phases] == [0, 1, 1, 0, 0, 1]
+        # The share each fit ran with is the one of the plan its model took.
+        want = {0: [12, 12][rank], 1: [16, 8][rank]}
+        assert [p["share"] for p in phases] == [want[p["plan"]] for p in phases]
+        for p in phases:
+            assert len(p["step_times_s"]) == 3 and min(p["cpu_times_s"]) > 0

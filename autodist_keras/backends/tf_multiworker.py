@@ -326,6 +326,8 @@ def launch_local_workers(
     return_weights=False,
     drop_remainder=False,
     devices=None,
+    alternate_plans=None,
+    rounds=1,
 ):
     """Starts one worker process per device on this machine and trains.
 
@@ -352,10 +354,19 @@ def launch_local_workers(
         drop_remainder: Drop the last partial batch of each pass over the data.
         devices: Device names to use (one worker each); default all of the
             cluster's. With one device, one pinned process runs the plan.
+        alternate_plans: Optional list of data-parallel `Plan`s over the same
+            devices (replacing `plan` and `strategy`): each worker trains one
+            model per plan, `steps` steps each, alternating for `rounds`
+            rounds (every second one in reverse order), so the plans are
+            timed by the same processes seconds apart.
+        rounds: Rounds of `alternate_plans`.
 
     Returns:
         A list, by rank, of dicts: `step_times_s`, `loss` (per epoch),
         `device`, `affinity`, and `weights` (list of arrays) when asked.
+        With `alternate_plans`, each also has `phases`: one dict per fit in
+        the order run (`plan`: index into `alternate_plans`, `share`,
+        `step_times_s`, `cpu_times_s`).
 
     Raises:
         WorkerError: If a worker exits with an error or the run times out.
@@ -371,6 +382,14 @@ def launch_local_workers(
             np.savez(os.path.join(workdir, "initial.npz"),
                      **{f"w{i}": np.asarray(w) for i, w in enumerate(initial_weights)})
         plan_path = None
+        alternate = None
+        if alternate_plans:
+            paths = []
+            for i, p in enumerate(alternate_plans):
+                paths.append(os.path.join(workdir, f"plan{i}.json"))
+                p.to_json(paths[-1])
+            plan, strategy = alternate_plans[0], None
+            alternate = {"plans": paths, "rounds": int(rounds)}
         if plan is not None:
             plan_path = os.path.join(workdir, "plan.json")
             plan.to_json(plan_path)
@@ -394,6 +413,7 @@ def launch_local_workers(
             "return_weights": bool(return_weights),
             "drop_remainder": bool(drop_remainder),
             "devices": devices,
+            "alternate": alternate,
             "sys_path": [p for p in sys.path if p and os.path.isdir(p)],
         }
         job_path = os.path.join(workdir, "job.json")

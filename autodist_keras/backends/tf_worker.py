@@ -7,6 +7,13 @@ creates the `AutoStrategy` first (which pins it to its device's cores and
 starts the collectives, both of which must precede any TensorFlow op), then
 builds and trains the model, and writes `result<rank>.json` (step wall and
 CPU times, its batch share, losses) and, when asked, `weights<rank>.npz`.
+
+With `"alternate"` in the job (`{"plans": [plan paths], "rounds": R}`), the
+worker builds one model per plan and trains them in turn, `steps` steps
+each, for `R` rounds (every second round in reverse order), so that plans
+are timed by the same processes seconds apart; `result<rank>.json` then
+also holds `"phases"`, one entry per fit: the plan's index, this rank's
+share, and its step wall and CPU times.
 """
 
 import json
@@ -68,10 +75,14 @@ def main(argv=None):
     phases["model_s"] = time.perf_counter() - started - sum(phases.values())
     timer = StepTimes()
     losses = []
-    for _ in range(int(job.get("epochs", 1))):
-        history = fit_repeating(model, x, y, job["batch_size"], job["steps"], [timer],
-                                drop_remainder=job.get("drop_remainder", False))
-        losses.extend(float(v) for v in history.history.get("loss", []))
+    alternated = None
+    if job.get("alternate"):
+        alternated = _alternate_plans(strategy, model, model_fn, job, x, y, device.name)
+    else:
+        for _ in range(int(job.get("epochs", 1))):
+            history = fit_repeating(model, x, y, job["batch_size"], job["steps"], [timer],
+                                    drop_remainder=job.get("drop_remainder", False))
+            losses.extend(float(v) for v in history.history.get("loss", []))
     phases["fit_s"] = time.perf_counter() - started - sum(phases.values())
     out_dir = job["out_dir"]
     if job.get("return_weights"):
@@ -90,10 +101,51 @@ def main(argv=None):
         "runtime": adapter.runtime_info,
         "phases_s": phases,
     }
+    if alternated is not None:
+        result["phases"] = alternated
     tmp = os.path.join(out_dir, f".result{rank}.json")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(result, f)
     os.replace(tmp, os.path.join(out_dir, f"result{rank}.json"))
+
+
+def _alternate_plans(strategy, model, model_fn, job, x, y, device_name):
+    """Trains one model per plan of `job["alternate"]`, alternating (see the module docstring).
+
+    `model` (built under the job's first plan) serves the first plan. Returns
+    the list of fits, in the order they ran.
+    """
+    from autodist_keras.backends.tensorflow_adapter import StepTimes
+    from autodist_keras.backends.tensorflow_adapter import fit_repeating
+    from autodist_keras.strategies.plan import Plan
+
+    plans = [Plan.from_json(path) for path in job["alternate"]["plans"]]
+    models = [model]
+    for plan in plans[1:]:
+        with strategy.scope():
+            models.append(model_fn())
+    order = list(range(len(plans)))
+    fits = []
+    for r in range(int(job["alternate"]["rounds"])):
+        for i in (order if r % 2 == 0 else order[::-1]):
+            # A model takes its plan at its first step (`AutoStrategy.plan_for`,
+            # cached per model), so the fixed plan only matters for new models.
+            strategy._fixed_plan = plans[i]
+            timer = StepTimes()
+            fit_repeating(models[i], x, y, job["batch_size"], job["steps"], [timer],
+                          drop_remainder=job.get("drop_remainder", False))
+            # The plan this model's runtime took at its first step (cached per model).
+            ran = strategy.plan_for(models[i], job["batch_size"])
+            fits.append({"plan": i, "share": _share_in(ran, device_name),
+                         "step_times_s": timer.times_s, "cpu_times_s": timer.cpu_times_s})
+    return fits
+
+
+def _share_in(plan, device_name):
+    for replica in plan.replicas:
+        if replica.device == device_name:
+            return int(replica.batch_share)
+    return None
 
 
 def _share(strategy, device_name):
@@ -101,10 +153,7 @@ def _share(strategy, device_name):
     plan = strategy.plan
     if plan is None or not plan.is_data_parallel:
         return None
-    for replica in plan.replicas:
-        if replica.device == device_name:
-            return int(replica.batch_share)
-    return None
+    return _share_in(plan, device_name)
 
 
 if __name__ == "__main__":
