@@ -143,3 +143,53 @@ def test_alternating_plans_in_the_same_workers():
         assert [p["share"] for p in phases] == [want[p["plan"]] for p in phases]
         for p in phases:
             assert len(p["step_times_s"]) == 3 and min(p["cpu_times_s"]) > 0
+
+
+def bn_worker_model():
+    """An MLP with BatchNormalization (its moving statistics are synced each step)."""
+    inputs = keras.Input((8,), name="bn_input")
+    x = keras.layers.Dense(16, name="bn_dense0")(inputs)
+    x = keras.layers.BatchNormalization(momentum=0.5, name="bn_norm")(x)
+    x = keras.layers.Activation("relu", name="bn_relu")(x)
+    outputs = keras.layers.Dense(3, name="bn_logits")(x)
+    model = keras.Model(inputs, outputs, name="bn_mlp")
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_two_workers_match_one_process_with_batch_norm():
+    """The loss and the batch-norm statistics ride in the gradient all-reduce;
+    two workers must end where one process driving both replicas ends."""
+    from autodist_keras import AutoStrategy
+    from autodist_keras.backends import tf_multiworker
+    from autodist_keras.devices import Cluster
+    from autodist_keras.graph import ModelGraph
+    from autodist_keras.strategies import baselines
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(96, 8)).astype("float32")
+    y = rng.integers(0, 3, size=(96,)).astype("int32")
+    cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
+    keras.utils.set_random_seed(5)
+    initial = bn_worker_model().get_weights()
+    plan = baselines.proportional(ModelGraph.from_keras(bn_worker_model()), cluster, BATCH,
+                                  speeds={"node0/cpu0": 2.0, "node0/cpu1": 1.0})
+    strategy = AutoStrategy(cluster=cluster, plan=plan)
+    with strategy.scope():
+        local = bn_worker_model()
+    local.set_weights(initial)
+    history = local.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    results = tf_multiworker.launch_local_workers(
+        bn_worker_model, cluster, x, y, BATCH, steps=4, plan=plan, initial_weights=initial,
+        return_weights=True, timeout_s=400,
+    )
+    assert [r["share"] for r in results] == [16, 8]
+    moving = [i for i, w in enumerate(local.weights) if "moving" in w.path]
+    assert len(moving) == 2
+    for result in results:
+        np.testing.assert_allclose(result["loss"], history.history["loss"], rtol=1e-5)
+        for w, want, got in zip(local.weights, local.get_weights(), result["weights"]):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=w.path)
+    # The statistics moved: they are not the initial zeros and ones.
+    assert not np.allclose(local.get_weights()[moving[0]], initial[moving[0]])

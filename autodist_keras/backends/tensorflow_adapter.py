@@ -665,7 +665,9 @@ class _Runtime:
                 fusion.mark()  # op-fusion regions and their gradients become XLA clusters
 
             with tf.device(adapter.home):
+                loss, floats, ints = self._local_loss_and_state(weighted_losses, all_updates, total)
                 reduced = [None] * len(variables)
+                split = []  # (bucket, sparse indices, dense indices)
                 for bucket in layout:
                     present = [
                         i for i in bucket.indices
@@ -675,9 +677,17 @@ class _Runtime:
                         i for i in present
                         if isinstance(per_replica_grads[0][i], tf.IndexedSlices)
                     ]
+                    split.append((bucket, sparse, [i for i in present if i not in sparse]))
+                # With several workers the loss and the float state (batch-norm
+                # statistics) travel in the last float32 gradient bucket's
+                # all-reduce instead of one collective of their own.
+                carrier = None
+                if collective is not None:
+                    carrier = next((k for k in reversed(range(len(split))) if split[k][2]
+                                    and variables[split[k][2][0]].dtype == "float32"), None)
+                for k, (bucket, sparse, dense) in enumerate(split):
                     for i in sparse:
                         reduced[i] = self._gather_sparse([g[i] for g in per_replica_grads], shares)
-                    dense = [i for i in present if i not in sparse]
                     if not dense:
                         continue
                     dtype = variables[dense[0]].dtype
@@ -688,7 +698,12 @@ class _Runtime:
                             buffers.append(tf_reduce.fuse([grads[i] for i in dense], b_shapes, dtype))
                         devices.append(replica.device)
                         nodes.append(replica.node)
-                    if collective is not None:
+                    if k == carrier:
+                        extras = [loss] + [value for _, value in floats]
+                        summed, extras = tf_multiworker.all_reduce_sum_with(
+                            collective, buffers[0], extras)
+                        loss, floats = extras[0], [(v, x) for (v, _), x in zip(floats, extras[1:])]
+                    elif collective is not None:
                         summed = tf_multiworker.all_reduce_sum(collective, buffers[0])
                     else:
                         summed = tf_reduce.reduce_local(
@@ -701,7 +716,11 @@ class _Runtime:
                     with tf.device(server):
                         for i, g in zip(dense, tf_reduce.unfuse(summed, b_shapes)):
                             reduced[i] = g
-                global_loss = self._reduce_loss_and_state(weighted_losses, all_updates, total)
+                if carrier is None and collective is not None:
+                    loss, floats = self._all_reduce_loss_and_state(loss, floats)
+                for variable, value in floats + ints:
+                    variable.assign(value)
+                global_loss = loss
                 if model.optimizer is not None:
                     model.optimizer.apply_gradients(zip(reduced, variables))
                 y_pred_global = self._gather_predictions(y_preds, shares)
@@ -818,18 +837,21 @@ class _Runtime:
         metrics = getattr(model, "_compile_metrics", None)
         return metrics is not None and bool(getattr(metrics, "metrics", True))
 
-    def _reduce_loss_and_state(self, weighted_losses, all_updates, total):
-        """Sums the replicas' weighted losses and assigns non-trainable state once.
+    def _local_loss_and_state(self, weighted_losses, all_updates, total):
+        """This process's summed weighted loss and its new non-trainable state.
 
         Non-trainable state assigned during the forward pass (batch
         normalisation moving statistics) becomes the share-weighted mean of
         the replicas' new values, so the moving mean follows the global
         batch mean exactly; integer state (seed counters) takes the first
-        replica's value. With several workers, the loss and every float
-        state value travel in one fused all-reduce.
+        replica's value. With several workers the loss and the float values
+        are partial sums still to be all-reduced (the train step carries them
+        in a gradient bucket's all-reduce, else `_all_reduce_loss_and_state`)
+        before the caller assigns them.
 
         Returns:
-            The global (summed) weighted loss.
+            `(loss, floats, ints)`: the loss, and `(variable, value)` pairs
+            of float and of integer state.
         """
         import tensorflow as tf
 
@@ -851,17 +873,14 @@ class _Runtime:
                 floats.append((variable, tf.add_n(parts) if len(parts) > 1 else parts[0]))
             else:
                 ints.append((variable, entries[0][1]))
-        loss = self._sum_scalar(weighted_losses)
-        if self.adapter.collective is not None:
-            summed = tf_multiworker.all_reduce_sum_many(
-                self.adapter.collective, [loss] + [v for _, v in floats]
-            )
-            loss = summed[0]
-            floats = [(var, value) for (var, _), value in zip(floats, summed[1:])]
-        for variable, value in floats + ints:
-            variable.assign(value)
-        return loss
+        return self._sum_scalar(weighted_losses), floats, ints
 
+    def _all_reduce_loss_and_state(self, loss, floats):
+        """Sums the loss and float state over the workers in one fused all-reduce."""
+        summed = tf_multiworker.all_reduce_sum_many(
+            self.adapter.collective, [loss] + [v for _, v in floats]
+        )
+        return summed[0], [(var, value) for (var, _), value in zip(floats, summed[1:])]
 
 # ------------------------------------------------------------------ helpers
 def _standardise(data):

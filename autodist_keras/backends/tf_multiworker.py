@@ -203,6 +203,27 @@ def all_reduce_sum_many(strategy, tensors):
     ]
 
 
+def all_reduce_sum_with(strategy, buffer, extras):
+    """Sums a flat float32 `buffer` and some small tensors in one all-reduce.
+
+    Args:
+        strategy: The collective strategy.
+        buffer: A 1-D float32 tensor (a fused gradient bucket).
+        extras: Tensors of any float dtype and shape (the loss, state values).
+
+    Returns:
+        `(summed_buffer, summed_extras)`, the extras in their own dtypes and shapes.
+    """
+    import tensorflow as tf
+
+    parts = [tf.reshape(tf.cast(t, "float32"), [-1]) for t in extras]
+    total = all_reduce_sum(strategy, tf.concat([buffer] + parts, axis=0))
+    sizes = [int(_num_elements(t.shape)) for t in extras]
+    pieces = tf.split(total, [int(buffer.shape[0])] + sizes)
+    return pieces[0], [tf.cast(tf.reshape(p, t.shape), t.dtype)
+                       for t, p in zip(extras, pieces[1:])]
+
+
 def _num_elements(shape):
     n = 1
     for d in shape:
