@@ -387,7 +387,8 @@ def launch_local_workers(
         `device`, `affinity`, and `weights` (list of arrays) when asked.
         With `alternate_plans`, each also has `phases`: one dict per fit in
         the order run (`plan`: index into `alternate_plans`, `share`,
-        `step_times_s`, `cpu_times_s`).
+        `step_times_s`, `cpu_times_s`), and the top-level `step_times_s` and
+        `loss` are empty.
 
     Raises:
         WorkerError: If a worker exits with an error or the run times out.
