@@ -314,7 +314,10 @@ class Record:
         measured_s: Median measured step time in seconds (over every pass).
         passes: One dict per measurement pass: `step_times_s` (after
             warm-up), `median_s`, `load_average` (1-minute, before and
-            after), `started` (ISO time), `wall_s`, `runtime` (how it ran).
+            after), `started` (ISO time), `wall_s`, `runtime` (how it ran),
+            and `machine_probe_s` (`machine_speed.probe` on every core of
+            the cluster right before the pass, for CPU devices of this
+            machine).
         steps: Timed steps per pass.
         warmup: Untimed steps before them.
         mode: `"adapter"` (fresh process, runtime adapters) or
@@ -340,6 +343,15 @@ class Record:
     @property
     def name(self):
         return self.case.name
+
+    @property
+    def machine_probe_s(self):
+        """Median machine-speed probe over the passes (`machine_speed.probe`), or
+        None when a pass did not record one (measurements before 3 December 2026)."""
+        probes = [p.get("machine_probe_s") for p in self.passes]
+        if not probes or any(v is None for v in probes):
+            return None
+        return float(statistics.median(probes))
 
     @property
     def spread(self):
@@ -727,6 +739,7 @@ def _run_job(job, in_process):
     del probe
 
     load_before = load_average()
+    speed = _probe_for(cluster)
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     t0 = time.perf_counter()
     if in_process:
@@ -750,6 +763,9 @@ def _run_job(job, in_process):
         "wall_s": round(wall, 3),
         "runtime": runtime,
     }]
+    if speed is not None:
+        # How fast this machine was right before the pass (machine_speed.probe).
+        passes[0]["machine_probe_s"] = speed.seconds
     record = Record(
         case=case, backend=backend, graph=graph, cluster=cluster, plan=plan,
         predicted_analytic_s=float(predicted), measured_s=_median_of_passes(passes),
@@ -757,6 +773,15 @@ def _run_job(job, in_process):
         mode="inprocess" if in_process else "adapter",
     )
     return record.to_dict()
+
+
+def _probe_for(cluster):
+    """The machine-speed probe on every core of the cluster (the same cores for
+    every plan, so records compare), or None off this machine's CPUs."""
+    from autodist_keras.estimator import machine_speed
+
+    cores = machine_speed.cluster_cores(cluster)
+    return machine_speed.probe(cores) if cores else None
 
 
 def _configure_tensorflow_devices(cluster):
