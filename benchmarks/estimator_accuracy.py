@@ -223,6 +223,12 @@ def evaluate_backend(records, samples, variants):
     started = time.perf_counter()
     results["auto"] = learned.evaluate_examples(examples, "auto")
     timings["auto"] = time.perf_counter() - started
+    if any(e.probe_s for e in examples) and DEFAULT_VARIANT in variants:
+        # The same variant ignoring the machine-speed probes: what they are worth.
+        key = f"{DEFAULT_VARIANT} without machine-speed probe"
+        started = time.perf_counter()
+        results[key] = learned.evaluate_examples(examples, DEFAULT_VARIANT, machine_speed=False)
+        timings[key] = time.perf_counter() - started
     by_plan = {v: learned.evaluate_examples(examples, v, by="plan") for v in variants}
     learned_cost = learned_cost_predictions(records, samples) if samples else {}
     return examples, results, by_plan, learned_cost, timings
@@ -346,6 +352,15 @@ def run(args):
             print(f"    pass-to-pass spread of the measured medians: median "
                   f"{statistics.median(spreads) * 100:.1f}%, max {max(spreads) * 100:.1f}% "
                   f"({len(spreads)} cases with several passes): the noise floor of any MAPE")
+        probes = [r.machine_probe_s for r in records if r.machine_probe_s]
+        if probes:
+            print(f"    machine-speed probe (estimator/machine_speed.py) per record: median "
+                  f"{statistics.median(probes) * 1e3:.3f} ms, range {min(probes) * 1e3:.3f}-"
+                  f"{max(probes) * 1e3:.3f} ms ({len(probes)} of {len(records)} records); "
+                  "the learned estimator learns from times brought to the median speed")
+        else:
+            print("    machine-speed probe: not recorded (measurements older than 3 December "
+                  "2026); no speed normalisation")
         if samples:
             print(f"    learned cost model: {len(samples)} profiled layer samples "
                   f"({sprov.get('written')}), trained leave-one-model-out")
@@ -398,6 +413,8 @@ def run(args):
         "analytic": _short(analytic),
         "learned_cost": _short(final["learned_cost"]) if "learned_cost" in final else None,
         "variants": {v: _short(final[v]) for v in variants if v in final},
+        "without_machine_speed_probe": {k: _short(m) for k, m in final.items()
+                                        if k.endswith("machine-speed probe")},
         "backends": {b: {k: v for k, v in e.items() if k != "cases_table"}
                      for b, e in summary["backends"].items()},
         "source": summary["source"],
@@ -475,7 +492,7 @@ def _print_metrics(examples, results, lc, variants, timings):
         table["learned cost model (simulator)"] = learned.metrics(
             [names[i] for i in keep], [lc[examples[i].name] for i in keep],
             [measured[i] for i in keep])
-    for v in variants + ["auto"]:
+    for v in variants + ["auto"] + [k for k in results if k.endswith("machine-speed probe")]:
         table[f"learned estimator: {v}"] = results[v]["learned"]
     print(f"{'predictor (held out)':<38}{'MAPE %':>9}{'median APE %':>14}"
           f"{'tau/model':>11}{'tau pooled':>12}{'cases':>7}{'eval s':>8}")

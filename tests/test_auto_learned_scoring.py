@@ -12,6 +12,7 @@ from autodist_keras import AutoStrategy
 from autodist_keras import Cluster
 from autodist_keras.errors import StrategyError
 from autodist_keras.estimator import learned
+from autodist_keras.estimator import machine_speed
 from autodist_keras.graph import ModelGraph
 from autodist_keras.graph import zoo
 from autodist_keras.strategies import baselines
@@ -52,15 +53,46 @@ def test_packaged_estimators_are_json_package_data():
         assert '"estimator/data/*.json"' in f.read()
 
 
+def test_learned_times_scale_with_the_machine_speed_probe(testbed, wide, tmp_path):
+    # The same estimator, as if its training measurements had run on a machine
+    # three times faster than this one is now (its reference probe a third).
+    slow_machine = learned.load_default("torch")
+    scorer = selection.resolve_scorer(slow_machine, backend="torch").prepare(
+        testbed, testbed.names)
+    slow_machine.machine_probe_s["torch"] = scorer.machine_probe_s / 3.0
+    path = tmp_path / "measured_on_a_fast_day.json"
+    slow_machine.save(path)
+    reference = selection.resolve_scorer(learned.default_path("torch"), backend="torch")
+    drifted = selection.resolve_scorer(str(path), backend="torch")
+    plain = {c.name: c for c in selection.build_candidates(wide, testbed, 96, families=[],
+                                                           scorer=reference)}
+    scaled = {c.name: c for c in selection.build_candidates(wide, testbed, 96, families=[],
+                                                            scorer=drifted)}
+    # About 3x (each search probes anew; the probe's noise stays within its band).
+    assert 3.0 * (1 - machine_speed.NOISE_BAND) < drifted.speed_factor < 3.0 * (
+        1 + machine_speed.NOISE_BAND)
+    for name in BASES:
+        assert scaled[name].step_time_s == pytest.approx(
+            plain[name].step_time_s * drifted.speed_factor / reference.speed_factor, rel=1e-9)
+    assert f"scaled x{drifted.speed_factor:.2f}" in drifted.summary(list(scaled.values()))
+
+
 def test_in_domain_candidates_get_learned_times(testbed, wide, torch_estimator):
     scorer = selection.resolve_scorer("learned", backend="torch")
     candidates = selection.build_candidates(wide, testbed, 96, families=[], scorer=scorer)
     by_name = {c.name: c for c in candidates}
+    # The packaged estimator knows how fast this machine ran when it was measured;
+    # the search probed the testbed's cores once and scales by the ratio.
+    assert torch_estimator.machine_probe_s["torch"] > 0
+    assert scorer.machine_probe_s > 0
+    assert scorer.speed_factor == torch_estimator.speed_factor("torch", scorer.machine_probe_s)
+    assert "machine-speed probe" in scorer.summary(candidates)
     for name in BASES:
         c = by_name[name]
         assert c.scorer == "learned estimator (ensemble, torch); predicted"
         assert c.plan.prediction.source == c.scorer
-        expected = torch_estimator.predict(wide, testbed, c.plan, backend="torch")
+        expected = torch_estimator.predict(wide, testbed, c.plan, backend="torch",
+                                           machine_probe_s=scorer.machine_probe_s)
         assert c.step_time_s == pytest.approx(expected, rel=1e-9)
         assert c.plan.prediction.simulated_step_time_s == c.simulated_step_time_s
         assert c.step_time_s != pytest.approx(c.simulated_step_time_s, rel=1e-3)

@@ -5,6 +5,7 @@ steps on this machine (in this process, pinned to a CPU testbed device, and
 once through the runtime adapter in a fresh process). Nothing is mocked.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -17,6 +18,7 @@ import scipy.stats
 from autodist_keras.devices import Cluster
 from autodist_keras.errors import EstimatorError
 from autodist_keras.estimator import learned
+from autodist_keras.estimator import machine_speed
 from autodist_keras.estimator.learned import LearnedEstimator
 from autodist_keras.estimator.measurements import Case
 from autodist_keras.estimator.measurements import load_measurements
@@ -107,7 +109,8 @@ def _lomo_by_hand(records, variant):
         est = LearnedEstimator(variant).fit([r for r in records if r.model != held])
         for r in records:
             if r.model == held:
-                out[r.name] = est.predict(r.graph, r.cluster, r.plan, backend=r.backend)
+                out[r.name] = est.predict(r.graph, r.cluster, r.plan, backend=r.backend,
+                                          machine_probe_s=r.machine_probe_s)
     return out
 
 
@@ -118,7 +121,9 @@ def test_fit_predict_save_load_round_trip(records, variant, tmp_path):
     hp = {"epochs": 150, "seeds": 1} if variant == "gnn" else None
     est = LearnedEstimator(variant, hyperparameters=hp).fit(records)
     assert est.trained and est.variant == variant and est.backends == [BACKEND]
-    predicted = [est.predict(r.graph, r.cluster, r.plan, backend=r.backend) for r in records]
+    # Each record's prediction at the machine speed it was measured at.
+    predicted = [est.predict(r.graph, r.cluster, r.plan, backend=r.backend,
+                             machine_probe_s=r.machine_probe_s) for r in records]
     assert all(p > 0 for p in predicted)
     assert np.allclose(predicted, est.predict_records(records), rtol=1e-12)
 
@@ -129,7 +134,9 @@ def test_fit_predict_save_load_round_trip(records, variant, tmp_path):
     assert data["schema"] == learned.SCHEMA and data["variant"] == variant
     assert "pickle" not in text and "\\x80" not in text
     again = LearnedEstimator.load(path)
-    reloaded = [again.predict(r.graph, r.cluster, r.plan, backend=r.backend) for r in records]
+    assert again.machine_probe_s == est.machine_probe_s and est.machine_probe_s[BACKEND] > 0
+    reloaded = [again.predict(r.graph, r.cluster, r.plan, backend=r.backend,
+                              machine_probe_s=r.machine_probe_s) for r in records]
     assert np.allclose(predicted, reloaded, rtol=1e-12, atol=0)
 
     # In-sample, every learned variant is far closer to the measurements than the
@@ -137,6 +144,49 @@ def test_fit_predict_save_load_round_trip(records, variant, tmp_path):
     measured = [r.measured_s for r in records]
     analytic = [r.predicted_analytic_s for r in records]
     assert learned.mape(predicted, measured) < learned.mape(analytic, measured)
+
+
+def _at_speed(record, probe_s, factor=1.0):
+    """The record as if measured on a machine `factor` times slower, whose probe read `probe_s`."""
+    passes = [dict(p, machine_probe_s=probe_s, step_times_s=[t * factor for t in p["step_times_s"]],
+                   median_s=p["median_s"] * factor) for p in record.passes]
+    return dataclasses.replace(record, passes=passes, measured_s=record.measured_s * factor)
+
+
+@pytest.mark.parametrize("variant", ["constant", "additive"])
+def test_machine_speed_probe_normalises_training_and_scales_predictions(records, variant):
+    # Every measurement recorded the probe on the testbed's cores right before it ran.
+    assert all(r.machine_probe_s and r.machine_probe_s > 0 for r in records)
+    steady = [_at_speed(r, 1e-3) for r in records]
+    # The same measurements, half of them taken while the machine ran 2x slower (and
+    # the probe said so).
+    drifted = [_at_speed(r, 2e-3, 2.0) if i % 2 else _at_speed(r, 1e-3)
+               for i, r in enumerate(records)]
+    base = LearnedEstimator(variant).fit(steady)
+    normalised = LearnedEstimator(variant).fit(drifted)
+    naive = LearnedEstimator(variant, machine_speed=False).fit(drifted)
+    assert base.machine_probe_s == {BACKEND: pytest.approx(1e-3)}
+    assert normalised.machine_probe_s == {BACKEND: pytest.approx(1.5e-3)}
+    assert naive.machine_probe_s == {}
+    r = records[0]
+    at = {name: est.predict(r.graph, r.cluster, r.plan, backend=BACKEND, machine_probe_s=1e-3)
+          for name, est in (("base", base), ("normalised", normalised), ("naive", naive))}
+    # Learning from speed-normalised times recovers the steady estimator; without
+    # the probe the drift leaks into the fit.
+    assert at["normalised"] == pytest.approx(at["base"], rel=1e-6)
+    assert at["naive"] != pytest.approx(at["base"], rel=0.05)
+    # A machine running 1.7x slower now than the reference gets 1.7x the time.
+    slow = normalised.predict(r.graph, r.cluster, r.plan, backend=BACKEND,
+                              machine_probe_s=1.7 * 1.5e-3)
+    same = normalised.predict(r.graph, r.cluster, r.plan, backend=BACKEND)
+    assert normalised.speed_factor(BACKEND, 1.7 * 1.5e-3) == pytest.approx(1.7)
+    assert slow == pytest.approx(1.7 * same, rel=1e-9)
+    # Within the probe's own noise, no scaling.
+    near = (1 + 0.9 * machine_speed.NOISE_BAND) * 1.5e-3
+    assert normalised.speed_factor(BACKEND, near) == 1.0
+    assert normalised.predict(r.graph, r.cluster, r.plan, backend=BACKEND,
+                              machine_probe_s=near) == same
+    assert normalised.speed_factor("tensorflow" if BACKEND == "torch" else "torch", 1.0) == 1.0
 
 
 def test_additive_terms_and_weights_reproduce_the_prediction(records):
@@ -299,7 +349,8 @@ def test_saved_estimators_predict_with_numpy_only(records, tmp_path):
         "out = {}\n"
         f"for v in {variants!r}:\n"
         f"    est = LearnedEstimator.load({str(tmp_path)!r} + '/' + v + '.json')\n"
-        "    out[v] = [est.predict(r.graph, r.cluster, r.plan, backend=r.backend) for r in recs]\n"
+        "    out[v] = [est.predict(r.graph, r.cluster, r.plan, backend=r.backend,\n"
+        "                          machine_probe_s=r.machine_probe_s) for r in recs]\n"
         "out['modules'] = [m for m in ('keras', 'tensorflow', 'torch', 'sklearn') if m in sys.modules]\n"
         "print(json.dumps(out))\n"
     )

@@ -7,10 +7,14 @@ overheads, thread contention and runtime costs it does not model.
 (`measurements.Record`):
 
 ```
-predicted = simulated x exp(f(graph, cluster, plan, backend))
+predicted = simulated x exp(f(graph, cluster, plan, backend)) x probe_now / probe_ref
 ```
 
-`f` predicts `log(measured / simulated)`. Six variants:
+`f` predicts `log(measured / simulated)`, with each measurement brought to
+the machine speed of the training data's median probe (`probe_ref`, see
+`estimator/machine_speed.py`) when the measurements recorded probes; the
+last factor applies only when the caller passes the probe now. Both
+scalings apply only outside the probe's own noise (`machine_speed.NOISE_BAND`). Six variants:
 
 - `"constant"`: one median log ratio per backend (a calibrated simulator;
   the floor every other variant must beat).
@@ -383,7 +387,7 @@ class _Example:
     """One training or query case: features, node arrays and (maybe) the target."""
 
     def __init__(self, graph, cluster, plan, backend, model, name, measured_s=None,
-                 sim=None, plan_kind=None):
+                 sim=None, plan_kind=None, probe_s=None):
         from autodist_keras.estimator.simulator import simulate
 
         if backend not in BACKENDS:
@@ -404,10 +408,32 @@ class _Example:
         self.name = name
         self.measured_s = measured_s
         self.domain = plan_domain(graph, cluster, plan)
+        # The machine-speed probe of the measurement (machine_speed.probe), and
+        # its ratio to the training data's reference (set by `_set_speeds`).
+        self.probe_s = probe_s
+        self.speed = 1.0
 
     @property
     def target(self):
-        return _log(self.measured_s) - _log(self.sim_s)
+        """`log(measured / simulated)`, with the measurement brought to the
+        reference machine speed (`speed` is 1 without probes)."""
+        return _log(self.measured_s) - _log(self.sim_s) - _log(self.speed)
+
+
+def speed_references(examples):
+    """Median machine-speed probe per backend, for backends whose every example has one."""
+    by_backend = {}
+    for e in examples:
+        by_backend.setdefault(e.backend, []).append(e.probe_s)
+    return {b: float(statistics.median(v)) for b, v in by_backend.items()
+            if all(p is not None and p > 0 for p in v)}
+
+
+def _set_speeds(examples, references):
+    from autodist_keras.estimator.machine_speed import speed_ratio
+
+    for e in examples:
+        e.speed = speed_ratio(e.probe_s, references.get(e.backend))
 
 
 def examples_from_records(records):
@@ -431,6 +457,7 @@ def examples_from_records(records):
         examples.append(_Example(
             record.graph, record.cluster, record.plan, record.backend, record.model,
             record.name, measured_s=record.measured_s, plan_kind=record.case.plan,
+            probe_s=getattr(record, "machine_probe_s", None),
         ))
     return examples
 
@@ -576,7 +603,8 @@ def _fit_additive(examples, hp):
     for backend in sorted({e.backend for e in examples}):
         chosen = [e for e in examples if e.backend == backend]
         x = _terms_matrix(chosen)
-        y = np.asarray([e.measured_s for e in chosen])
+        # Measurements brought to the reference machine speed.
+        y = np.asarray([e.measured_s / e.speed for e in chosen])
         scale = np.abs(x).max(axis=0)
         scale[scale == 0] = 1.0
         # Relative error: each row divided by its measurement.
@@ -945,6 +973,10 @@ class LearnedEstimator:
             `{"gnn": {"epochs": 200}}`).
         candidates: The variants `"auto"` compares (default: all of
             `VARIANTS`, `"gnn"` only where PyTorch is installed).
+        machine_speed: When every training measurement of a backend recorded
+            the machine-speed probe (`estimator/machine_speed.py`), learn
+            from step times brought to the median probe's speed, and scale
+            predictions by `speed_factor` (default True).
 
     Attributes:
         report: What `fit` found: the chosen variant, the held-out metrics
@@ -959,7 +991,8 @@ class LearnedEstimator:
     ```
     """
 
-    def __init__(self, variant="auto", hyperparameters=None, candidates=None):
+    def __init__(self, variant="auto", hyperparameters=None, candidates=None,
+                 machine_speed=True):
         _check_variant(variant)
         if candidates is not None:
             candidates = list(candidates)
@@ -975,6 +1008,10 @@ class LearnedEstimator:
         self.clip = None
         self.backends = []
         self.domain = None
+        self.machine_speed = bool(machine_speed)
+        # Reference machine-speed probe per backend (median over the training
+        # measurements); empty when they recorded none.
+        self.machine_probe_s = {}
 
     @property
     def trained(self):
@@ -1012,7 +1049,8 @@ class LearnedEstimator:
                                              if v != "gnn" or _torch_available()]
             if variant != "auto":
                 candidates = [variant]
-            results = {v: evaluate_examples(examples, v, self._hp(v), folds=AUTO_FOLDS)
+            results = {v: evaluate_examples(examples, v, self._hp(v), folds=AUTO_FOLDS,
+                                            machine_speed=self.machine_speed)
                        for v in candidates}
             report["held_out_by_variant"] = {v: r["learned"] for v, r in results.items()}
             report["held_out_analytic"] = next(iter(results.values()))["analytic"]
@@ -1041,6 +1079,8 @@ class LearnedEstimator:
 
         _check_variant(self.variant, allow_auto=False)
         hp = self._hp(self.variant)
+        self.machine_probe_s = speed_references(examples) if self.machine_speed else {}
+        _set_speeds(examples, self.machine_probe_s)
         self.params = _FIT[self.variant](examples, hp)
         self.hyperparameters = hp
         targets = np.asarray([e.target for e in examples])
@@ -1071,7 +1111,16 @@ class LearnedEstimator:
         raw = _PREDICT[self.variant](self.params, examples)
         return np.clip(np.asarray(raw, dtype=float), self.clip[0], self.clip[1])
 
-    def predict(self, graph, cluster, plan, backend=None, sim=None):
+    def speed_factor(self, backend, machine_probe_s):
+        """`machine_probe_s / reference probe` of `backend`: how much slower this
+        machine runs now than during the training measurements (1.0 when either
+        is unknown or the ratio is within the probe's noise,
+        `machine_speed.speed_ratio`)."""
+        from autodist_keras.estimator.machine_speed import speed_ratio
+
+        return speed_ratio(machine_probe_s, self.machine_probe_s.get(backend))
+
+    def predict(self, graph, cluster, plan, backend=None, sim=None, machine_probe_s=None):
         """Predicted step time of `plan` in seconds (simulated, then corrected).
 
         Args:
@@ -1082,21 +1131,27 @@ class LearnedEstimator:
                 backend (or `$KERAS_BACKEND`).
             sim: The plan's `SimResult` from the analytic simulator, if
                 already computed.
+            machine_probe_s: `machine_speed.probe(cores).seconds` now, on
+                the cluster's cores (as the training measurements probed
+                them), for CPU devices of this machine: the prediction is
+                scaled by `speed_factor`. None: no scaling.
 
         Returns:
             Seconds (a prediction).
         """
         from autodist_keras.estimator.measurements import _resolve_backend
 
-        example = _Example(graph, cluster, plan, _resolve_backend(backend), model="?",
-                           name="query", sim=sim)
-        return float(example.sim_s * math.exp(self._log_ratios([example])[0]))
+        backend = _resolve_backend(backend)
+        example = _Example(graph, cluster, plan, backend, model="?", name="query", sim=sim)
+        return float(example.sim_s * math.exp(self._log_ratios([example])[0])
+                     * self.speed_factor(backend, machine_probe_s))
 
     def predict_records(self, records):
         """Predicted step times (seconds) for measurement records' plans."""
         examples = records if _all_examples(records) else examples_from_records(records)
         ratios = self._log_ratios(examples)
-        return [float(e.sim_s * math.exp(r)) for e, r in zip(examples, ratios)]
+        return [float(e.sim_s * math.exp(r) * self.speed_factor(e.backend, e.probe_s))
+                for e, r in zip(examples, ratios)]
 
     # -------------------------------------------------------------- domain
     def cluster_in_domain(self, cluster, devices=None, backend=None):
@@ -1206,6 +1261,7 @@ class LearnedEstimator:
             "report": _jsonable(self.report),
             "base": "simulator with AnalyticCostModel (default constants)",
             "domain": self.domain,
+            "machine_probe_s": dict(self.machine_probe_s),
         }
 
     def save(self, path):
@@ -1241,6 +1297,8 @@ class LearnedEstimator:
             estimator.backends = list(data["backends"])
             estimator.report = dict(data.get("report") or {})
             estimator.domain = data.get("domain")
+            estimator.machine_probe_s = {
+                str(b): float(v) for b, v in (data.get("machine_probe_s") or {}).items()}
             if estimator.domain is not None:
                 estimator.domain = dict(estimator.domain)
                 estimator.domain["calibration"] = {
@@ -1280,7 +1338,8 @@ def _jsonable(value):
 
 
 # --------------------------------------------------------------- held out
-def evaluate_examples(examples, variant, hyperparameters=None, folds=None, by="model"):
+def evaluate_examples(examples, variant, hyperparameters=None, folds=None, by="model",
+                      machine_speed=True):
     """Held-out predictions and metrics of one variant (see `evaluate`)."""
     _check_variant(variant)
     if by not in ("model", "plan"):
@@ -1308,7 +1367,7 @@ def evaluate_examples(examples, variant, hyperparameters=None, folds=None, by="m
         train = [e for e in examples if key(e) not in group]
         test_idx = [i for i, e in enumerate(examples) if key(e) in group]
         train_backends = {e.backend for e in train}
-        estimator = LearnedEstimator(variant, hyperparameters)
+        estimator = LearnedEstimator(variant, hyperparameters, machine_speed=machine_speed)
         if variant == "auto":
             estimator.fit(train)
             chosen.append({"held_out": held, "variant": estimator.variant})
@@ -1338,7 +1397,8 @@ def evaluate_examples(examples, variant, hyperparameters=None, folds=None, by="m
     }
 
 
-def evaluate(records, variant="ridge", hyperparameters=None, folds=None, by="model"):
+def evaluate(records, variant="ridge", hyperparameters=None, folds=None, by="model",
+             machine_speed=True):
     """Leave-one-model-out (or leave-one-plan-kind-out) evaluation on measurement records.
 
     For every model, a fresh estimator is fitted on the other models' records
@@ -1358,6 +1418,8 @@ def evaluate(records, variant="ridge", hyperparameters=None, folds=None, by="mod
             folds (dealt round-robin in name order); None holds out one at
             a time.
         by: `"model"` (default) or `"plan"`.
+        machine_speed: Use the measurements' machine-speed probes (see
+            `LearnedEstimator`).
 
     Returns:
         A dict: `variant`, `held_out_by`, `cases` (per case: measured,
@@ -1367,7 +1429,7 @@ def evaluate(records, variant="ridge", hyperparameters=None, folds=None, by="mod
         `cases`).
     """
     return evaluate_examples(examples_from_records(records), variant, hyperparameters, folds,
-                             by)
+                             by, machine_speed)
 
 
 # --------------------------------------------------- packaged estimators

@@ -157,14 +157,33 @@ class Scorer:
         self.why = why
         self.active = False
         self.active_why = why
+        self.machine_probe_s = None
+        self.speed_factor = 1.0
 
     def prepare(self, cluster, devices):
-        """Decides, for one search, whether the learned estimator can score it."""
+        """Decides, for one search, whether the learned estimator can score it.
+
+        When it can and the cluster's devices are CPU cores of this machine,
+        the machine-speed probe runs once on those cores (all of them, as
+        when the training measurements were made), and every learned
+        prediction of the search is scaled by how much slower (or faster)
+        the machine runs now than during the estimator's training
+        measurements (`LearnedEstimator.speed_factor`).
+        """
         self.active, self.active_why = False, self.why
+        self.machine_probe_s, self.speed_factor = None, 1.0
         if self.estimator is not None:
             self.active, why = self.estimator.cluster_in_domain(cluster, devices, self.backend)
             if not self.active:
                 self.active_why = why
+            elif self.estimator.machine_probe_s.get(self.backend):
+                from autodist_keras.estimator import machine_speed
+
+                cores = machine_speed.cluster_cores(cluster)
+                if cores:
+                    self.machine_probe_s = machine_speed.probe(cores).seconds
+                    self.speed_factor = self.estimator.speed_factor(self.backend,
+                                                                    self.machine_probe_s)
         return self
 
     def score(self, graph, cluster, plan, sim):
@@ -177,12 +196,12 @@ class Scorer:
         if inside:
             try:
                 seconds = self.estimator.predict(graph, cluster, plan, backend=self.backend,
-                                                 sim=sim)
+                                                 sim=sim, machine_probe_s=self.machine_probe_s)
                 return seconds, f"{self.estimator.describe(self.backend)}; predicted", ""
             except EstimatorError as e:
                 why = f"the learned estimator failed: {e}"
         # Provisional: `finish` rescales it by an in-domain candidate of the same search.
-        factor = self.estimator.calibration(self.backend)
+        factor = self.estimator.calibration(self.backend) * self.speed_factor
         return (sim.step_time_s * factor,
                 f"simulator x {factor:.2f} calibration of the learned estimator; predicted", why)
 
@@ -227,6 +246,15 @@ class Scorer:
                  if c.scorer and not c.scorer.startswith("learned")]
         line = (f"scored by the {self.estimator.describe(self.backend)} for "
                 f"{len(learned)} candidate(s) in its training domain")
+        if self.machine_probe_s is not None:
+            ratio = self.machine_probe_s / self.estimator.machine_probe_s[self.backend]
+            if self.speed_factor != 1.0:
+                line += (f", scaled x{self.speed_factor:.2f} because this machine runs "
+                         f"{ratio:.2f}x as slow now as during its training measurements "
+                         "(machine-speed probe)")
+            else:
+                line += (f", not rescaled: the machine-speed probe reads {ratio:.2f}x its "
+                         "training measurements' time, within the probe's noise")
         if other:
             line += (f"; by the simulator, rescaled by the learned / simulated ratio of an "
                      f"in-domain candidate, for {', '.join(other)} (outside its domain)")
