@@ -287,6 +287,23 @@ def test_class_weight_matches_single_device():
     np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
 
 
+@pytest.mark.parametrize("plan", ["even", "ps"])
+def test_learning_rate_schedule_reaches_every_worker(plan):
+    # The rate changes every epoch on rank 0 (a callback); the other ranks apply
+    # it too (with "ps" the server on rank 1 runs the optimizer), so the weights
+    # match one device trained with the same schedule.
+    def fit_kwargs():
+        return {"epochs": 3, "callbacks": [
+            keras.callbacks.LearningRateScheduler(lambda epoch: 0.05 * 0.2 ** epoch)]}
+
+    strategy = _strategy(plan, 2)
+    model, history = _distributed("mlp", "sgd", strategy, fit_kwargs=fit_kwargs())
+    reference, ref_history = _reference("mlp", "sgd", fit_kwargs=fit_kwargs())
+    assert history.history["learning_rate"] == pytest.approx([0.05, 0.01, 0.002])
+    _assert_same_weights(model, reference)
+    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
+
+
 class _StopAtEpoch(keras.callbacks.Callback):
     def __init__(self, epoch):
         super().__init__()

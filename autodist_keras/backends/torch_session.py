@@ -760,6 +760,7 @@ def serve(comm, reporter, model=None, on_model=None):
     header = None
     slots = None  # shared-memory batch slots (spawned workers), from a header
     rows = {}  # global batch size -> (first row, number of rows) of this rank
+    learning_rate = None  # the last value rank 0 sent (only rank 0's commands change it here)
     profile = trainer.profile
     try:
         while True:
@@ -781,7 +782,9 @@ def serve(comm, reporter, model=None, on_model=None):
                 described = header.get("shm")
                 if described and (slots is None or slots.path != described["path"]):
                     slots = SharedSlots.open(described)
-            _set_learning_rate(model, lr)
+            if lr != learning_rate:  # reading the variable back costs ~0.1 ms a step
+                _set_learning_rate(model, lr)
+                learning_rate = lr
             if n not in rows:
                 shares = plan.shares_for(n)
                 rows[n] = (sum(shares[:rank]), shares[rank])
