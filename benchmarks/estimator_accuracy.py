@@ -307,6 +307,7 @@ def write_defaults(args):
 
 def run(args):
     from autodist_keras.estimator import learned
+    from autodist_keras.estimator import machine_speed
     from autodist_keras.estimator.measurements import load_measurements
 
     backends = ["tensorflow", "torch"] if args.backend == "both" else [args.backend]
@@ -357,7 +358,8 @@ def run(args):
             print(f"    machine-speed probe (estimator/machine_speed.py) per record: median "
                   f"{statistics.median(probes) * 1e3:.3f} ms, range {min(probes) * 1e3:.3f}-"
                   f"{max(probes) * 1e3:.3f} ms ({len(probes)} of {len(records)} records); "
-                  "the learned estimator learns from times brought to the median speed")
+                  "records whose probe lies outside the probe's noise band "
+                  f"(+/-{machine_speed.NOISE_BAND:.0%} of the median) are brought to the median speed")
         else:
             print("    machine-speed probe: not recorded (measurements older than 3 December "
                   "2026); no speed normalisation")
