@@ -55,22 +55,20 @@ def test_packaged_estimators_are_json_package_data():
 
 def test_learned_times_scale_with_the_machine_speed_probe(testbed, wide, tmp_path):
     # The same estimator, as if its training measurements had run on a machine
-    # three times faster than this one is now (its reference probe a third).
-    slow_machine = learned.load_default("torch")
-    scorer = selection.resolve_scorer(slow_machine, backend="torch").prepare(
-        testbed, testbed.names)
-    slow_machine.machine_probe_s["torch"] = scorer.machine_probe_s / 3.0
+    # far faster than this one (its reference probe 0.25 ms; this VM's reads
+    # about 1.1 ms idle, more under load).
+    fast_day = learned.load_default("torch")
+    fast_day.machine_probe_s["torch"] = 0.25e-3
     path = tmp_path / "measured_on_a_fast_day.json"
-    slow_machine.save(path)
+    fast_day.save(path)
     reference = selection.resolve_scorer(learned.default_path("torch"), backend="torch")
     drifted = selection.resolve_scorer(str(path), backend="torch")
     plain = {c.name: c for c in selection.build_candidates(wide, testbed, 96, families=[],
                                                            scorer=reference)}
     scaled = {c.name: c for c in selection.build_candidates(wide, testbed, 96, families=[],
                                                             scorer=drifted)}
-    # About 3x (each search probes anew; the probe's noise stays within its band).
-    assert 3.0 * (1 - machine_speed.NOISE_BAND) < drifted.speed_factor < 3.0 * (
-        1 + machine_speed.NOISE_BAND)
+    assert drifted.machine_probe_s > 0.25e-3 * (1 + machine_speed.NOISE_BAND)
+    assert drifted.speed_factor == pytest.approx(drifted.machine_probe_s / 0.25e-3)
     for name in BASES:
         assert scaled[name].step_time_s == pytest.approx(
             plain[name].step_time_s * drifted.speed_factor / reference.speed_factor, rel=1e-9)
