@@ -11,7 +11,8 @@ On the PyTorch backend each testbed device is its own pinned process, so the
 heterogeneity is real. On the TensorFlow backend one process drives three
 logical devices that share TensorFlow's thread pools (per-device core pinning
 is not possible in one process; see docs/runtime_tensorflow.md), so the plan
-and the arithmetic are the same but the measured times show no heterogeneity.
+and the arithmetic are the same but the measured times show no heterogeneity,
+and the predictions (for pinned worker processes) do not describe that run.
 
 Run: `make demo` (or `KERAS_BACKEND=torch make demo`).
 """
@@ -85,7 +86,9 @@ def main():
 
     if keras.backend.backend() == "tensorflow":
         print("note: on TensorFlow the three testbed devices are logical devices of one "
-              "process and share its threads, so the measured times show no heterogeneity; "
+              "process and share its threads, so the measured times show no heterogeneity, "
+              "and the predicted times describe one pinned worker process per device (how "
+              "the learned estimator's training measurements ran), not this run; "
               "run `KERAS_BACKEND=torch make demo` for real per-device cores.")
 
 
