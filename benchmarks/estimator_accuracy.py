@@ -1,6 +1,6 @@
 """Estimator accuracy: measured step times vs the analytic simulator and the learned estimators.
 
-Cases: 9 models (3 MLPs, 3 CNNs, 3 Transformer encoders from graph/zoo.py) x
+Cases: 10 models (4 MLPs, 3 CNNs, 3 Transformer encoders from graph/zoo.py) x
 4 data-parallel plans on the CPU testbed (node0/cpu0 owns core 0, node0/cpu1
 and node0/cpu2 share core 1): single device, even over all three devices,
 speed-proportional over all three, even over the two fastest. Global batch 96.
@@ -26,6 +26,7 @@ given, which re-measures every case on this machine and rewrites the file.
 Usage:
     python benchmarks/estimator_accuracy.py                      # stored measurements
     python benchmarks/estimator_accuracy.py --measure --backend torch --passes 2
+    python benchmarks/estimator_accuracy.py --measure --add --models mlp_medium  # add cases
     python benchmarks/estimator_accuracy.py --profile            # learned cost model column
 
 The last line printed is one JSON object with `mape`, `kendall_tau` and
@@ -49,6 +50,9 @@ MODELS = [
     ("mlp_small", f"{ZOO}:mlp", {"input_dim": 64, "hidden": [128, 128]}),
     ("mlp_wide", f"{ZOO}:mlp", {"input_dim": 256, "hidden": [1024, 1024]}),
     ("mlp_deep", f"{ZOO}:mlp", {"input_dim": 128, "hidden": [256] * 6}),
+    # Added 4 December 2026 (measured with --add): 3.2 MB of gradients, between
+    # mlp_deep (1.5 MB) and mlp_wide (5.3 MB), a range no other model covered.
+    ("mlp_medium", f"{ZOO}:mlp", {"input_dim": 256, "hidden": [768, 768]}),
     ("cnn_tiny", f"{ZOO}:small_cnn", {"input_shape": [16, 16, 3], "filters": [8, 16]}),
     ("cnn_small", f"{ZOO}:small_cnn", {"input_shape": [32, 32, 3], "filters": [16, 32]}),
     ("cnn_wide", f"{ZOO}:small_cnn", {"input_shape": [32, 32, 3], "filters": [32, 64, 96]}),
@@ -90,6 +94,7 @@ def profile_path(backend, data_dir=DATA_DIR):
 
 # --------------------------------------------------------------- measuring
 def measure(backend, args):
+    from autodist_keras.estimator.measurements import add_measurements
     from autodist_keras.estimator.measurements import load_average
     from autodist_keras.estimator.measurements import measure_cases
     from autodist_keras.estimator.measurements import save_measurements
@@ -106,14 +111,21 @@ def measure(backend, args):
     for name, error in failures:
         print(f"FAILED {name}: {error[-1500:]}", flush=True)
     path = data_path(backend, args.data_dir)
-    save_measurements(records, path, provenance={
+    provenance = {
         "command": " ".join(["python"] + sys.argv),
         "cluster": "Cluster.cpu_testbed() (node0/cpu0: core 0; node0/cpu1, node0/cpu2: core 1)",
         "steps": args.steps, "warmup": args.warmup, "passes": args.passes,
         "batch_size": BATCH_SIZE,
         "failures": [[n, e[-600:]] for n, e in failures],
         "measuring_wall_s": round(time.time() - started, 1),
-    })
+    }
+    if args.add:
+        added = len(records)
+        records = add_measurements(records, path, provenance=provenance)
+        print(f"Added {added} records to {os.path.relpath(path)} (same case: replaced)",
+              flush=True)
+    else:
+        save_measurements(records, path, provenance=provenance)
     print(f"Wrote {len(records)} records to {os.path.relpath(path)}", flush=True)
     return records
 
@@ -246,6 +258,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backend", choices=["tensorflow", "torch", "both"], default="both")
     parser.add_argument("--measure", action="store_true", help="re-measure every case now")
+    parser.add_argument("--add", action="store_true",
+                        help="with --measure: add the measured cases to the stored file (same "
+                             "case: replaced) instead of rewriting it")
     parser.add_argument("--measure-only", action="store_true",
                         help="with --measure and/or --profile: write the data files, skip the evaluation")
     parser.add_argument("--profile", action="store_true",

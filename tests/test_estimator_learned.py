@@ -21,6 +21,7 @@ from autodist_keras.estimator import learned
 from autodist_keras.estimator import machine_speed
 from autodist_keras.estimator.learned import LearnedEstimator
 from autodist_keras.estimator.measurements import Case
+from autodist_keras.estimator.measurements import add_measurements
 from autodist_keras.estimator.measurements import load_measurements
 from autodist_keras.estimator.measurements import measure_case
 from autodist_keras.estimator.measurements import save_measurements
@@ -112,6 +113,20 @@ def _lomo_by_hand(records, variant):
                 out[r.name] = est.predict(r.graph, r.cluster, r.plan, backend=r.backend,
                                           machine_probe_s=r.machine_probe_s)
     return out
+
+
+def test_add_measurements_replaces_same_cases_and_keeps_provenance(records, tmp_path):
+    path = tmp_path / "m.json"
+    first, rest = records[:2], records[2:]
+    assert add_measurements(first, path, provenance={"sitting": 1}) == first
+    again = dataclasses.replace(first[0], measured_s=first[0].measured_s * 3)
+    merged = add_measurements([again] + rest, path, provenance={"sitting": 2})
+    loaded, provenance = load_measurements(path)
+    assert [r.name for r in loaded] == [r.name for r in merged] == [r.name for r in records]
+    assert loaded[0].measured_s == pytest.approx(3 * first[0].measured_s)
+    assert loaded[1].measured_s == pytest.approx(first[1].measured_s)
+    assert provenance["sitting"] == 2 and provenance["earlier"]["sitting"] == 1
+    assert provenance["added"] == sorted(r.name for r in [again] + rest)
 
 
 @pytest.mark.parametrize("variant", ["constant", "additive", "ridge", "gbr", "gnn"])

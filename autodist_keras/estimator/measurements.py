@@ -974,6 +974,42 @@ def save_measurements(records, path, provenance=None):
     return path
 
 
+def add_measurements(records, path, provenance=None):
+    """Adds records to a measurements file (same case name: replaced), or writes it.
+
+    The stored file's provenance is kept under `"earlier"` and `"added"`
+    lists the added cases' names, so records of different sittings stay
+    distinguishable (their machine-speed probes compare the machine's speed
+    between them).
+
+    Args:
+        records: `Record` objects.
+        path: The `.json` file (written atomically).
+        provenance: Facts about this sitting (as for `save_measurements`).
+
+    Returns:
+        The list of records now in the file.
+
+    Raises:
+        EstimatorError: If `path` exists but is not a measurements file.
+
+    Example:
+
+    ```python
+    add_measurements(measure_cases(new_cases, "cpu_testbed")[0], "measurements.json")
+    ```
+    """
+    if not os.path.exists(os.fspath(path)):
+        save_measurements(records, path, provenance=provenance)
+        return list(records)
+    stored, earlier = load_measurements(path)
+    new = {r.name: r for r in records}
+    merged = [new.pop(r.name, r) for r in stored] + list(new.values())
+    save_measurements(merged, path, provenance=dict(
+        provenance or {}, added=sorted(r.name for r in records), earlier=earlier))
+    return merged
+
+
 def load_measurements(path):
     """Reads a file written by `save_measurements`.
 
