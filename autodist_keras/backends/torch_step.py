@@ -92,8 +92,8 @@ class StepProfile:
     def end(self):
         current = self._current
         if current is not None:
-            current["start"] = current["t0"]  # perf_counter: comparable across local ranks
-            current["total"] = time.perf_counter() - current.pop("t0")
+            current["start"] = current.pop("t0")  # perf_counter: comparable across local ranks
+            current["total"] = time.perf_counter() - current["start"]
             current["cpu"] = time.process_time() - current.pop("cpu0")
             self.steps.append(current)
             self._current = None
