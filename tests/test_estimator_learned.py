@@ -129,10 +129,23 @@ def test_add_measurements_replaces_same_cases_and_keeps_provenance(records, tmp_
     assert provenance["added"] == sorted(r.name for r in [again] + rest)
 
 
+def _at_speed(record, probe_s, factor=1.0):
+    """The record as if measured on a machine `factor` times slower, whose probe read `probe_s`."""
+    passes = [dict(p, machine_probe_s=probe_s, step_times_s=[t * factor for t in p["step_times_s"]],
+                   median_s=p["median_s"] * factor) for p in record.passes]
+    return dataclasses.replace(record, passes=passes, measured_s=record.measured_s * factor)
+
+
 @pytest.mark.parametrize("variant", ["constant", "additive", "ridge", "gbr", "gnn"])
 def test_fit_predict_save_load_round_trip(records, variant, tmp_path):
     if variant == "gnn":
         _need_torch_backend()
+    # The records' own probes ran while another pytest worker may have shared the
+    # core (CI once read one probe 2.8x slow next to an unslowed step), so the
+    # fit-quality check below uses one probe for all: the speed step is tested
+    # with controlled probes in the next test.
+    steady_probe = float(np.median([r.machine_probe_s for r in records]))
+    records = [_at_speed(r, steady_probe) for r in records]
     hp = {"epochs": 150, "seeds": 1} if variant == "gnn" else None
     est = LearnedEstimator(variant, hyperparameters=hp).fit(records)
     assert est.trained and est.variant == variant and est.backends == [BACKEND]
@@ -159,13 +172,6 @@ def test_fit_predict_save_load_round_trip(records, variant, tmp_path):
     measured = [r.measured_s for r in records]
     analytic = [r.predicted_analytic_s for r in records]
     assert learned.mape(predicted, measured) < learned.mape(analytic, measured)
-
-
-def _at_speed(record, probe_s, factor=1.0):
-    """The record as if measured on a machine `factor` times slower, whose probe read `probe_s`."""
-    passes = [dict(p, machine_probe_s=probe_s, step_times_s=[t * factor for t in p["step_times_s"]],
-                   median_s=p["median_s"] * factor) for p in record.passes]
-    return dataclasses.replace(record, passes=passes, measured_s=record.measured_s * factor)
 
 
 @pytest.mark.parametrize("variant", ["constant", "additive"])
