@@ -1,6 +1,6 @@
 """Estimator accuracy: measured step times vs the analytic simulator and the learned estimators.
 
-Cases: 10 models (4 MLPs, 3 CNNs, 3 Transformer encoders from graph/zoo.py) x
+Cases: 16 models (6 MLPs, 5 CNNs, 5 Transformer encoders from graph/zoo.py) x
 4 data-parallel plans on the CPU testbed (node0/cpu0 owns core 0, node0/cpu1
 and node0/cpu2 share core 1): single device, even over all three devices,
 speed-proportional over all three, even over the two fastest. Global batch 96.
@@ -62,6 +62,18 @@ MODELS = [
      {"num_layers": 2, "d_model": 64, "heads": 4, "seq_len": 32, "vocab": 1000}),
     ("transformer_wide", f"{ZOO}:transformer_encoder",
      {"num_layers": 2, "d_model": 128, "heads": 4, "seq_len": 32, "vocab": 2000}),
+    # Added 4 December 2026 (session 7), chosen before any result, so that every
+    # held-out model has neighbours in its family: many small layers, a wide
+    # input with a bottleneck, a deeper CNN, a larger image, a deeper and a
+    # longer-sequence encoder.
+    ("mlp_narrow_deep", f"{ZOO}:mlp", {"input_dim": 64, "hidden": [96] * 10}),
+    ("mlp_bottleneck", f"{ZOO}:mlp", {"input_dim": 1024, "hidden": [512, 64]}),
+    ("cnn_deep", f"{ZOO}:small_cnn", {"input_shape": [32, 32, 3], "filters": [16, 16, 32, 32]}),
+    ("cnn_large_input", f"{ZOO}:small_cnn", {"input_shape": [48, 48, 3], "filters": [8, 16]}),
+    ("transformer_deep", f"{ZOO}:transformer_encoder",
+     {"num_layers": 4, "d_model": 64, "heads": 4, "seq_len": 32, "vocab": 1000}),
+    ("transformer_long", f"{ZOO}:transformer_encoder",
+     {"num_layers": 2, "d_model": 64, "heads": 4, "seq_len": 96, "vocab": 1000}),
 ]
 PLANS = ["single_device", "data_parallel", "proportional", "data_parallel_2"]
 BATCH_SIZE = 96
