@@ -26,6 +26,9 @@ from autodist_keras.estimator.measurements import load_measurements
 from autodist_keras.estimator.measurements import measure_case
 from autodist_keras.estimator.measurements import save_measurements
 from autodist_keras.estimator.simulator import simulate
+from autodist_keras.graph import ModelGraph
+from autodist_keras.graph import zoo
+from autodist_keras.strategies.baselines import single_device
 
 BACKEND = keras.backend.backend()
 ZOO = "autodist_keras.graph.zoo"
@@ -221,6 +224,23 @@ def test_additive_terms_and_weights_reproduce_the_prediction(records):
         seconds = float(np.asarray([terms[k] for k in learned.ADDITIVE_TERMS]) @ weights)
         assert est.predict(r.graph, r.cluster, r.plan, backend=BACKEND) == pytest.approx(
             seconds, rel=1e-9)
+
+
+def test_additive_terms_count_attention_and_normalisation_layers(cluster):
+    # Each of these is one Keras layer but many framework ops per step.
+    encoder = ModelGraph.from_keras(zoo.transformer_encoder(num_layers=3, d_model=16, heads=2,
+                                                            seq_len=8, vocab=50))
+    cnn = ModelGraph.from_keras(zoo.small_cnn(input_shape=(8, 8, 3), filters=(4, 4, 8)))
+    mlp = ModelGraph.from_keras(zoo.mlp(input_dim=8, hidden=[8, 8]))
+    counts = {}
+    for name, graph in (("encoder", encoder), ("cnn", cnn), ("mlp", mlp)):
+        terms = learned.additive_terms(graph, cluster, single_device(graph, cluster, 8))
+        counts[name] = (terms["attention_layers"], terms["norm_layers"])
+        types = [n.layer_type for n in graph.nodes.values()]
+        assert terms["attention_layers"] == sum(t in learned.ATTENTION_TYPES for t in types)
+        assert terms["layers"] == len(types)
+    # Three encoder blocks: one attention and two LayerNormalizations each.
+    assert counts == {"encoder": (3.0, 6.0), "cnn": (0.0, 3.0), "mlp": (0.0, 0.0)}
 
 
 def test_gbr_numpy_trees_match_scikit_learn(records):

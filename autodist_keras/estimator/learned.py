@@ -22,7 +22,9 @@ scalings apply only outside the probe's own noise (`machine_speed.NOISE_BAND`). 
   measurements (`ADDITIVE_TERMS`): the analytic compute time of the most
   loaded replica (matmul-like layers and the rest, each with its own factor;
   devices that share a core in the cluster but not in the plan get their
-  whole core), a per-step and a per-layer overhead, per-layer and
+  whole core), a per-step and a per-layer overhead, extra per-layer
+  overheads of attention and normalisation layers (each one Keras layer
+  but many framework ops: projections, softmax, moments), per-layer and
   per-variable overheads of distributed steps, gradient bytes exchanged,
   input bytes scattered to other replicas, and a cost per extra device. The
   weights are non-negative least squares on the relative error
@@ -106,12 +108,20 @@ ADDITIVE_TERMS = (
     "compute_other_s",
     "step",
     "layers",
+    "attention_layers",
+    "norm_layers",
     "distributed_layers",
     "distributed_variables",
     "gradient_traffic_bytes",
     "scattered_input_bytes",
     "extra_devices",
 )
+# Layer types that are one Keras layer but many framework ops per step (each a
+# dispatch on PyTorch, a graph op on TensorFlow): their own per-layer terms.
+ATTENTION_TYPES = frozenset(
+    {"MultiHeadAttention", "GroupedQueryAttention", "Attention", "AdditiveAttention"})
+NORM_TYPES = frozenset({"LayerNormalization", "BatchNormalization", "GroupNormalization",
+                        "UnitNormalization", "RMSNormalization"})
 NODE_FEATURES = (
     "log_forward_flops",
     "log_backward_flops",
@@ -324,6 +334,9 @@ def additive_terms(graph, cluster, plan):
         "compute_other_s": work[critical]["other"],
         "step": 1.0,
         "layers": float(len(graph.nodes)),
+        "attention_layers": float(sum(n.layer_type in ATTENTION_TYPES
+                                      for n in graph.nodes.values())),
+        "norm_layers": float(sum(n.layer_type in NORM_TYPES for n in graph.nodes.values())),
         "distributed_layers": distributed * len(graph.nodes),
         "distributed_variables": distributed * len(graph.variables),
         "gradient_traffic_bytes": _gradient_traffic(graph, plan),
