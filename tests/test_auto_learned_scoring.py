@@ -75,6 +75,37 @@ def test_learned_times_scale_with_the_machine_speed_probe(testbed, wide, tmp_pat
     assert f"scaled x{drifted.speed_factor:.2f}" in drifted.summary(list(scaled.values()))
 
 
+def test_explain_warns_when_the_runner_up_is_inside_the_estimators_error(testbed):
+    # The auto_real_check cnn: data_parallel_unshared and proportional are predicted a
+    # few percent apart, and real runs have ranked them both ways.
+    cnn = ModelGraph.from_keras(zoo.small_cnn(input_shape=(32, 32, 3), filters=(32, 64)))
+    estimator = learned.LearnedEstimator.load(learned.default_path("torch"))
+    assert estimator.report["held_out"]["mape"] > 0  # the packaged file's own report
+    scorer = selection.Scorer(estimator, "torch", label="learned")
+    candidates = selection.build_candidates(cnn, testbed, 96, families=[], scorer=scorer)
+    best = selection.pick(candidates)
+    runner_up = min((c for c in candidates if c is not best and c.feasible),
+                    key=lambda c: c.step_time_s)
+    gap = 100 * (runner_up.step_time_s / best.step_time_s - 1)
+    assert best.scorer.startswith("learned") and gap > 0
+
+    estimator.report["held_out"] = dict(estimator.report["held_out"], mape=gap + 1.0)
+    lines = selection._explain_choice(best, candidates, scorer)
+    close = [line for line in lines if line.startswith("close call")]
+    assert len(close) == 1
+    assert runner_up.name in close[0] and f"{gap:.1f}% slower" in close[0]
+    assert f"({gap + 1.0:.1f}% MAPE)" in close[0]
+    # A runner-up further away than the estimator's error: no warning.
+    estimator.report["held_out"]["mape"] = gap - 0.5
+    assert not any(line.startswith("close call")
+                   for line in selection._explain_choice(best, candidates, scorer))
+    # The simulator scorer has no measured error to compare with: no warning either.
+    plain = selection.Scorer(backend="torch")
+    sim_candidates = selection.build_candidates(cnn, testbed, 96, families=[], scorer=plain)
+    assert not any(line.startswith("close call") for line in selection._explain_choice(
+        selection.pick(sim_candidates), sim_candidates, plain))
+
+
 def test_in_domain_candidates_get_learned_times(testbed, wide, torch_estimator):
     scorer = selection.resolve_scorer("learned", backend="torch")
     candidates = selection.build_candidates(wide, testbed, 96, families=[], scorer=scorer)

@@ -236,6 +236,15 @@ class Scorer:
             c.plan.prediction.source = source
         return candidates
 
+    @property
+    def held_out_mape(self):
+        """The learned estimator's held-out MAPE in percent (its training
+        report), when it scores this search; else None."""
+        if not self.active or self.estimator is None:
+            return None
+        mape = (self.estimator.report or {}).get("held_out", {}).get("mape")
+        return float(mape) if mape is not None else None
+
     def summary(self, candidates):
         """One line saying which scorer produced the candidates' numbers."""
         if not self.active:
@@ -578,7 +587,32 @@ def _explain_choice(best, candidates, scorer=None):
             continue
         if c.step_time_s is not None and c.step_time_s < best.step_time_s:
             lines.append(f"faster on paper but not used: {c.name} ({c.reason})")
+    close = _close_call(best, candidates, scorer)
+    if close:
+        lines.append(close)
     return lines
+
+
+def _close_call(best, candidates, scorer):
+    """A warning line when the runner-up is predicted slower by less than the
+    learned estimator's held-out error, so real runs may rank the two the
+    other way; None otherwise (or when the error is unknown)."""
+    mape = scorer.held_out_mape if scorer is not None else None
+    if mape is None or not best.step_time_s or not (best.scorer or "").startswith("learned"):
+        return None
+    others = [c for c in candidates
+              if c is not best and c.plan is not None and c.feasible
+              and c.executable is not False and c.step_time_s]
+    if not others:
+        return None
+    runner_up = min(others, key=lambda c: c.step_time_s)
+    gap = runner_up.step_time_s / best.step_time_s - 1.0
+    if gap * 100.0 >= mape:
+        return None
+    return (f"close call: {runner_up.name} is predicted only {gap * 100:.1f}% slower, inside "
+            f"the learned estimator's held-out error ({mape:.1f}% MAPE); on real hardware "
+            f"either may be faster. To be sure, time both: AutoStrategy(plan=...) runs a "
+            f"given plan")
 
 
 def choose_plan(
