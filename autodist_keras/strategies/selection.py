@@ -600,9 +600,12 @@ def _close_call(best, candidates, scorer):
     mape = scorer.held_out_mape if scorer is not None else None
     if mape is None or not best.step_time_s or not (best.scorer or "").startswith("learned"):
         return None
+    # Candidates tied with the chosen one (the same plan reached by another
+    # family) are not a different choice.
     others = [c for c in candidates
               if c is not best and c.plan is not None and c.feasible
-              and c.executable is not False and c.step_time_s]
+              and c.executable is not False and c.step_time_s
+              and c.step_time_s > best.step_time_s * (1.0 + TIE_RTOL)]
     if not others:
         return None
     runner_up = min(others, key=lambda c: c.step_time_s)
