@@ -538,16 +538,20 @@ def build_candidates(
     return candidates
 
 
+def _usable(candidate):
+    """Whether auto may choose the candidate: a plan that fits and that the
+    backend can run (where known)."""
+    return (candidate.plan is not None and candidate.feasible
+            and candidate.executable is not False)
+
+
 def pick(candidates):
     """Returns the fastest feasible (and executable, where known) candidate.
 
     Raises:
         StrategyError: If no candidate is feasible.
     """
-    usable = [
-        c for c in candidates
-        if c.plan is not None and c.feasible and c.executable is not False
-    ]
+    usable = [c for c in candidates if _usable(c)]
     if not usable:
         reasons = "; ".join(f"{c.name}: {c.reason}" for c in candidates if c.reason)
         raise StrategyError(
@@ -603,8 +607,7 @@ def _close_call(best, candidates, scorer):
     # Candidates tied with the chosen one (the same plan reached by another
     # family) are not a different choice.
     others = [c for c in candidates
-              if c is not best and c.plan is not None and c.feasible
-              and c.executable is not False and c.step_time_s
+              if c is not best and _usable(c) and c.step_time_s
               and c.step_time_s > best.step_time_s * (1.0 + TIE_RTOL)]
     if not others:
         return None
