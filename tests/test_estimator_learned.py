@@ -243,6 +243,40 @@ def test_additive_terms_count_attention_and_normalisation_layers(cluster):
     assert counts == {"encoder": (3.0, 6.0), "cnn": (0.0, 3.0), "mlp": (0.0, 0.0)}
 
 
+def test_additive_terms_charge_shared_cores_and_attention_scores(cluster):
+    from autodist_keras.strategies.baselines import data_parallel_even
+
+    mlp = ModelGraph.from_keras(zoo.mlp(input_dim=8, hidden=[8, 8]))
+    fast_two = ["node0/cpu0", "node0/cpu1"]  # one device per core
+    terms = {
+        "single": learned.additive_terms(mlp, cluster, single_device(mlp, cluster, 12)),
+        "unshared": learned.additive_terms(
+            mlp, cluster, data_parallel_even(mlp, cluster, 12, devices=fast_two)),
+        "shared": learned.additive_terms(mlp, cluster, data_parallel_even(mlp, cluster, 12)),
+    }
+    # cpu1 and cpu2 share core 1: a three-device plan runs two replicas there, and
+    # the second pays the distributed step's fixed costs on that core again.
+    assert terms["single"]["shared_core_layers"] == 0.0
+    assert terms["unshared"]["shared_core_layers"] == 0.0
+    assert terms["unshared"]["shared_core_gradient_bytes"] == 0.0
+    assert terms["shared"]["shared_core_layers"] == terms["shared"]["distributed_layers"] > 0
+    assert (terms["shared"]["shared_core_gradient_bytes"]
+            == terms["shared"]["gradient_traffic_bytes"] > 0)
+    assert terms["single"]["attention_score_elements"] == 0.0
+
+    # Attention scores grow with the square of the sequence: twice the sequence,
+    # four times the elements per sample (two blocks: twice one block's).
+    def scores(seq_len, num_layers=1):
+        graph = ModelGraph.from_keras(zoo.transformer_encoder(
+            num_layers=num_layers, d_model=16, heads=2, seq_len=seq_len, vocab=50))
+        return learned.additive_terms(graph, cluster, single_device(graph, cluster, 4))[
+            "attention_score_elements"]
+
+    assert scores(8) == 8 * 8 * 4
+    assert scores(16) == 4 * scores(8)
+    assert scores(8, num_layers=2) == 2 * scores(8)
+
+
 def test_gbr_numpy_trees_match_scikit_learn(records):
     from sklearn.ensemble import GradientBoostingRegressor
 

@@ -25,8 +25,13 @@ scalings apply only outside the probe's own noise (`machine_speed.NOISE_BAND`). 
   whole core), a per-step and a per-layer overhead, extra per-layer
   overheads of attention and normalisation layers (each one Keras layer
   but many framework ops: projections, softmax, moments), per-layer and
-  per-variable overheads of distributed steps, gradient bytes exchanged,
-  input bytes scattered to other replicas, and a cost per extra device. The
+  per-variable overheads of distributed steps, the same per-layer overhead
+  and gradient bytes again for every further replica on the busiest shared
+  core (two processes on one core each pay their step's fixed costs there),
+  the attention score elements of the most loaded replica (the
+  sequence-squared intermediates, softmax and its gradient, that the
+  roofline's layer bytes leave out), gradient bytes exchanged, input bytes
+  scattered to other replicas, and a cost per extra device. The
   weights are non-negative least squares on the relative error
   (`scipy.optimize.nnls`), one set per backend.
 - `"ridge"`: ridge regression on standardised plan features (`FEATURES`),
@@ -112,6 +117,9 @@ ADDITIVE_TERMS = (
     "norm_layers",
     "distributed_layers",
     "distributed_variables",
+    "shared_core_layers",
+    "shared_core_gradient_bytes",
+    "attention_score_elements",
     "gradient_traffic_bytes",
     "scattered_input_bytes",
     "extra_devices",
@@ -199,6 +207,16 @@ def _scattered_input_bytes(graph, plan):
         if r.device != first and any(layer in graph.inputs for layer in g.layers)
     )
     return per_sample * elsewhere
+
+
+def _attention_positions(node):
+    """Query positions x key positions of one attention call, per sample."""
+    shapes = [tuple(shape) for shape in node.input_shapes if shape]
+    if not shapes:
+        return 0.0
+    query = shapes[0]
+    value = shapes[1] if len(shapes) > 1 else query
+    return float(math.prod(d or 1 for d in query[:-1]) * math.prod(d or 1 for d in value[:-1]))
 
 
 def core_sharing(cluster, devices):
@@ -309,13 +327,18 @@ def additive_terms(graph, cluster, plan):
     in_cluster = core_sharing(cluster, cluster.names)
     in_plan = core_sharing(cluster, devices)
     work = {}
+    scores = {}
     for group in plan.groups:
         layers = [graph.nodes[name] for name in group.layers]
+        positions = sum(_attention_positions(node) for node in layers
+                        if node.layer_type in ATTENTION_TYPES)
         for replica in group.replicas:
             device = cluster.device(replica.device)
             # The analytic peak assumes every cluster device shares its cores; in this
             # plan the device shares them only with the plan's devices.
             factor = in_plan[replica.device] / in_cluster[replica.device]
+            scores[replica.device] = (scores.get(replica.device, 0.0)
+                                      + factor * positions * replica.batch_share)
             parts = work.setdefault(replica.device, {"matmul": 0.0, "other": 0.0})
             for node in layers:
                 key = "matmul" if op_category(node.layer_type) == "matmul" else "other"
@@ -329,6 +352,10 @@ def additive_terms(graph, cluster, plan):
             graph.param_bytes, cluster.device(name), max(len(graph.variables), 1))
     critical = max(devices, key=lambda d: work[d]["matmul"] + work[d]["other"])
     distributed = 1.0 if len(devices) > 1 else 0.0
+    # Replicas beyond the first on the most shared core of the plan (0 when no two
+    # plan devices share a core, and for devices without a CPU affinity).
+    further_on_core = max(in_plan[d] for d in devices) - 1.0
+    traffic = _gradient_traffic(graph, plan)
     values = {
         "compute_matmul_s": work[critical]["matmul"],
         "compute_other_s": work[critical]["other"],
@@ -339,7 +366,10 @@ def additive_terms(graph, cluster, plan):
         "norm_layers": float(sum(n.layer_type in NORM_TYPES for n in graph.nodes.values())),
         "distributed_layers": distributed * len(graph.nodes),
         "distributed_variables": distributed * len(graph.variables),
-        "gradient_traffic_bytes": _gradient_traffic(graph, plan),
+        "shared_core_layers": further_on_core * distributed * len(graph.nodes),
+        "shared_core_gradient_bytes": further_on_core * traffic,
+        "attention_score_elements": max(scores.values(), default=0.0),
+        "gradient_traffic_bytes": traffic,
         "scattered_input_bytes": float(_scattered_input_bytes(graph, plan)),
         "extra_devices": float(len(devices) - 1),
     }
