@@ -35,7 +35,17 @@ def worker_model():
     return model
 
 
-def test_two_workers_match_single_device():
+def worker_model_gathering_predictions():
+    """`worker_model` with the predictions all-gathered (not folded into the all-reduce)."""
+    from autodist_keras.backends import tensorflow_adapter
+
+    tensorflow_adapter.FOLDED_PREDICTIONS_MAX_ELEMENTS = 0  # this worker process only
+    return worker_model()
+
+
+@pytest.mark.parametrize("model_fn", [worker_model, worker_model_gathering_predictions],
+                         ids=["predictions_in_the_all_reduce", "predictions_all_gathered"])
+def test_two_workers_match_single_device(model_fn):
     from autodist_keras.backends import tf_multiworker
     from autodist_keras.devices import Cluster
     from autodist_keras.graph import ModelGraph
@@ -56,7 +66,7 @@ def test_two_workers_match_single_device():
     )
     assert plan.shares_for(BATCH) == [16, 8] and len(plan.buckets) == 3
     results = tf_multiworker.launch_local_workers(
-        worker_model, cluster, x, y, BATCH, steps=-(-SAMPLES // BATCH), plan=plan,
+        model_fn, cluster, x, y, BATCH, steps=-(-SAMPLES // BATCH), plan=plan,
         initial_weights=initial, return_weights=True, timeout_s=400,
     )
     assert [r["rank"] for r in results] == [0, 1]
@@ -68,6 +78,10 @@ def test_two_workers_match_single_device():
         # Per-step CPU time of the worker process (measured): positive, one per step.
         assert len(result["cpu_times_s"]) == 20 and min(result["cpu_times_s"]) > 0
         np.testing.assert_allclose(result["loss"], history.history["loss"], rtol=1e-5)
+        # Accuracy is global: every worker scores the whole batch's predictions
+        # (its own rows and the other worker's), as single-device Keras does.
+        np.testing.assert_allclose(result["history"]["accuracy"],
+                                   history.history["accuracy"], rtol=1e-6)
         # Each worker sums its own 16 or 8 samples' gradients with one intra-op
         # thread and the all-reduce adds the two partial sums; the reference
         # sums all 24 in one process with two threads. Float32 addition order

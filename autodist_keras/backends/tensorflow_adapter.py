@@ -39,6 +39,12 @@ from autodist_keras.backends.base import BackendAdapter
 from autodist_keras.errors import BackendError
 
 SUPPORTED_LOSS_REDUCTIONS = ("sum_over_batch_size", "mean")
+# With several workers, the predictions a metric needs ride in the train step's
+# fused all-reduce (each worker's rows in place, zeros elsewhere) instead of an
+# all-gather of their own, while the global batch's predictions are at most this
+# many elements (4 MiB of float32); larger outputs keep the all-gather, which
+# moves half the bytes.
+FOLDED_PREDICTIONS_MAX_ELEMENTS = 1 << 20
 
 
 def _recording_scope():
@@ -629,6 +635,8 @@ class _Runtime:
     def _train_step(self, shares):
         import tensorflow as tf
 
+        from keras.src import tree
+
         model = self.model
         adapter = self.adapter
         total = sum(shares)
@@ -666,6 +674,9 @@ class _Runtime:
 
             with tf.device(adapter.home):
                 loss, floats, ints = self._local_loss_and_state(weighted_losses, all_updates, total)
+                # Predictions the metrics need, as zero-padded global-batch tensors
+                # summed by the last bucket's all-reduce (None: no such folding).
+                folded = self._fold_predictions(y_preds, local, total)
                 reduced = [None] * len(variables)
                 split = []  # (bucket, sparse indices, dense indices)
                 for bucket in layout:
@@ -699,10 +710,10 @@ class _Runtime:
                         devices.append(replica.device)
                         nodes.append(replica.node)
                     if k == carrier:
-                        extras = [loss] + [value for _, value in floats]
+                        extras = [loss] + [value for _, value in floats] + (folded or [])
                         summed, extras = tf_multiworker.all_reduce_sum_with(
                             collective, buffers[0], extras)
-                        loss, floats = extras[0], [(v, x) for (v, _), x in zip(floats, extras[1:])]
+                        loss, floats, folded = _split_extras(extras, floats, folded)
                     elif collective is not None:
                         summed = tf_multiworker.all_reduce_sum(collective, buffers[0])
                     else:
@@ -717,13 +728,16 @@ class _Runtime:
                         for i, g in zip(dense, tf_reduce.unfuse(summed, b_shapes)):
                             reduced[i] = g
                 if carrier is None and collective is not None:
-                    loss, floats = self._all_reduce_loss_and_state(loss, floats)
+                    loss, floats, folded = self._all_reduce_loss_and_state(loss, floats, folded)
                 for variable, value in floats + ints:
                     variable.assign(value)
                 global_loss = loss
                 if model.optimizer is not None:
                     model.optimizer.apply_gradients(zip(reduced, variables))
-                y_pred_global = self._gather_predictions(y_preds, shares)
+                if folded is not None:
+                    y_pred_global = tree.pack_sequence_as(y_preds[0], folded)
+                else:
+                    y_pred_global = self._gather_predictions(y_preds, shares)
                 model._loss_tracker.update_state(global_loss, sample_weight=total)
                 return model.compute_metrics(x, y, y_pred_global, sample_weight=sw)
 
@@ -827,6 +841,38 @@ class _Runtime:
             y_preds[0],
         )
 
+    def _fold_predictions(self, y_preds, local, total):
+        """This worker's predictions in place in zero global-batch tensors, or None.
+
+        Summed over the workers, each such tensor is the global batch's
+        predictions, exactly (every element is one worker's value plus zeros),
+        so the train step adds them to the gradient all-reduce it makes anyway
+        and skips the all-gather. None when there are no collectives, no metric
+        reads the predictions, a prediction is not floating point or has no
+        batch axis, or the predictions exceed `FOLDED_PREDICTIONS_MAX_ELEMENTS`.
+        """
+        import tensorflow as tf
+
+        from keras.src import tree
+
+        if (self.adapter.collective is None or len(local) != 1
+                or not self._metrics_need_predictions()):
+            return None
+        leaves = tree.flatten(y_preds[0])
+        _, share, start = local[0]
+        elements = 0
+        for leaf in leaves:
+            if (leaf.shape.rank in (None, 0) or not leaf.shape[1:].is_fully_defined()
+                    or not leaf.dtype.is_floating):
+                return None
+            elements += total * leaf.shape[1:].num_elements()
+        if elements > FOLDED_PREDICTIONS_MAX_ELEMENTS:
+            return None
+        return [
+            tf.pad(leaf, [[start, total - start - share]] + [[0, 0]] * (leaf.shape.rank - 1))
+            for leaf in leaves
+        ]
+
     def _metrics_need_predictions(self):
         """False when compute_metrics is Keras' own and there are no compiled metrics."""
         from keras.src.trainers.trainer import Trainer
@@ -875,12 +921,13 @@ class _Runtime:
                 ints.append((variable, entries[0][1]))
         return self._sum_scalar(weighted_losses), floats, ints
 
-    def _all_reduce_loss_and_state(self, loss, floats):
-        """Sums the loss and float state over the workers in one fused all-reduce."""
+    def _all_reduce_loss_and_state(self, loss, floats, folded=None):
+        """Sums the loss, float state and folded predictions over the workers in one
+        fused all-reduce; returns them as `(loss, floats, folded)`."""
         summed = tf_multiworker.all_reduce_sum_many(
-            self.adapter.collective, [loss] + [v for _, v in floats]
+            self.adapter.collective, [loss] + [v for _, v in floats] + (folded or [])
         )
-        return summed[0], [(var, value) for (var, _), value in zip(floats, summed[1:])]
+        return _split_extras(summed, floats, folded)
 
 # ------------------------------------------------------------------ helpers
 def _standardise(data):
@@ -898,6 +945,14 @@ def _standardise(data):
     if isinstance(data, list):
         data = tuple(data)
     return tree.map_structure(convert, data)
+
+
+def _split_extras(values, floats, folded):
+    """Splits summed `[loss] + state values + folded predictions` back apart."""
+    loss = values[0]
+    state = [(variable, value) for (variable, _), value in zip(floats, values[1:])]
+    rest = list(values[1 + len(floats):])
+    return loss, state, (rest if folded is not None else None)
 
 
 def _slice(structures, start, size):

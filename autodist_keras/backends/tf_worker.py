@@ -75,6 +75,7 @@ def main(argv=None):
     phases["model_s"] = time.perf_counter() - started - sum(phases.values())
     timer = StepTimes()
     losses = []
+    metrics = {}
     alternated = None
     if job.get("alternate"):
         alternated = _alternate_plans(strategy, model, model_fn, job, x, y, device.name)
@@ -83,6 +84,8 @@ def main(argv=None):
             history = fit_repeating(model, x, y, job["batch_size"], job["steps"], [timer],
                                     drop_remainder=job.get("drop_remainder", False))
             losses.extend(float(v) for v in history.history.get("loss", []))
+            for name, values in history.history.items():
+                metrics.setdefault(name, []).extend(float(v) for v in values)
     phases["fit_s"] = time.perf_counter() - started - sum(phases.values())
     out_dir = job["out_dir"]
     if job.get("return_weights"):
@@ -96,6 +99,7 @@ def main(argv=None):
         "cpu_times_s": timer.cpu_times_s,
         "share": _share(strategy, device.name),
         "loss": losses,
+        "history": metrics,
         "device": device.name,
         "affinity": sorted(os.sched_getaffinity(0)),
         "runtime": adapter.runtime_info,
