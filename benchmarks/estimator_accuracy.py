@@ -28,7 +28,7 @@ Usage:
     python benchmarks/estimator_accuracy.py --measure --backend torch --passes 2
     python benchmarks/estimator_accuracy.py --measure --add --models mlp_medium  # add cases
     python benchmarks/estimator_accuracy.py --profile            # learned cost model column
-    python benchmarks/estimator_accuracy.py --prospective benchmarks/data/prospective
+    python benchmarks/estimator_accuracy.py --prospective benchmarks/data/prospective2
 
 The last line printed is one JSON object with `mape`, `kendall_tau` and
 `cases` (held-out, the packaged `ensemble` variant) and the same for every
@@ -84,6 +84,13 @@ MODELS = [
     ("cnn_mid", f"{ZOO}:small_cnn", {"input_shape": [40, 40, 3], "filters": [12, 24, 48]}),
     ("transformer_mid", f"{ZOO}:transformer_encoder",
      {"num_layers": 3, "d_model": 96, "heads": 4, "seq_len": 48, "vocab": 1500}),
+    # A second prospective batch (same session, chosen before it was measured;
+    # predicted by estimators trained on the twenty models above only).
+    ("mlp_tall", f"{ZOO}:mlp", {"input_dim": 256, "hidden": [512, 512, 512]}),
+    ("cnn_narrow", f"{ZOO}:small_cnn", {"input_shape": [32, 32, 3], "filters": [8, 8, 16]}),
+    ("cnn_big_filters", f"{ZOO}:small_cnn", {"input_shape": [24, 24, 3], "filters": [48, 96]}),
+    ("transformer_wide_short", f"{ZOO}:transformer_encoder",
+     {"num_layers": 1, "d_model": 128, "heads": 8, "seq_len": 24, "vocab": 3000}),
 ]
 PLANS = ["single_device", "data_parallel", "proportional", "data_parallel_2"]
 BATCH_SIZE = 96
@@ -354,9 +361,10 @@ def prospective(args):
     The held-out evaluation of `run` reuses measurements that also guided the
     estimator's design (its terms were chosen looking at held-out errors); this
     check predicts models that played no part in it: every variant is fitted on
-    the stored file's other models, then predicts the records in `DIR`
-    (`benchmarks/data/prospective/`: four models measured after the terms were
-    fixed, since added to the stored files as well).
+    the stored cases measured before `DIR`'s cases, then predicts the records
+    in `DIR` (`benchmarks/data/prospective/` and `prospective2/`: four models
+    each, measured after the terms were fixed, since added to the stored
+    files as well).
     """
     from autodist_keras.estimator import learned
     from autodist_keras.estimator.measurements import load_measurements
@@ -373,10 +381,12 @@ def prospective(args):
             print(f"No later measurements for {backend} at {path}; skipping it.")
             continue
         test, provenance = load_measurements(path)
-        # Once the later cases are added to the stored file, train without them:
-        # the same training set as when they were first predicted.
+        # Train only on what was measured before the later cases (so the check
+        # reproduces once they, and cases measured after them, are stored too).
+        first = min(p["started"] for r in test for p in r.passes)
         later = {r.model for r in test}
-        train = [r for r in train if r.model not in later]
+        train = [r for r in train if r.model not in later
+                 and max(p["started"] for p in r.passes) < first]
         print(f"\n=== {backend}: trained on {len(train)} stored cases "
               f"({len({r.model for r in train})} models), predicting {len(test)} later cases "
               f"of {sorted({r.model for r in test})} (measured {provenance.get('written')})")
