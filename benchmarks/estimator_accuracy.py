@@ -309,9 +309,9 @@ def main(argv=None):
     parser.add_argument("--default-variant", default=DEFAULT_VARIANT,
                         help="variant of the packaged estimators (default %(default)s)")
     parser.add_argument("--prospective", metavar="DIR", default=None,
-                        help="train on the stored measurements of the other models, then predict "
-                             "the cases measured later into DIR/measurements_<backend>.json and "
-                             "report those errors")
+                        help="train on the stored cases measured before those in "
+                             "DIR/measurements_<backend>.json (other models only), predict "
+                             "those later cases and report the errors")
     parser.add_argument("--profile-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.profile_worker:
@@ -383,10 +383,11 @@ def prospective(args):
         test, provenance = load_measurements(path)
         # Train only on what was measured before the later cases (so the check
         # reproduces once they, and cases measured after them, are stored too).
-        first = min(p["started"] for r in test for p in r.passes)
+        starts = [p.get("started") for r in test for p in r.passes]
+        first = min(starts) if all(starts) else None  # ISO times in UTC
         later = {r.model for r in test}
         train = [r for r in train if r.model not in later
-                 and max(p["started"] for p in r.passes) < first]
+                 and (first is None or max(p.get("started") or "" for p in r.passes) < first)]
         print(f"\n=== {backend}: trained on {len(train)} stored cases "
               f"({len({r.model for r in train})} models), predicting {len(test)} later cases "
               f"of {sorted({r.model for r in test})} (measured {provenance.get('written')})")
