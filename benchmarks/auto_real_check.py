@@ -11,6 +11,11 @@ round 2, ... with the plan order rotated each round), and the median step
 time of every plan over all its timed steps is compared: the ratio measured
 baseline / measured auto is at least 1 where auto's choice holds.
 
+Each plan's each round runs in a fresh process (what a user who runs one
+program with one plan sees); `--in-process` runs them all in this process
+one after another instead, PyTorch workers kept between fits (the method
+until 4 December 2026: there the order of a close pair of plans depended on
+which other plans ran in the same process, docs/planners.md).
 PyTorch (default): `AutoStrategy(plan=...)` + `model.fit`, one process per
 replica pinned to its testbed device's core. TensorFlow (`--backend
 tensorflow`, slower to start): `tensorflow_adapter.run_steps`, one pinned
@@ -101,8 +106,55 @@ def beaten_baselines(strategy, plan):
     return out
 
 
+def _measure_isolated(name, plan, steps, warmup, timeout_s):
+    """Times `plan` on model `name` in a fresh process, as a user's run of one
+    program with one plan would (nothing else loaded, no other plan's workers);
+    returns its `steps` step times after `warmup`."""
+    with tempfile.TemporaryDirectory(prefix="auto_real_check_") as tmp:
+        plan_path = os.path.join(tmp, "plan.json")
+        out_path = os.path.join(tmp, "times.json")
+        plan.to_json(plan_path)
+        cmd = [sys.executable, os.path.abspath(__file__), "--run-plan", plan_path,
+               "--models", name, "--steps", str(steps), "--warmup", str(warmup),
+               "--timeout", str(timeout_s), "--out", out_path,
+               "--backend", os.environ.get("KERAS_BACKEND", "torch")]
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                              timeout=timeout_s + 120)
+        if proc.returncode != 0 or not os.path.exists(out_path):
+            raise RuntimeError(f"measuring {plan.provenance.planner} for {name} failed "
+                               f"(exit code {proc.returncode}): {proc.stderr[-2000:]}")
+        with open(out_path, encoding="utf-8") as f:
+            return json.load(f)["step_times_s"]
+
+
+def run_plan(args):
+    """Child of `_measure_isolated`: one plan's steps, times written as JSON."""
+    import keras
+
+    from autodist_keras.devices import Cluster
+    from autodist_keras.estimator.measurements import Case
+    from autodist_keras.estimator.measurements import _measure_with_adapter
+    from autodist_keras.estimator.measurements import build_model
+    from autodist_keras.estimator.measurements import synthetic_data
+    from autodist_keras.strategies.plan import Plan
+
+    [name] = args.models
+    builder, kwargs, batch = MODELS[name]
+    case = Case(name, builder, kwargs, "single_device", batch)
+    plan = Plan.from_json(args.run_plan)
+    keras.utils.set_random_seed(0)
+    probe = build_model(case)
+    x, y = synthetic_data(probe, batch * (args.steps + args.warmup), seed=0)
+    del probe
+    times, _ = _measure_with_adapter(case, Cluster.cpu_testbed(), plan, x, y, args.steps,
+                                     args.warmup, 0, keras.backend.backend(), args.timeout)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump({"step_times_s": [float(t) for t in times[:args.steps]]}, f)
+
+
 def check_case(name, steps=6, warmup=3, rounds=4, estimator="learned", timeout_s=600,
-               devices=None, log=print):
+               devices=None, log=print, isolate=True):
     """Plans one model with auto and measures its choice against the baselines it beat.
 
     Args:
@@ -114,6 +166,10 @@ def check_case(name, steps=6, warmup=3, rounds=4, estimator="learned", timeout_s
         timeout_s: Limit for one plan's run.
         devices: Testbed device names auto may use (default: all three).
         log: Where progress lines go.
+        isolate: Time every plan's every round in a fresh process (what a
+            user running one program sees); False times them all in this
+            process, one after another, the PyTorch workers kept between
+            fits (the method before 4 December 2026; see docs/planners.md).
 
     Returns:
         A JSON-ready dict (see the module docstring).
@@ -162,8 +218,11 @@ def check_case(name, steps=6, warmup=3, rounds=4, estimator="learned", timeout_s
     for r in range(rounds if len(plans) > 1 else 1):
         order = labels[r % len(labels):] + labels[:r % len(labels)]
         for label in order:
-            got, _ = _measure_with_adapter(case, cluster, plans[label], x, y, steps, warmup,
-                                           0, backend, timeout_s)
+            if isolate:
+                got = _measure_isolated(name, plans[label], steps, warmup, timeout_s)
+            else:
+                got, _ = _measure_with_adapter(case, cluster, plans[label], x, y, steps,
+                                               warmup, 0, backend, timeout_s)
             times[label].extend(float(t) for t in got[:steps])
         loads.append(load_average())
         log(f"  median after round {r + 1}: " + ", ".join(
@@ -199,6 +258,7 @@ def check_case(name, steps=6, warmup=3, rounds=4, estimator="learned", timeout_s
         "steps_per_round": steps,
         "warmup_per_round": warmup,
         "rounds": rounds,
+        "isolated": isolate,
     }
 
 
@@ -208,7 +268,8 @@ def run(args):
     for name in args.models:
         results.append(check_case(name, steps=args.steps, warmup=args.warmup,
                                   rounds=args.rounds, estimator=args.estimator,
-                                  timeout_s=args.timeout, devices=args.devices))
+                                  timeout_s=args.timeout, devices=args.devices,
+                                  isolate=not args.in_process))
     try:
         from autodist_keras.backends.torch_pool import shutdown_pools
 
@@ -249,15 +310,24 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per plan run")
     parser.add_argument("--devices", nargs="*", default=None,
                         help="testbed devices auto may use (default: all)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="time every plan in this process, PyTorch workers kept between "
+                             "fits, instead of a fresh process per plan and round")
+    parser.add_argument("--run-plan", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if os.environ.get("KERAS_BACKEND") != args.backend:
         # The Keras backend is fixed per process: run again under the requested one.
         env = dict(os.environ, KERAS_BACKEND=args.backend, TF_CPP_MIN_LOG_LEVEL="2")
         argv = sys.argv[1:] if argv is None else list(argv)
         return subprocess.call([sys.executable, os.path.abspath(__file__)] + argv, env=env)
+    if args.run_plan:
+        return run_plan(args)
     print(f"auto_real_check: {args.backend}, models {args.models}, estimator "
           f"{args.estimator!r}, {args.rounds} interleaved round(s) of {args.steps} timed steps "
-          f"after {args.warmup} warm-up steps per plan", flush=True)
+          f"after {args.warmup} warm-up steps per plan, "
+          + ("all in this process" if args.in_process else "each in a fresh process"),
+          flush=True)
     run(args)
     return 0
 

@@ -241,12 +241,14 @@ def test_named_strategy_is_scored_too(testbed):
     assert any("simulator" in w for w in strategy.explain(format="json")["why"])
 
 
-def test_real_check_runs_a_tiny_case():
+@pytest.mark.parametrize("in_process", [False, True], ids=["fresh_process", "in_process"])
+def test_real_check_runs_a_tiny_case(in_process):
     """The real-run check end to end on one testbed device (short; torch runtime)."""
     env = dict(os.environ, KERAS_BACKEND="torch", TF_CPP_MIN_LOG_LEVEL="2")
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "auto_real_check.py"), "--models",
-         "tiny", "--devices", "node0/cpu0", "--steps", "3", "--warmup", "1", "--rounds", "2"],
+         "tiny", "--devices", "node0/cpu0", "--steps", "3", "--warmup", "1", "--rounds", "2"]
+        + (["--in-process"] if in_process else []),
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=170,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -258,6 +260,7 @@ def test_real_check_runs_a_tiny_case():
     assert row["measured_step_time_s"] > 0 and row["predicted_step_time_s"] > 0
     assert row["scorer"].endswith("predicted")
     assert case["ratio_measured_baseline_over_auto"] == {} and case["auto_at_least_as_fast"]
+    assert case["isolated"] is (not in_process)
     assert line["overall"]["cases"] == 1
 
 
