@@ -309,9 +309,9 @@ def main(argv=None):
     parser.add_argument("--default-variant", default=DEFAULT_VARIANT,
                         help="variant of the packaged estimators (default %(default)s)")
     parser.add_argument("--prospective", metavar="DIR", default=None,
-                        help="train on the stored cases measured before those in "
-                             "DIR/measurements_<backend>.json (other models only), predict "
-                             "those later cases and report the errors")
+                        help="train on the stored cases of the models added before those in "
+                             "DIR/measurements_<backend>.json, predict those later cases and "
+                             "report the errors")
     parser.add_argument("--profile-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.profile_worker:
@@ -361,10 +361,10 @@ def prospective(args):
     The held-out evaluation of `run` reuses measurements that also guided the
     estimator's design (its terms were chosen looking at held-out errors); this
     check predicts models that played no part in it: every variant is fitted on
-    the stored cases measured before `DIR`'s cases, then predicts the records
-    in `DIR` (`benchmarks/data/prospective/` and `prospective2/`: four models
-    each, measured after the terms were fixed, since added to the stored
-    files as well).
+    the stored cases of the models added to `MODELS` before `DIR`'s, then
+    predicts the records in `DIR` (`benchmarks/data/prospective/` and
+    `prospective2/`: four models each, measured after the terms were fixed,
+    since added to the stored files as well).
     """
     from autodist_keras.estimator import learned
     from autodist_keras.estimator.measurements import load_measurements
@@ -381,13 +381,15 @@ def prospective(args):
             print(f"No later measurements for {backend} at {path}; skipping it.")
             continue
         test, provenance = load_measurements(path)
-        # Train only on what was measured before the later cases (so the check
-        # reproduces once they, and cases measured after them, are stored too).
-        starts = [p.get("started") for r in test for p in r.passes]
-        first = min(starts) if all(starts) else None  # ISO times in UTC
+        # Train only on the models added to MODELS before the later ones (MODELS
+        # grows in the order models were added), so the check still holds once
+        # the later cases, and any added after them, are stored too.
+        order = [name for name, _, _ in MODELS]
         later = {r.model for r in test}
+        cut = min((order.index(m) for m in later if m in order), default=len(order))
+        earlier = set(order[:cut])
         train = [r for r in train if r.model not in later
-                 and (first is None or max(p.get("started") or "" for p in r.passes) < first)]
+                 and (r.model in earlier or r.model not in order)]
         print(f"\n=== {backend}: trained on {len(train)} stored cases "
               f"({len({r.model for r in train})} models), predicting {len(test)} later cases "
               f"of {sorted({r.model for r in test})} (measured {provenance.get('written')})")
