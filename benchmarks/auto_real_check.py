@@ -106,6 +106,41 @@ def beaten_baselines(strategy, plan):
     return out
 
 
+def _case(name):
+    """The measurements `Case` of a `MODELS` entry (its plan kind is unused here)."""
+    from autodist_keras.estimator.measurements import Case
+
+    builder, kwargs, batch = MODELS[name]
+    return Case(name, builder, kwargs, "single_device", batch)
+
+
+def _measure_in_this_process(case, plan, steps, warmup, timeout_s, data=None):
+    """Times `plan` on `case`'s model in this process (the adapter's workers as
+    it keeps them); `data` is `(x, y)` for `steps + warmup` batches, made here
+    when not given. Returns the `steps` step times after `warmup`."""
+    import keras
+
+    from autodist_keras.devices import Cluster
+    from autodist_keras.estimator.measurements import _measure_with_adapter
+
+    x, y = data if data is not None else _case_data(case, steps, warmup)
+    times, _ = _measure_with_adapter(case, Cluster.cpu_testbed(), plan, x, y, steps, warmup,
+                                     0, keras.backend.backend(), timeout_s)
+    return [float(t) for t in times[:steps]]
+
+
+def _case_data(case, steps, warmup):
+    """Synthetic `(x, y)` for `steps + warmup` batches of `case` (seed 0)."""
+    import keras
+
+    from autodist_keras.estimator.measurements import build_model
+    from autodist_keras.estimator.measurements import synthetic_data
+
+    keras.utils.set_random_seed(0)
+    probe = build_model(case)
+    return synthetic_data(probe, case.batch_size * (steps + warmup), seed=0)
+
+
 def _measure_isolated(name, plan, steps, warmup, timeout_s):
     """Times `plan` on model `name` in a fresh process, as a user's run of one
     program with one plan would (nothing else loaded, no other plan's workers);
@@ -130,27 +165,13 @@ def _measure_isolated(name, plan, steps, warmup, timeout_s):
 
 def run_plan(args):
     """Child of `_measure_isolated`: one plan's steps, times written as JSON."""
-    import keras
-
-    from autodist_keras.devices import Cluster
-    from autodist_keras.estimator.measurements import Case
-    from autodist_keras.estimator.measurements import _measure_with_adapter
-    from autodist_keras.estimator.measurements import build_model
-    from autodist_keras.estimator.measurements import synthetic_data
     from autodist_keras.strategies.plan import Plan
 
     [name] = args.models
-    builder, kwargs, batch = MODELS[name]
-    case = Case(name, builder, kwargs, "single_device", batch)
-    plan = Plan.from_json(args.run_plan)
-    keras.utils.set_random_seed(0)
-    probe = build_model(case)
-    x, y = synthetic_data(probe, batch * (args.steps + args.warmup), seed=0)
-    del probe
-    times, _ = _measure_with_adapter(case, Cluster.cpu_testbed(), plan, x, y, args.steps,
-                                     args.warmup, 0, keras.backend.backend(), args.timeout)
+    times = _measure_in_this_process(_case(name), Plan.from_json(args.run_plan), args.steps,
+                                     args.warmup, args.timeout)
     with open(args.out, "w", encoding="utf-8") as f:
-        json.dump({"step_times_s": [float(t) for t in times[:args.steps]]}, f)
+        json.dump({"step_times_s": times}, f)
 
 
 def check_case(name, steps=6, warmup=3, rounds=4, estimator="learned", timeout_s=600,
@@ -177,15 +198,11 @@ def check_case(name, steps=6, warmup=3, rounds=4, estimator="learned", timeout_s
     import keras
 
     from autodist_keras.devices import Cluster
-    from autodist_keras.estimator.measurements import Case
-    from autodist_keras.estimator.measurements import _measure_with_adapter
-    from autodist_keras.estimator.measurements import build_model
     from autodist_keras.estimator.measurements import load_average
-    from autodist_keras.estimator.measurements import synthetic_data
 
     backend = keras.backend.backend()
-    builder, kwargs, batch = MODELS[name]
-    case = Case(name, builder, kwargs, "single_device", batch)
+    case = _case(name)
+    batch = case.batch_size
     cluster = Cluster.cpu_testbed()
     started = time.perf_counter()
     strategy, plan = plan_with_auto(case, cluster, estimator, devices)
@@ -208,10 +225,8 @@ def check_case(name, steps=6, warmup=3, rounds=4, estimator="learned", timeout_s
     log(f"{name}: auto chose {chosen} (family {family}) in {planning_s:.2f} s, predicted "
         f"{plan.prediction.step_time_s * 1e3:.1f} ms ({plan.prediction.source}); beat on paper: "
         + (", ".join(f"{c.name} {c.step_time_s * 1e3:.1f} ms" for c in beaten) or "none"))
-    keras.utils.set_random_seed(0)
-    probe = build_model(case)
-    x, y = synthetic_data(probe, batch * (steps + warmup), seed=0)
-    del probe
+    # Isolated runs make their own data in their own process.
+    data = None if isolate else _case_data(case, steps, warmup)
     times = {label: [] for label in plans}
     labels = list(plans)
     loads = [load_average()]
@@ -221,8 +236,8 @@ def check_case(name, steps=6, warmup=3, rounds=4, estimator="learned", timeout_s
             if isolate:
                 got = _measure_isolated(name, plans[label], steps, warmup, timeout_s)
             else:
-                got, _ = _measure_with_adapter(case, cluster, plans[label], x, y, steps,
-                                               warmup, 0, backend, timeout_s)
+                got = _measure_in_this_process(case, plans[label], steps, warmup, timeout_s,
+                                               data)
             times[label].extend(float(t) for t in got[:steps])
         loads.append(load_average())
         log(f"  median after round {r + 1}: " + ", ".join(

@@ -1,6 +1,6 @@
 """Estimator accuracy: measured step times vs the analytic simulator and the learned estimators.
 
-Cases: 16 models (6 MLPs, 5 CNNs, 5 Transformer encoders from graph/zoo.py) x
+Cases: 24 models (9 MLPs, 8 CNNs, 7 Transformer encoders from graph/zoo.py) x
 4 data-parallel plans on the CPU testbed (node0/cpu0 owns core 0, node0/cpu1
 and node0/cpu2 share core 1): single device, even over all three devices,
 speed-proportional over all three, even over the two fastest. Global batch 96.
@@ -324,12 +324,25 @@ def main(argv=None):
     return run(args)
 
 
+def _backends(args):
+    return ["tensorflow", "torch"] if args.backend == "both" else [args.backend]
+
+
+def _variants(args):
+    """The learned variants to evaluate: `--variants`, else every one that can
+    train here (the GNN needs PyTorch)."""
+    from autodist_keras.estimator import learned
+
+    return args.variants or [v for v in learned.VARIANTS
+                             if v != "gnn" or learned._torch_available()]
+
+
 def write_defaults(args):
     """Trains the estimators AutoStrategy scores with, one per backend, on every stored case."""
     from autodist_keras.estimator import learned
     from autodist_keras.estimator.measurements import load_measurements
 
-    backends = ["tensorflow", "torch"] if args.backend == "both" else [args.backend]
+    backends = _backends(args)
     written = {}
     for backend in backends:
         records, provenance = load_measurements(data_path(backend, args.data_dir))
@@ -369,9 +382,8 @@ def prospective(args):
     from autodist_keras.estimator import learned
     from autodist_keras.estimator.measurements import load_measurements
 
-    backends = ["tensorflow", "torch"] if args.backend == "both" else [args.backend]
-    variants = args.variants or [v for v in learned.VARIANTS
-                                 if v != "gnn" or learned._torch_available()]
+    backends = _backends(args)
+    variants = _variants(args)
     rows = {v: [] for v in variants}
     analytic = []
     for backend in backends:
@@ -447,9 +459,8 @@ def run(args):
     from autodist_keras.estimator import machine_speed
     from autodist_keras.estimator.measurements import load_measurements
 
-    backends = ["tensorflow", "torch"] if args.backend == "both" else [args.backend]
-    variants = args.variants or [v for v in learned.VARIANTS
-                                 if v != "gnn" or learned._torch_available()]
+    backends = _backends(args)
+    variants = _variants(args)
     summary = {"benchmark": "estimator_accuracy", "held_out": "leave one model out",
                "backends": {}, "source": {}}
     pooled = {}
