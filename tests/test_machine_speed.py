@@ -22,23 +22,38 @@ def test_probe_times_every_core_and_restores_affinity():
     assert speed.to_dict()["repeats"] == 5
 
 
-def test_a_busy_core_probes_slower():
-    core = ALLOWED[0]
-    quiet = machine_speed.probe([core], repeats=20).seconds
-    # A second process spinning on the same core takes about half of it.
-    spinner = subprocess.Popen(
-        [sys.executable, "-c",
-         f"import os; os.sched_setaffinity(0, {{{core}}}); print('spinning', flush=True)\n"
-         "while True: pass"],
-        stdout=subprocess.PIPE, text=True)
-    try:
+def _spinners(core, count):
+    """Starts `count` processes that spin on `core`; returns them once all spin."""
+    spinners = []
+    for _ in range(count):
+        spinner = subprocess.Popen(
+            [sys.executable, "-c",
+             f"import os; os.sched_setaffinity(0, {{{core}}}); print('spinning', flush=True)\n"
+             "while True: pass"],
+            stdout=subprocess.PIPE, text=True)
+        spinners.append(spinner)
         assert spinner.stdout.readline().strip() == "spinning"
-        busy = machine_speed.probe([core], repeats=20).seconds
-    finally:
-        spinner.kill()
-        spinner.wait(timeout=10)
-    quiet = min(quiet, machine_speed.probe([core], repeats=20).seconds)
-    assert busy > 1.3 * quiet, (busy, quiet)
+    return spinners
+
+
+def test_a_busy_core_probes_slower():
+    # Two processes spinning on the probed core leave the probe about a third
+    # of it. The suite runs on two pytest workers, so the other worker's test
+    # may load the same core during any one probe: quiet and busy probes
+    # alternate three times and the fastest of each kind is compared. Even
+    # with that worker on the core throughout, busy is about 2x quiet.
+    core = ALLOWED[0]
+    quiet, busy = [], []
+    for _ in range(3):
+        quiet.append(machine_speed.probe([core], repeats=10).seconds)
+        spinners = _spinners(core, 2)
+        try:
+            busy.append(machine_speed.probe([core], repeats=10).seconds)
+        finally:
+            for spinner in spinners:
+                spinner.kill()
+                spinner.wait(timeout=10)
+    assert min(busy) > 1.5 * min(quiet), (busy, quiet)
 
 
 def test_speed_ratio_ignores_differences_within_the_probes_noise():
