@@ -25,15 +25,24 @@ def test_probe_times_every_core_and_restores_affinity():
 def _spinners(core, count):
     """Starts `count` processes that spin on `core`; returns them once all spin."""
     spinners = []
-    for _ in range(count):
-        spinner = subprocess.Popen(
-            [sys.executable, "-c",
-             f"import os; os.sched_setaffinity(0, {{{core}}}); print('spinning', flush=True)\n"
-             "while True: pass"],
-            stdout=subprocess.PIPE, text=True)
-        spinners.append(spinner)
-        assert spinner.stdout.readline().strip() == "spinning"
+    try:
+        for _ in range(count):
+            spinners.append(subprocess.Popen(
+                [sys.executable, "-c",
+                 f"import os; os.sched_setaffinity(0, {{{core}}}); print('spinning', flush=True)\n"
+                 "while True: pass"],
+                stdout=subprocess.PIPE, text=True))
+            assert spinners[-1].stdout.readline().strip() == "spinning"
+    except BaseException:
+        _stop(spinners)
+        raise
     return spinners
+
+
+def _stop(spinners):
+    for spinner in spinners:
+        spinner.kill()
+        spinner.wait(timeout=10)
 
 
 def test_a_busy_core_probes_slower():
@@ -50,9 +59,7 @@ def test_a_busy_core_probes_slower():
         try:
             busy.append(machine_speed.probe([core], repeats=10).seconds)
         finally:
-            for spinner in spinners:
-                spinner.kill()
-                spinner.wait(timeout=10)
+            _stop(spinners)
     assert min(busy) > 1.5 * min(quiet), (busy, quiet)
 
 
