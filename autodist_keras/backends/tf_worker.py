@@ -74,7 +74,6 @@ def main(argv=None):
     y = np.load(job["y"], allow_pickle=False)
     phases["model_s"] = time.perf_counter() - started - sum(phases.values())
     timer = StepTimes()
-    losses = []
     metrics = {}
     alternated = None
     if job.get("alternate"):
@@ -83,7 +82,6 @@ def main(argv=None):
         for _ in range(int(job.get("epochs", 1))):
             history = fit_repeating(model, x, y, job["batch_size"], job["steps"], [timer],
                                     drop_remainder=job.get("drop_remainder", False))
-            losses.extend(float(v) for v in history.history.get("loss", []))
             for name, values in history.history.items():
                 metrics.setdefault(name, []).extend(float(v) for v in values)
     phases["fit_s"] = time.perf_counter() - started - sum(phases.values())
@@ -98,7 +96,7 @@ def main(argv=None):
         # this rank even when other jobs stretch its wall time.
         "cpu_times_s": timer.cpu_times_s,
         "share": _share(strategy, device.name),
-        "loss": losses,
+        "loss": metrics.get("loss", []),
         "history": metrics,
         "device": device.name,
         "affinity": sorted(os.sched_getaffinity(0)),
