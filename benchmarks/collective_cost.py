@@ -29,7 +29,6 @@ The last line of output is one JSON object.
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -37,17 +36,6 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_SIZES = (1024, 262144, 1600000, 6300000)
 WARMUP_CALLS = 5
-
-
-def _free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _timed_calls(call, calls):
@@ -139,8 +127,10 @@ def measure(framework, sizes, calls, timeout_s=300):
     Raises:
         RuntimeError: If a process fails or the run times out.
     """
+    from autodist_keras.backends.tf_multiworker import free_ports
+
     devices = _testbed_devices()
-    ports = _free_ports(len(devices))
+    ports = free_ports(len(devices))
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
     procs = []
     for rank, device in enumerate(devices):
