@@ -91,14 +91,16 @@ MODELS = {
 }
 
 
-def run_case(model_name, strategy_name, steps, warmup, step_costs=None):
+def run_case(model_name, strategy_name, steps, warmup, step_costs=None,
+             tf_processes="per_core"):
     """Trains one case and returns its measured step times.
 
     PyTorch: `AutoStrategy` in this process (the adapter starts one pinned
     process per testbed device). TensorFlow: one process drives logical
     devices that share the process's threads, so the testbed's cores cannot
     be given to them; the case runs through the TensorFlow adapter's
-    multi-worker path instead (`run_steps`: one pinned worker per device).
+    multi-worker path instead (`run_steps`: pinned workers, one per core set
+    or one per device, see `tf_processes`).
 
     Every case reports, per rank, its device, share and median CPU time per
     step (`ranks`, `cpu_ms`), the figures the step costs are fitted from.
@@ -107,7 +109,8 @@ def run_case(model_name, strategy_name, steps, warmup, step_costs=None):
     import keras
 
     if keras.backend.backend() == "tensorflow":
-        return _run_case_tensorflow(model_name, strategy_name, steps, warmup, step_costs)
+        return _run_case_tensorflow(model_name, strategy_name, steps, warmup, step_costs,
+                                    tf_processes)
     strategy, model = _build_torch(model_name, strategy_name, step_costs)
     try:
         return _fit_torch(strategy, model, model_name, steps, warmup)
@@ -245,14 +248,18 @@ def _profile_summary(directory, world, warmup):
     return out
 
 
-def run_interleaved_tensorflow(model_name, steps, warmup, rounds, workdir):
-    """Every round of the three cases in one set of TensorFlow worker processes.
+def run_interleaved_tensorflow(model_name, steps, warmup, rounds, workdir,
+                               processes="per_core"):
+    """Every round of the cases in one set of TensorFlow worker processes.
 
-    The workers (one pinned process per testbed device) build one model per
-    plan and alternate them every `steps` steps (`launch_local_workers(...,
-    alternate_plans=...)`). The step costs for the third plan come from a
-    short calibration run first (one round of even and proportional, its
-    own worker processes).
+    The workers (pinned processes, one per core set or one per testbed
+    device, see `processes`) build one model per plan and alternate them
+    every `steps` steps (`launch_local_workers(..., alternate_plans=...)`).
+    With `processes="per_device"` the step costs for the third plan come
+    from a short calibration run first (one round of even and proportional,
+    its own worker processes); with `"per_core"` the third plan is not run,
+    because its cost model charges each device a fixed cost per step, which
+    one process per core pays once for both of core 1's devices.
 
     Returns:
         `(rounds, costs)`, as `_collect_rounds`.
@@ -288,16 +295,22 @@ def run_interleaved_tensorflow(model_name, steps, warmup, rounds, workdir):
     def alternate(plans, keys, n_rounds):
         results = launch_local_workers(model_fn, cluster, x, y, batch, steps + warmup,
                                        drop_remainder=True, timeout_s=600 + 300 * n_rounds,
-                                       alternate_plans=plans, rounds=n_rounds)
+                                       alternate_plans=plans, rounds=n_rounds,
+                                       processes=processes)
         out = {key: [] for key in keys}
         for fit, *others in zip(*(r["phases"] for r in results)):
             per_rank = [fit] + others
             out[keys[fit["plan"]]].append(_tensorflow_case_result(
-                cluster, [dict(f, device=r["device"]) for f, r in zip(per_rank, results)],
-                warmup))
+                cluster, [dict(f, device=r["device"], devices=r["devices"])
+                          for f, r in zip(per_rank, results)],
+                warmup, processes))
         return out
 
     even, proportional = plan("data_parallel"), plan("proportional")
+    if processes == "per_core":
+        out = alternate([even, proportional], ["even", "proportional"], rounds)
+        out["proportional_measured"] = [{"error": [PER_CORE_NO_MEASURED_COSTS]}]
+        return out, None
     calibration = alternate([even, proportional], ["even", "proportional"], 1)
     costs = step_costs_to_dict(fit_costs([calibration["even"][0],
                                           calibration["proportional"][0]]))
@@ -309,7 +322,7 @@ def run_interleaved_tensorflow(model_name, steps, warmup, rounds, workdir):
     return alternate([even, proportional, measured], keys, rounds), costs
 
 
-def _tensorflow_case_result(cluster, ranks_raw, warmup):
+def _tensorflow_case_result(cluster, ranks_raw, warmup, processes="per_device"):
     """One case's result dict from the per-rank step and CPU times of one fit."""
     import statistics
 
@@ -319,6 +332,7 @@ def _tensorflow_case_result(cluster, ranks_raw, warmup):
         cpu = (rank.get("cpu_times_s") or [])[warmup:]
         ranks.append({
             "device": rank["device"],
+            "devices": rank.get("devices") or [rank["device"]],
             "share": rank["share"],
             "affinity": list(cluster.device(rank["device"]).cpu_affinity),
             "total_ms": round(statistics.median(times) * 1e3, 1),
@@ -329,10 +343,13 @@ def _tensorflow_case_result(cluster, ranks_raw, warmup):
     return {"median_step_s": statistics.median(times), "steps": len(times),
             "shares": [r["share"] for r in ranks], "predicted_step_s": None,
             "ranks": ranks, "core_cpu_ms": _core_cpu(ranks),
-            "how": "TensorFlow multi-worker, one pinned process per testbed device"}
+            "how": "TensorFlow multi-worker, one pinned process per "
+                   + ("core set (core 1's two devices in one process)"
+                      if processes == "per_core" else "testbed device")}
 
 
-def _run_case_tensorflow(model_name, strategy_name, steps, warmup, step_costs=None):
+def _run_case_tensorflow(model_name, strategy_name, steps, warmup, step_costs=None,
+                         processes="per_core"):
     import numpy as np
 
     from autodist_keras import Cluster
@@ -350,10 +367,15 @@ def _run_case_tensorflow(model_name, strategy_name, steps, warmup, step_costs=No
     cluster = Cluster.cpu_testbed()
     options = {"step_costs": step_costs} if step_costs is not None else {}
     out = run_steps(f"_testbed_models:build_{builder}", strategy_name, cluster, x, y,
-                    batch_size=batch, steps=steps, warmup=warmup, processes=True,
+                    batch_size=batch, steps=steps, warmup=warmup, processes=processes,
                     timeout_s=1500, options=options, details=True)
-    return _tensorflow_case_result(cluster, out["ranks"], warmup=0)  # run_steps dropped it
+    # (run_steps dropped the warm-up steps already)
+    return _tensorflow_case_result(cluster, out["ranks"], warmup=0, processes=processes)
 
+
+PER_CORE_NO_MEASURED_COSTS = (
+    "not run with one TensorFlow process per core: its step costs charge every device a "
+    "fixed cost per step, which core 1's one process pays once for both of its devices")
 
 # Models whose per-replica step cost grows with the replica's share on this CPU.
 SHARE_BOUND = ("cnn", "mlp_large")
@@ -368,7 +390,8 @@ CASES = (
 
 def _run_subprocess(backend, model_name, strategy_name, args, costs_path=None):
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
-    command = [sys.executable, __file__, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    command = [sys.executable, __file__, "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--tf-processes", args.tf_processes]
     if strategy_name is None:  # every case, in alternating rounds, in that one process
         command += ["--interleaved-case", model_name, "--rounds", str(args.rounds)]
     else:
@@ -410,7 +433,7 @@ def predicted_busiest_core_ms(costs, shares):
     return round(busiest_load_s(Cluster.cpu_testbed(), list(costs), costs, shares) * 1e3, 1)
 
 
-def _collect_rounds(n_rounds, run, costs_path):
+def _collect_rounds(n_rounds, run, costs_path, skip_measured=None):
     """Runs the three cases in `n_rounds` rounds, every second one in reverse order.
 
     Args:
@@ -419,6 +442,7 @@ def _collect_rounds(n_rounds, run, costs_path):
             case's result dict.
         costs_path: Where to write the step costs fitted after the first
             even and proportional cases (the measured-cost case reads them).
+        skip_measured: A reason not to run the measured-cost case, or None.
 
     Returns:
         `(rounds, costs)`: each case's results, one per round, and the fitted
@@ -431,6 +455,9 @@ def _collect_rounds(n_rounds, run, costs_path):
     for r in range(n_rounds):
         order = CASES if r % 2 == 0 else tuple(reversed(CASES))
         for key, strategy_name, measured in order:
+            if measured and skip_measured:
+                rounds[key] = [{"error": [skip_measured]}]
+                continue
             if measured and costs is None:
                 try:
                     costs = step_costs_to_dict(
@@ -465,7 +492,9 @@ def run_model(backend, model_name, args, workdir):
         rounds, costs = _collect_rounds(
             args.rounds,
             lambda name, path: _run_subprocess(backend, model_name, name, args, path),
-            os.path.join(workdir, f"{backend}_{model_name}_costs.json"))
+            os.path.join(workdir, f"{backend}_{model_name}_costs.json"),
+            skip_measured=(PER_CORE_NO_MEASURED_COSTS if backend == "tensorflow"
+                           and args.tf_processes == "per_core" else None))
     row = {}
     for key, _, _ in CASES:
         good = [run for run in rounds[key] if run.get("median_step_s")]
@@ -507,6 +536,9 @@ def main():
     parser.add_argument("--no-interleave", dest="interleave", action="store_false",
                         help="PyTorch: run every case in its own process (as TensorFlow does) "
                              "instead of alternating the cases in one process")
+    parser.add_argument("--tf-processes", choices=("per_core", "per_device"), default="per_core",
+                        help="TensorFlow: one worker process per core set (core 1's two devices "
+                             "share one, default) or one per testbed device")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--interleaved-case", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--step-costs", default=None, help=argparse.SUPPRESS)
@@ -514,18 +546,21 @@ def main():
     if args.case:
         model_name, strategy_name = args.case.split(":")
         print(json.dumps(run_case(model_name, strategy_name, args.steps, args.warmup,
-                                  step_costs=args.step_costs)))
+                                  step_costs=args.step_costs, tf_processes=args.tf_processes)))
         return
     import tempfile
 
     if args.interleaved_case:
         import keras
 
-        run = (run_interleaved_tensorflow if keras.backend.backend() == "tensorflow"
-               else run_interleaved_torch)
         with tempfile.TemporaryDirectory() as workdir:
-            rounds, costs = run(args.interleaved_case, args.steps, args.warmup, args.rounds,
-                                workdir)
+            if keras.backend.backend() == "tensorflow":
+                rounds, costs = run_interleaved_tensorflow(
+                    args.interleaved_case, args.steps, args.warmup, args.rounds, workdir,
+                    args.tf_processes)
+            else:
+                rounds, costs = run_interleaved_torch(
+                    args.interleaved_case, args.steps, args.warmup, args.rounds, workdir)
         print(json.dumps({"rounds": rounds, "costs": costs}))
         return
     results = {}
@@ -550,6 +585,7 @@ def main():
         "steps": args.steps,
         "warmup": args.warmup,
         "rounds": args.rounds,
+        "tf_processes": args.tf_processes,
         "wall_s": round(time.perf_counter() - started, 1),
         "results": results,
         "min_ratio": min(plain) if plain else None,

@@ -207,3 +207,108 @@ def test_two_workers_match_one_process_with_batch_norm():
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=w.path)
     # The statistics moved: they are not the initial zeros and ones.
     assert not np.allclose(local.get_weights()[moving[0]], initial[moving[0]])
+
+
+def bn_accuracy_worker_model():
+    """`bn_worker_model` with an accuracy metric (predictions fold into the all-reduce)."""
+    model = bn_worker_model()
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def embedding_worker_model():
+    """Token ids through an Embedding (sparse gradients) into a classifier."""
+    inputs = keras.Input((6,), dtype="int32", name="emb_input")
+    x = keras.layers.Embedding(20, 4, name="emb_table")(inputs)
+    x = keras.layers.GlobalAveragePooling1D(name="emb_pool")(x)
+    outputs = keras.layers.Dense(3, name="emb_logits")(x)
+    model = keras.Model(inputs, outputs, name="emb_model")
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("model_fn", [bn_accuracy_worker_model, embedding_worker_model],
+                         ids=["batch_norm_and_accuracy", "embedding"])
+def test_devices_sharing_a_core_share_one_worker(model_fn):
+    """`processes="per_core"`: the testbed's cpu1 and cpu2 (both on core 1) run as two
+    replicas of one worker process, summed locally before the one cross-process
+    all-reduce, and training ends where one process driving all three replicas ends."""
+    from autodist_keras import AutoStrategy
+    from autodist_keras.backends import tf_multiworker
+    from autodist_keras.devices import Cluster
+    from autodist_keras.graph import ModelGraph
+    from autodist_keras.strategies import baselines
+
+    rng = np.random.default_rng(2)
+    if model_fn is embedding_worker_model:
+        x = rng.integers(0, 20, size=(96, 6)).astype("int32")
+    else:
+        x = rng.normal(size=(96, 8)).astype("float32")
+    y = rng.integers(0, 3, size=(96,)).astype("int32")
+    cluster = Cluster.cpu_testbed()
+    keras.utils.set_random_seed(7)
+    initial = model_fn().get_weights()
+    plan = baselines.proportional(ModelGraph.from_keras(model_fn()), cluster, BATCH,
+                                  bucket_bytes=256)
+    assert plan.shares_for(BATCH) == [12, 6, 6]
+    strategy = AutoStrategy(cluster=cluster, plan=plan)
+    with strategy.scope():
+        local = model_fn()
+    local.set_weights(initial)
+    history = local.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    results = tf_multiworker.launch_local_workers(
+        model_fn, cluster, x, y, BATCH, steps=4, plan=plan, initial_weights=initial,
+        return_weights=True, timeout_s=400, processes="per_core",
+    )
+    assert [r["devices"] for r in results] == [["node0/cpu0"], ["node0/cpu1", "node0/cpu2"]]
+    assert [r["affinity"] for r in results] == [[0], [1]]
+    assert [r["share"] for r in results] == [12, 12]
+    replicas = results[1]["runtime"]["replica_devices"]
+    assert replicas["node0/cpu1"].endswith("task:1/device:CPU:0")
+    assert replicas["node0/cpu2"].endswith("task:1/device:CPU:1")
+    for result in results:
+        for name, values in history.history.items():
+            np.testing.assert_allclose(result["history"][name], values, rtol=1e-5, err_msg=name)
+        for w, want, got in zip(local.weights, local.get_weights(), result["weights"]):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=w.path)
+
+
+def test_worker_device_groups_and_pinning():
+    from autodist_keras import BackendError
+    from autodist_keras.backends import tf_multiworker
+    from autodist_keras.devices import Cluster
+
+    cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1},
+                                   {"cores": [1], "threads": 1}, {"cores": [0, 1], "threads": 2}])
+    names = cluster.names
+    assert tf_multiworker.group_devices(cluster, names) == [[n] for n in names]
+    assert tf_multiworker.group_devices(cluster, names, "per_core") == [
+        [names[0]], [names[1], names[2]], [names[3]]]
+    # Devices on one core share its one thread; a two-core device keeps two.
+    assert tf_multiworker.pinning_for([cluster.device(n) for n in names[1:3]]) == ([1], 1)
+    assert tf_multiworker.pinning_for([cluster.device(names[3])]) == ([0, 1], 2)
+    with pytest.raises(BackendError, match="processes must be one of"):
+        tf_multiworker.group_devices(cluster, names, "per_node")
+    env = {tf_multiworker.WORKER_DEVICES_ENV: '["node0/cpu1", "node0/cpu2"]'}
+    assert tf_multiworker.worker_device_names(env) == ["node0/cpu1", "node0/cpu2"]
+    assert tf_multiworker.worker_device_names({}) is None
+    for bad in ("node0/cpu1", "[]", '["a", "a"]', "[1]"):
+        with pytest.raises(BackendError, match="JSON list of distinct device names"):
+            tf_multiworker.worker_device_names({tf_multiworker.WORKER_DEVICES_ENV: bad})
+
+
+def test_worker_naming_a_device_the_strategy_does_not_use_fails(monkeypatch):
+    from autodist_keras import AutoStrategy
+    from autodist_keras import BackendError
+    from autodist_keras.backends import tf_multiworker
+    from autodist_keras.devices import Cluster
+
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, '
+                                    '"task": {"type": "worker", "index": 1}}')
+    monkeypatch.setenv(tf_multiworker.WORKER_DEVICES_ENV, '["node0/cpu7"]')
+    strategy = AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed())
+    with pytest.raises(BackendError, match=r"does not use \(\['node0/cpu7'\]\)"):
+        strategy.adapter

@@ -106,21 +106,27 @@ def configure_logical_cpus(cluster):
     operation. `AutoStrategy` calls this when it is created, so a script that
     creates the strategy first gets its devices even if it builds the model
     outside `strategy.scope()`; the adapter calls it again and raises if the
-    devices are missing. With `TF_CONFIG` set (one worker per device) it does
-    nothing.
+    devices are missing. With `TF_CONFIG` set, a worker gets one logical CPU
+    device per CPU device it runs (`tf_multiworker.WORKER_DEVICES_ENV`),
+    none when it runs one device.
 
     Args:
         cluster: The `Cluster`.
 
     Returns:
-        The number of logical CPU devices the cluster needs (0 under
-        `TF_CONFIG`).
+        The number of logical CPU devices this process needs (0 for a
+        worker running one device).
     """
     import tensorflow as tf
 
     if tf_multiworker.parse_tf_config() is not None:
-        return 0
-    needed = len(_cpu_devices(cluster))
+        names = tf_multiworker.worker_device_names() or []
+        local = [n for n in names if n in cluster.names and cluster.device(n).kind != "gpu"]
+        if len(local) <= 1:
+            return 0
+        needed = len(local)
+    else:
+        needed = len(_cpu_devices(cluster))
     if needed <= 1:
         return needed
     physical = tf.config.list_physical_devices("CPU")[0]
@@ -158,6 +164,7 @@ class TensorFlowAdapter(BackendAdapter):
 
         self.cluster = strategy.cluster
         self.worker = tf_multiworker.parse_tf_config()
+        self.worker_devices = None  # the plan devices this worker process runs
         self.collective = None
         if self.worker is not None:
             self._setup_worker()
@@ -192,22 +199,51 @@ class TensorFlowAdapter(BackendAdapter):
             )
 
     def _setup_worker(self):
-        """Pins this worker to its testbed device and starts the collectives."""
+        """Pins this worker to its devices' cores, creates their logical CPU
+        devices and starts the collectives."""
+        import tensorflow as tf
+
         worker = self.worker
         names = list(self.strategy.devices)
-        if worker.num_workers != len(names):
+        mine = tf_multiworker.worker_device_names()
+        if mine is None:
+            if worker.num_workers != len(names):
+                raise BackendError(
+                    f"TF_CONFIG describes {worker.num_workers} worker tasks but the strategy "
+                    f"uses {len(names)} devices ({names}); run one worker process per device, "
+                    "in the order of the strategy's devices, or name each worker's devices in "
+                    f"{tf_multiworker.WORKER_DEVICES_ENV}. "
+                    f"Received: {worker.num_workers} tasks for {len(names)} devices"
+                )
+            mine = [names[worker.rank]]
+        unknown = [n for n in mine if n not in names]
+        if unknown:
             raise BackendError(
-                f"TF_CONFIG describes {worker.num_workers} worker tasks but the strategy uses "
-                f"{len(names)} devices ({names}); run one worker process per device, in the "
-                "order of the strategy's devices. "
-                f"Received: {worker.num_workers} tasks for {len(names)} devices"
+                f"{tf_multiworker.WORKER_DEVICES_ENV} names devices the strategy does not use "
+                f"({unknown}); name some of {names}. Received: {mine}"
             )
-        device = self.cluster.device(names[worker.rank])
-        self.worker_device = device
-        if device.cpu_affinity is not None:
-            tf_multiworker.pin_process(device.cpu_affinity, device.threads)
+        devices = [self.cluster.device(n) for n in mine]
+        if len(devices) > 1 and any(d.kind == "gpu" for d in devices):
+            raise BackendError(
+                "A worker process runs several devices only on the CPU testbed (logical CPU "
+                "devices); with GPUs, run one worker per GPU (CUDA_VISIBLE_DEVICES=<its index>). "
+                f"Received: {mine}"
+            )
+        self.worker_devices = mine
+        cores, threads = tf_multiworker.pinning_for(devices)
+        if cores is not None:
+            tf_multiworker.pin_process(cores, threads)
+        if len(devices) > 1:
+            configure_logical_cpus(self.cluster)  # before the collectives start TensorFlow
         timeout = self.strategy.options.get("timeout_s", 300)
         self.collective = tf_multiworker.make_collective_strategy(timeout)
+        have = len(tf.config.list_logical_devices("CPU"))
+        if have < len(devices):
+            raise BackendError(
+                f"This worker runs {len(devices)} devices ({mine}) but TensorFlow started with "
+                f"{have} logical CPU device(s). Create the AutoStrategy before any TensorFlow "
+                f"op runs. Received: {have} logical CPU device(s)"
+            )
         local = list(self.collective.extended.worker_devices)
         if len(local) != 1:
             raise BackendError(
@@ -238,7 +274,11 @@ class TensorFlowAdapter(BackendAdapter):
 
         device = self.cluster.device(name)
         if self.worker is not None:
-            return self.collective.extended.worker_devices[0]
+            base = self.collective.extended.worker_devices[0]
+            if name not in self.worker_devices or len(self.worker_devices) == 1:
+                return base
+            index = self.worker_devices.index(name)
+            return tf.DeviceSpec.from_string(base).replace(device_index=index).to_string()
         if device.kind == "gpu":
             gpus = tf.config.list_logical_devices("GPU")
             if device.index >= len(gpus):
@@ -358,6 +398,12 @@ class TensorFlowAdapter(BackendAdapter):
         model._autodist_runtime = runtime
 
     @property
+    def workers_share_devices(self):
+        """Whether some worker process runs several devices (fewer workers than
+        devices): every worker then makes the same choice of collectives."""
+        return self.worker is not None and self.worker.num_workers < len(self.strategy.devices)
+
+    @property
     def rank(self):
         """This process's worker rank (0 when not running multi-worker)."""
         return 0 if self.worker is None else self.worker.rank
@@ -373,7 +419,7 @@ class _Runtime:
         self.replicas = None
         self.layout = None
         self.fns = {}
-        self.local_index = None
+        self.local_indices = None  # multi-worker: the plan replicas this process runs
         self.placement = None  # a tf_placement.PlacementRuntime for multi-group plans
         self.fusion = None  # a tf_fusion.FusionRegions when op-fusion regions are realised
 
@@ -403,15 +449,17 @@ class _Runtime:
                     f"Received: devices {[r.name for r in replicas]}"
                 )
         else:
-            mine = self.adapter.strategy.devices[self.adapter.worker.rank]
+            mine = self.adapter.worker_devices
             names = [r.name for r in replicas]
-            if sorted(names) != sorted(self.adapter.strategy.devices) or mine not in names:
+            if sorted(names) != sorted(self.adapter.strategy.devices) or any(
+                    m not in names for m in mine):
                 raise BackendError(
-                    "In multi-worker mode every worker runs one replica: the plan's replicas "
-                    f"must be exactly the strategy's devices {self.adapter.strategy.devices}, one "
-                    f"per worker. Received: plan replicas {names}"
+                    "In multi-worker mode every worker runs one replica per device it owns: the "
+                    "plan's replicas must be exactly the strategy's devices "
+                    f"{self.adapter.strategy.devices}, one per device. "
+                    f"Received: plan replicas {names}"
                 )
-            self.local_index = names.index(mine)
+            self.local_indices = [names.index(m) for m in mine]
         variables = model.trainable_variables
         self.layout = tf_reduce.bucket_layout(
             plan,
@@ -434,6 +482,7 @@ class _Runtime:
         self.adapter.runtime_info = (
             {
                 "mode": "multi-worker" if self.adapter.worker is not None else "single-process",
+                "worker_devices": self.adapter.worker_devices,
                 "replica_devices": {r.name: r.device for r in replicas},
                 "home_device": self.adapter.home,
                 "buckets": len(self.layout),
@@ -627,7 +676,7 @@ class _Runtime:
         """(replica, share, start) of the replicas this process runs, skipping empty ones."""
         out, start = [], 0
         for i, (replica, share) in enumerate(zip(self.replicas, shares)):
-            if share > 0 and (self.local_index is None or i == self.local_index):
+            if share > 0 and (self.local_indices is None or i in self.local_indices):
                 out.append((replica, share, start))
             start += share
         return out
@@ -709,13 +758,16 @@ class _Runtime:
                             buffers.append(tf_reduce.fuse([grads[i] for i in dense], b_shapes, dtype))
                         devices.append(replica.device)
                         nodes.append(replica.node)
+                    if collective is not None:
+                        # This worker's replicas are summed here, then once across workers.
+                        mine = tf.add_n(buffers) if len(buffers) > 1 else buffers[0]
                     if k == carrier:
                         extras = [loss] + [value for _, value in floats] + (folded or [])
                         summed, extras = tf_multiworker.all_reduce_sum_with(
-                            collective, buffers[0], extras)
+                            collective, mine, extras)
                         loss, floats, folded = _split_extras(extras, floats, folded)
                     elif collective is not None:
-                        summed = tf_multiworker.all_reduce_sum(collective, buffers[0])
+                        summed = tf_multiworker.all_reduce_sum(collective, mine)
                     else:
                         summed = tf_reduce.reduce_local(
                             buffers, devices, adapter.home, bucket.method, bucket.algorithm,
@@ -813,11 +865,14 @@ class _Runtime:
                     tf.concat([s.indices for s in slices], 0),
                     dense_shape,
                 )
-        local_share = shares[self.local_index]
+        local_share = shares[self.local_indices[0]]
         rows = slices[0].values.shape[0]
-        if rows is None or rows % local_share:
-            # Unknown rows per sample: densify and sum (numerically a dense gradient).
-            dense = tf.convert_to_tensor(slices[0])
+        if self.adapter.workers_share_devices or rows is None or rows % local_share:
+            # Some worker runs several replicas (no worker knows the others' row
+            # counts, and every worker must issue the same collective), or unknown
+            # rows per sample: densify and sum (numerically a dense gradient).
+            with tf.device(self.adapter.home):
+                dense = tf.add_n([tf.convert_to_tensor(s) for s in slices])
             return tf_multiworker.all_reduce_sum(self.adapter.collective, dense)
         per_sample = rows // local_share
         sizes = [s * per_sample for s in shares]
@@ -834,6 +889,14 @@ class _Runtime:
             return tree.map_structure(lambda *parts: _concat(parts), *y_preds)
         if not self._metrics_need_predictions():
             return y_preds[0]  # no metric reads them: skip the all-gather
+        if self.adapter.workers_share_devices:
+            raise BackendError(
+                "This worker runs several replicas, and the model's metrics need predictions "
+                "that cannot travel in the gradient all-reduce (they must be floating point "
+                "with a batch axis). Run one worker per device (processes='per_device') or "
+                "compile without metrics. Received: prediction dtypes "
+                f"{sorted({str(t.dtype.name) for t in tree.flatten(y_preds[0])})}"
+            )
         return tree.map_structure(
             lambda part: tf_multiworker.all_gather_uneven(
                 self.adapter.collective, part, list(shares)
@@ -847,31 +910,36 @@ class _Runtime:
         Summed over the workers, each such tensor is the global batch's
         predictions, exactly (every element is one worker's value plus zeros),
         so the train step adds them to the gradient all-reduce it makes anyway
-        and skips the all-gather. None when there are no collectives, no metric
+        and skips the all-gather. A worker running several replicas places
+        each replica's rows. None when there are no collectives, no metric
         reads the predictions, a prediction is not floating point or has no
-        batch axis, or the predictions exceed `FOLDED_PREDICTIONS_MAX_ELEMENTS`.
+        batch axis, or (one replica per worker, so they can be all-gathered
+        instead) the predictions exceed `FOLDED_PREDICTIONS_MAX_ELEMENTS`.
         """
         import tensorflow as tf
 
         from keras.src import tree
 
-        if (self.adapter.collective is None or len(local) != 1
-                or not self._metrics_need_predictions()):
+        if self.adapter.collective is None or not self._metrics_need_predictions():
             return None
-        leaves = tree.flatten(y_preds[0])
-        _, share, start = local[0]
+        per_replica = [tree.flatten(p) for p in y_preds]
         elements = 0
-        for leaf in leaves:
+        for leaf in per_replica[0]:
             if (leaf.shape.rank in (None, 0) or not leaf.shape[1:].is_fully_defined()
                     or not leaf.dtype.is_floating):
                 return None
             elements += total * leaf.shape[1:].num_elements()
-        if elements > FOLDED_PREDICTIONS_MAX_ELEMENTS:
+        if not self.adapter.workers_share_devices and elements > FOLDED_PREDICTIONS_MAX_ELEMENTS:
             return None
-        return [
-            tf.pad(leaf, [[start, total - start - share]] + [[0, 0]] * (leaf.shape.rank - 1))
-            for leaf in leaves
-        ]
+        folded = []
+        for j in range(len(per_replica[0])):
+            parts = [
+                tf.pad(leaves[j], [[start, total - start - share]]
+                       + [[0, 0]] * (leaves[j].shape.rank - 1))
+                for leaves, (_, share, start) in zip(per_replica, local)
+            ]
+            folded.append(tf.add_n(parts) if len(parts) > 1 else parts[0])
+        return folded
 
     def _metrics_need_predictions(self):
         """False when compute_metrics is Keras' own and there are no compiled metrics."""
@@ -1046,6 +1114,9 @@ def run_steps(
         processes: Run one process per device (see above); default: True
             when the cluster's devices have CPU affinities and the plan is
             data-parallel (a placement plan always runs in this process).
+            `"per_core"`: one process per core set instead, devices sharing
+            cores sharing a process (`launch_local_workers`); `"per_device"`
+            is the same as True.
         timeout_s: Give up (and kill workers) after this many seconds.
         options: Extra `AutoStrategy` options (e.g. `{"sync": "ps"}`).
         devices: Device names to use (default: the plan's devices for a
@@ -1090,6 +1161,7 @@ def run_steps(
     x = np.asarray(x)
     y = np.asarray(y)
     if processes:
+        layout = processes if isinstance(processes, str) else "per_device"
         results = tf_multiworker.launch_local_workers(
             model_fn=model_fn,
             plan=plan_or_strategy_name if isinstance(plan_or_strategy_name, Plan) else None,
@@ -1103,11 +1175,12 @@ def run_steps(
             timeout_s=timeout_s,
             drop_remainder=True,
             devices=devices,
+            processes=layout,
         )
         times = list(results[0]["step_times_s"][warmup:])
         if not details:
             return times
-        ranks = [{"device": r.get("device"), "share": r.get("share"),
+        ranks = [{"device": r.get("device"), "devices": r.get("devices"), "share": r.get("share"),
                   "step_times_s": list(r["step_times_s"][warmup:]),
                   "cpu_times_s": list(r.get("cpu_times_s", [])[warmup:])}
                  for r in results]

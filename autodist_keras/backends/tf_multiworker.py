@@ -5,8 +5,10 @@ per process. Workers follow the `TF_CONFIG` convention of
 `tf.distribute.MultiWorkerMirroredStrategy`; the strategy is used only for
 its collectives (all-reduce and all-gather across workers), called from the
 adapter's own train step. `launch_local_workers` starts such workers on this
-machine over loopback, one per device, which is how the CPU testbed's
-per-device cores and thread counts become real.
+machine over loopback, which is how the CPU testbed's per-device cores and
+thread counts become real: one process per device, or one process per core
+set, whose devices (logical CPU devices) share that process's collectives
+the way a multi-GPU worker's GPUs do (`WORKER_DEVICES_ENV`).
 
 Example:
 
@@ -34,6 +36,13 @@ from autodist_keras.errors import BackendError
 from autodist_keras.errors import WorkerError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# JSON list of the plan device names one worker process runs (a replica each),
+# set per process by `launch_local_workers(processes="per_core")`. Unset: one
+# device per worker, the worker's rank indexing the strategy's devices.
+WORKER_DEVICES_ENV = "AUTODIST_KERAS_WORKER_DEVICES"
+
+PROCESS_LAYOUTS = ("per_device", "per_core")
 
 
 @dataclasses.dataclass
@@ -135,6 +144,90 @@ def pin_process(cores, threads=None):
                 "Create the AutoStrategy before running any TensorFlow op. "
                 f"Received: threads={threads}"
             ) from None
+
+
+def worker_device_names(environ=None):
+    """The plan devices this worker process runs, from `WORKER_DEVICES_ENV`.
+
+    Args:
+        environ: Mapping to read from (default `os.environ`).
+
+    Returns:
+        A list of device names, or None when the variable is unset.
+
+    Raises:
+        BackendError: If the value is not a JSON list of device names.
+    """
+    environ = os.environ if environ is None else environ
+    text = environ.get(WORKER_DEVICES_ENV)
+    if not text:
+        return None
+    try:
+        names = json.loads(text)
+    except ValueError:
+        names = None
+    if (not isinstance(names, list) or not names
+            or not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names)):
+        raise BackendError(
+            f"{WORKER_DEVICES_ENV} must be a JSON list of distinct device names, e.g. "
+            f'\'["node0/cpu1", "node0/cpu2"]\'. Received: {text[:200]!r}'
+        )
+    return names
+
+
+def group_devices(cluster, devices, processes="per_device"):
+    """Splits `devices` into the sets that one worker process each runs.
+
+    Args:
+        cluster: The `Cluster`.
+        devices: Device names, in the strategy's order.
+        processes: `"per_device"` (one process per device) or `"per_core"`:
+            devices of one node with the same CPU affinity (testbed devices
+            sharing cores) share a process; devices without an affinity
+            (GPUs) keep one process each.
+
+    Returns:
+        A list of lists of names, ordered by each set's first device.
+
+    Raises:
+        BackendError: If `processes` is not one of `PROCESS_LAYOUTS`.
+    """
+    if processes not in PROCESS_LAYOUTS:
+        raise BackendError(
+            f"processes must be one of {list(PROCESS_LAYOUTS)}. Received: {processes!r}"
+        )
+    groups, by_key = [], {}
+    for name in devices:
+        device = cluster.device(name)
+        if processes == "per_device" or device.cpu_affinity is None:
+            groups.append([name])
+            continue
+        key = (device.node, tuple(sorted(device.cpu_affinity)))
+        if key in by_key:
+            by_key[key].append(name)
+        else:
+            by_key[key] = [name]
+            groups.append(by_key[key])
+    return groups
+
+
+def pinning_for(devices):
+    """The cores and TensorFlow thread count of a process running `devices`.
+
+    Args:
+        devices: `Device`s of the CPU testbed (with `cpu_affinity`).
+
+    Returns:
+        `(cores, threads)`: the union of the devices' cores, and the sum of
+        their thread counts capped at that many cores (devices sharing one
+        core share one thread); `(None, None)` when a device has no affinity.
+    """
+    if not devices or any(d.cpu_affinity is None for d in devices):
+        return None, None
+    cores = sorted({int(c) for d in devices for c in d.cpu_affinity})
+    if any(d.threads is None for d in devices):
+        return cores, None
+    return cores, min(sum(int(d.threads) for d in devices), len(cores))
 
 
 def make_collective_strategy(timeout_s=300):
@@ -349,13 +442,15 @@ def launch_local_workers(
     devices=None,
     alternate_plans=None,
     rounds=1,
+    processes="per_device",
 ):
-    """Starts one worker process per device on this machine and trains.
+    """Starts worker processes on this machine (one per device or per core set) and trains.
 
-    Each worker gets `TF_CONFIG` for a loopback cluster on free ports, pins
-    itself to its device's cores (testbed devices), builds the model with
-    `model_fn` inside `strategy.scope()`, and runs `steps` training steps
-    over `(x, y)` in order (no shuffling; the data repeats when short).
+    Each worker gets `TF_CONFIG` for a loopback cluster on free ports and
+    `WORKER_DEVICES_ENV` naming its devices, pins itself to their cores
+    (testbed devices), builds the model with `model_fn` inside
+    `strategy.scope()`, and runs `steps` training steps over `(x, y)` in
+    order (no shuffling; the data repeats when short).
 
     Args:
         model_fn: Top-level function or `"module:function"` returning a
@@ -381,10 +476,17 @@ def launch_local_workers(
             rounds (every second one in reverse order), so the plans are
             timed by the same processes seconds apart.
         rounds: Rounds of `alternate_plans`.
+        processes: `"per_device"`: one worker process per device.
+            `"per_core"`: devices sharing their cores (testbed devices on
+            one core) share one process, which runs a replica on each and
+            sums them locally before the one cross-process all-reduce, as a
+            worker with several GPUs does (`group_devices`).
 
     Returns:
         A list, by rank, of dicts: `step_times_s`, `loss` (per epoch),
-        `device`, `affinity`, and `weights` (list of arrays) when asked.
+        `device` (its first device), `devices` (all of its devices),
+        `share` (samples per step over its devices), `affinity`, and
+        `weights` (list of arrays) when asked.
         With `alternate_plans`, each also has `phases`: one dict per fit in
         the order run (`plan`: index into `alternate_plans`, `share`,
         `step_times_s`, `cpu_times_s`), and the top-level `step_times_s` and
@@ -418,7 +520,8 @@ def launch_local_workers(
         devices = list(devices or cluster.names)
         for name in devices:
             cluster.device(name)  # unknown names fail here, not in a worker
-        num = len(devices)
+        groups = group_devices(cluster, devices, processes)
+        num = len(groups)
         job = {
             "model_fn": callable_spec(model_fn),
             "strategy": strategy,
@@ -448,6 +551,7 @@ def launch_local_workers(
             env["TF_CONFIG"] = json.dumps(
                 {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": rank}}
             )
+            env[WORKER_DEVICES_ENV] = json.dumps(groups[rank])
             env["KERAS_BACKEND"] = "tensorflow"
             env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
             env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

@@ -3,7 +3,7 @@
 Run as `python -m autodist_keras.backends.tf_worker job.json` with `TF_CONFIG`
 set. The job file (JSON) names the model function, the strategy or plan, the
 cluster, the data (`.npy` files) and where to write results. The worker
-creates the `AutoStrategy` first (which pins it to its device's cores and
+creates the `AutoStrategy` first (which pins it to its devices' cores and
 starts the collectives, both of which must precede any TensorFlow op), then
 builds and trains the model, and writes `result<rank>.json` (step wall and
 CPU times, its batch share, losses) and, when asked, `weights<rank>.npz`.
@@ -46,10 +46,12 @@ def main(argv=None):
     cluster = Cluster.from_dict(job["cluster"])
     devices = list(job.get("devices") or cluster.names)
     worker = tf_multiworker.parse_tf_config()
-    device = cluster.device(devices[worker.rank if worker is not None else 0])
-    if device.cpu_affinity is not None:
+    mine = tf_multiworker.worker_device_names() or [
+        devices[worker.rank if worker is not None else 0]]
+    cores, threads = tf_multiworker.pinning_for([cluster.device(n) for n in mine])
+    if cores is not None:
         # Before TensorFlow starts its thread pools (the adapter pins again, harmlessly).
-        tf_multiworker.pin_process(device.cpu_affinity, device.threads)
+        tf_multiworker.pin_process(cores, threads)
     plan = Plan.from_json(job["plan"]) if job.get("plan") else None
     kwargs = dict(job.get("options") or {})
     kwargs["devices"] = devices
@@ -77,7 +79,7 @@ def main(argv=None):
     metrics = {}
     alternated = None
     if job.get("alternate"):
-        alternated = _alternate_plans(strategy, model, model_fn, job, x, y, device.name)
+        alternated = _alternate_plans(strategy, model, model_fn, job, x, y, mine)
     else:
         for _ in range(int(job.get("epochs", 1))):
             history = fit_repeating(model, x, y, job["batch_size"], job["steps"], [timer],
@@ -95,10 +97,11 @@ def main(argv=None):
         # CPU time of this process (all threads) per step: the work a step cost
         # this rank even when other jobs stretch its wall time.
         "cpu_times_s": timer.cpu_times_s,
-        "share": _share(strategy, device.name),
+        "share": _share(strategy, mine),
         "loss": metrics.get("loss", []),
         "history": metrics,
-        "device": device.name,
+        "device": mine[0],
+        "devices": mine,
         "affinity": sorted(os.sched_getaffinity(0)),
         "runtime": adapter.runtime_info,
         "phases_s": phases,
@@ -111,7 +114,7 @@ def main(argv=None):
     os.replace(tmp, os.path.join(out_dir, f"result{rank}.json"))
 
 
-def _alternate_plans(strategy, model, model_fn, job, x, y, device_name):
+def _alternate_plans(strategy, model, model_fn, job, x, y, device_names):
     """Trains one model per plan of `job["alternate"]`, alternating (see the module docstring).
 
     `model` (built under the job's first plan) serves the first plan. Returns
@@ -138,24 +141,23 @@ def _alternate_plans(strategy, model, model_fn, job, x, y, device_name):
                           drop_remainder=job.get("drop_remainder", False))
             # The plan this model's runtime took at its first step (cached per model).
             ran = strategy.plan_for(models[i], job["batch_size"])
-            fits.append({"plan": i, "share": _share_in(ran, device_name),
+            fits.append({"plan": i, "share": _share_in(ran, device_names),
                          "step_times_s": timer.times_s, "cpu_times_s": timer.cpu_times_s})
     return fits
 
 
-def _share_in(plan, device_name):
-    for replica in plan.replicas:
-        if replica.device == device_name:
-            return int(replica.batch_share)
-    return None
+def _share_in(plan, device_names):
+    """Samples per step of the replicas on `device_names` (None if the plan has none)."""
+    shares = [int(r.batch_share) for r in plan.replicas if r.device in device_names]
+    return sum(shares) if shares else None
 
 
-def _share(strategy, device_name):
+def _share(strategy, device_names):
     """This rank's samples per step under the plan in force (None before planning)."""
     plan = strategy.plan
     if plan is None or not plan.is_data_parallel:
         return None
-    return _share_in(plan, device_name)
+    return _share_in(plan, device_names)
 
 
 if __name__ == "__main__":
