@@ -57,15 +57,25 @@ shows which plan is cheaper.
 
 Each (backend, model) runs in its own process, because the Keras backend is
 fixed per process and TensorFlow's logical devices must be set up before it
-initialises. TensorFlow runs every (model, plan) case of every round in a
-process of its own (its multi-worker processes live for one case). PyTorch
-alternates the cases of every round in one process, whose adapter keeps its
-worker processes between fits, so the two sides of a ratio run seconds
-apart instead of minutes (`--no-interleave`: one process per case, as
-before).
+initialises. TensorFlow runs the testbed as pinned worker processes
+(`launch_local_workers`) that build one model per plan and alternate them
+every `--steps` steps; PyTorch alternates the cases of every round in one
+process, whose adapter keeps its worker processes between fits. So the two
+sides of a ratio run seconds apart instead of minutes (`--no-interleave`:
+one process per case, as before).
+
+TensorFlow's workers are one per core set by default (`--tf-processes
+per_core`): node0/cpu1 and node0/cpu2, which share core 1, run as two
+replicas of one process that sums their gradients before its one
+cross-process all-reduce, so core 1 pays the gRPC collective, the optimizer
+update and the Keras loop once, not twice. `--tf-processes per_device` gives
+every device its own process, as before session 10 (docs/runtime_tensorflow.md,
+"One process per core", has both layouts' figures). The measured-cost case is
+not run per core: its cost lines charge each device a fixed cost per step,
+and core 1's one process pays that once for both of its devices.
 
 Usage:
-    python benchmarks/hetero_testbed.py [--backends tensorflow,torch] [--models cnn,mlp,mlp_large] [--steps 30] [--rounds 4] [--no-interleave]
+    python benchmarks/hetero_testbed.py [--backends tensorflow,torch] [--models cnn,mlp,mlp_large] [--steps 30] [--rounds 4] [--tf-processes per_core|per_device] [--no-interleave]
 
 The last line of output is one JSON object.
 """
