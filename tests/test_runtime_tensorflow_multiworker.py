@@ -312,3 +312,18 @@ def test_worker_naming_a_device_the_strategy_does_not_use_fails(monkeypatch):
     strategy = AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed())
     with pytest.raises(BackendError, match=r"does not use \(\['node0/cpu7'\]\)"):
         strategy.adapter
+
+
+def test_workers_that_claim_one_device_twice_fail_at_the_first_step():
+    from autodist_keras import WorkerError
+    from autodist_keras.backends import tf_multiworker
+    from autodist_keras.devices import Cluster
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(48, 8)).astype("float32")
+    y = rng.integers(0, 3, size=(48,)).astype("int32")
+    with pytest.raises(WorkerError, match=r"exactly one worker.*'node0/cpu1': 2"):
+        tf_multiworker.launch_local_workers(
+            worker_model, Cluster.cpu_testbed(), x, y, BATCH, steps=2, strategy="data_parallel",
+            groups=[["node0/cpu0", "node0/cpu1"], ["node0/cpu1", "node0/cpu2"]], timeout_s=300,
+        )

@@ -478,6 +478,8 @@ class _Runtime:
             self.adapter.strategy.options.get("op_fusion", "auto"),
         )
         if self.adapter.worker is not None:
+            tf_multiworker.check_device_ownership(
+                self.adapter.collective, self.adapter.strategy.devices, self.adapter.worker_devices)
             tf_multiworker.broadcast_variables(self.adapter.collective, model.weights)
         self.adapter.runtime_info = (
             {

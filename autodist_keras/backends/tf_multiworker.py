@@ -38,8 +38,8 @@ from autodist_keras.errors import WorkerError
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # JSON list of the plan device names one worker process runs (a replica each),
-# set per process by `launch_local_workers(processes="per_core")`. Unset: one
-# device per worker, the worker's rank indexing the strategy's devices.
+# set for every process by `launch_local_workers`. Unset: one device per
+# worker, the worker's rank indexing the strategy's devices.
 WORKER_DEVICES_ENV = "AUTODIST_KERAS_WORKER_DEVICES"
 
 PROCESS_LAYOUTS = ("per_device", "per_core")
@@ -349,6 +349,35 @@ def all_gather_uneven(strategy, tensor, shares):
     return tf.concat(parts, axis=0)
 
 
+def check_device_ownership(strategy, devices, mine):
+    """Checks that every device is run by exactly one worker (one collective).
+
+    Each worker contributes a 0/1 vector over `devices` marking `mine`; the
+    sum must be all ones, else gradients would be summed twice or missed.
+
+    Args:
+        strategy: The collective strategy.
+        devices: The strategy's device names (the same list on every worker).
+        mine: The names this worker runs.
+
+    Raises:
+        BackendError: Naming the devices no worker, or several workers, run.
+    """
+    import tensorflow as tf
+
+    marks = tf.constant([1.0 if name in mine else 0.0 for name in devices])
+    counts = tf.function(lambda t: all_reduce_sum(strategy, t), autograph=False)(marks)
+    counts = [int(round(float(c))) for c in counts.numpy()]
+    wrong = {name: c for name, c in zip(devices, counts) if c != 1}
+    if wrong:
+        raise BackendError(
+            "Every device must be run by exactly one worker process, but some are run by "
+            f"none or by several (device: number of workers) {wrong}. Give the workers "
+            f"disjoint {WORKER_DEVICES_ENV} lists that together cover {list(devices)}. "
+            f"Received: this worker runs {list(mine)}"
+        )
+
+
 def broadcast_variables(strategy, variables):
     """Gives every worker rank 0's values of the floating-point `variables`."""
     import keras
@@ -443,6 +472,7 @@ def launch_local_workers(
     alternate_plans=None,
     rounds=1,
     processes="per_device",
+    groups=None,
 ):
     """Starts worker processes on this machine (one per device or per core set) and trains.
 
@@ -481,6 +511,9 @@ def launch_local_workers(
             one core) share one process, which runs a replica on each and
             sums them locally before the one cross-process all-reduce, as a
             worker with several GPUs does (`group_devices`).
+        groups: Explicit device sets, one list of names per worker process
+            (overrides `processes`); each worker checks at its first step
+            that every device is run by exactly one worker.
 
     Returns:
         A list, by rank, of dicts: `step_times_s`, `loss` (per epoch),
@@ -520,7 +553,12 @@ def launch_local_workers(
         devices = list(devices or cluster.names)
         for name in devices:
             cluster.device(name)  # unknown names fail here, not in a worker
-        groups = group_devices(cluster, devices, processes)
+        if groups is None:
+            groups = group_devices(cluster, devices, processes)
+        else:
+            groups = [list(g) for g in groups]
+            for name in (n for g in groups for n in g):
+                cluster.device(name)
         num = len(groups)
         job = {
             "model_fn": callable_spec(model_fn),
