@@ -172,10 +172,20 @@ def bn_worker_model():
     return model
 
 
+def _fit_in_one_process(model_fn, cluster, plan, initial, x, y):
+    """One process driving every replica of `plan` (logical devices): the reference."""
+    from autodist_keras import AutoStrategy
+
+    strategy = AutoStrategy(cluster=cluster, plan=plan)
+    with strategy.scope():
+        model = model_fn()
+    model.set_weights(initial)
+    return model, model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+
+
 def test_two_workers_match_one_process_with_batch_norm():
     """The loss and the batch-norm statistics ride in the gradient all-reduce;
     two workers must end where one process driving both replicas ends."""
-    from autodist_keras import AutoStrategy
     from autodist_keras.backends import tf_multiworker
     from autodist_keras.devices import Cluster
     from autodist_keras.graph import ModelGraph
@@ -189,11 +199,7 @@ def test_two_workers_match_one_process_with_batch_norm():
     initial = bn_worker_model().get_weights()
     plan = baselines.proportional(ModelGraph.from_keras(bn_worker_model()), cluster, BATCH,
                                   speeds={"node0/cpu0": 2.0, "node0/cpu1": 1.0})
-    strategy = AutoStrategy(cluster=cluster, plan=plan)
-    with strategy.scope():
-        local = bn_worker_model()
-    local.set_weights(initial)
-    history = local.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    local, history = _fit_in_one_process(bn_worker_model, cluster, plan, initial, x, y)
     results = tf_multiworker.launch_local_workers(
         bn_worker_model, cluster, x, y, BATCH, steps=4, plan=plan, initial_weights=initial,
         return_weights=True, timeout_s=400,
@@ -236,7 +242,6 @@ def test_devices_sharing_a_core_share_one_worker(model_fn):
     """`processes="per_core"`: the testbed's cpu1 and cpu2 (both on core 1) run as two
     replicas of one worker process, summed locally before the one cross-process
     all-reduce, and training ends where one process driving all three replicas ends."""
-    from autodist_keras import AutoStrategy
     from autodist_keras.backends import tf_multiworker
     from autodist_keras.devices import Cluster
     from autodist_keras.graph import ModelGraph
@@ -254,11 +259,7 @@ def test_devices_sharing_a_core_share_one_worker(model_fn):
     plan = baselines.proportional(ModelGraph.from_keras(model_fn()), cluster, BATCH,
                                   bucket_bytes=256)
     assert plan.shares_for(BATCH) == [12, 6, 6]
-    strategy = AutoStrategy(cluster=cluster, plan=plan)
-    with strategy.scope():
-        local = model_fn()
-    local.set_weights(initial)
-    history = local.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    local, history = _fit_in_one_process(model_fn, cluster, plan, initial, x, y)
     results = tf_multiworker.launch_local_workers(
         model_fn, cluster, x, y, BATCH, steps=4, plan=plan, initial_weights=initial,
         return_weights=True, timeout_s=400, processes="per_core",
