@@ -204,24 +204,7 @@ class TensorFlowAdapter(BackendAdapter):
         import tensorflow as tf
 
         worker = self.worker
-        names = list(self.strategy.devices)
-        mine = tf_multiworker.worker_device_names()
-        if mine is None:
-            if worker.num_workers != len(names):
-                raise BackendError(
-                    f"TF_CONFIG describes {worker.num_workers} worker tasks but the strategy "
-                    f"uses {len(names)} devices ({names}); run one worker process per device, "
-                    "in the order of the strategy's devices, or name each worker's devices in "
-                    f"{tf_multiworker.WORKER_DEVICES_ENV}. "
-                    f"Received: {worker.num_workers} tasks for {len(names)} devices"
-                )
-            mine = [names[worker.rank]]
-        unknown = [n for n in mine if n not in names]
-        if unknown:
-            raise BackendError(
-                f"{tf_multiworker.WORKER_DEVICES_ENV} names devices the strategy does not use "
-                f"({unknown}); name some of {names}. Received: {mine}"
-            )
+        mine = tf_multiworker.local_device_names(worker, self.strategy.devices)
         devices = [self.cluster.device(n) for n in mine]
         if len(devices) > 1 and any(d.kind == "gpu" for d in devices):
             raise BackendError(

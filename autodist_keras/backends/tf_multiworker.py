@@ -175,6 +175,44 @@ def worker_device_names(environ=None):
     return names
 
 
+def local_device_names(worker, devices, environ=None):
+    """The plan devices this process runs: `WORKER_DEVICES_ENV`, else its rank's device.
+
+    Args:
+        worker: This process's `WorkerInfo` (None outside multi-worker mode).
+        devices: The strategy's device names, in order.
+        environ: Mapping to read from (default `os.environ`).
+
+    Returns:
+        A list of names from `devices`.
+
+    Raises:
+        BackendError: If the variable names devices outside `devices`, or,
+            without it, the workers are not one per device.
+    """
+    devices = list(devices)
+    mine = worker_device_names(environ)
+    if mine is None:
+        if worker is None:
+            return devices[:1]
+        if worker.num_workers != len(devices):
+            raise BackendError(
+                f"TF_CONFIG describes {worker.num_workers} worker tasks but the strategy "
+                f"uses {len(devices)} devices ({devices}); run one worker process per device, "
+                "in the order of the strategy's devices, or name each worker's devices in "
+                f"{WORKER_DEVICES_ENV}. "
+                f"Received: {worker.num_workers} tasks for {len(devices)} devices"
+            )
+        return [devices[worker.rank]]
+    unknown = [n for n in mine if n not in devices]
+    if unknown:
+        raise BackendError(
+            f"{WORKER_DEVICES_ENV} names devices the strategy does not use "
+            f"({unknown}); name some of {devices}. Received: {mine}"
+        )
+    return mine
+
+
 def group_devices(cluster, devices, processes="per_device"):
     """Splits `devices` into the sets that one worker process each runs.
 

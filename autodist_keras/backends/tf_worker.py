@@ -46,8 +46,7 @@ def main(argv=None):
     cluster = Cluster.from_dict(job["cluster"])
     devices = list(job.get("devices") or cluster.names)
     worker = tf_multiworker.parse_tf_config()
-    mine = tf_multiworker.worker_device_names() or [
-        devices[worker.rank if worker is not None else 0]]
+    mine = tf_multiworker.local_device_names(worker, devices)
     cores, threads = tf_multiworker.pinning_for([cluster.device(n) for n in mine])
     if cores is not None:
         # Before TensorFlow starts its thread pools (the adapter pins again, harmlessly).
