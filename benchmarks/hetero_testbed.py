@@ -258,6 +258,33 @@ def _profile_summary(directory, world, warmup):
     return out
 
 
+def tensorflow_worker_inputs(model_name, steps, warmup):
+    """What TensorFlow worker processes need to train one testbed model.
+
+    Makes `_testbed_models` (next to this file) importable here and in the
+    workers (`PYTHONPATH`), and draws the synthetic data: at most 4 global
+    batches, which the workers repeat (`fit_repeating`).
+
+    Returns:
+        `(model_fn, x, y, batch)`: the model's `"module:function"` spec, the
+        inputs and targets, and the global batch size.
+    """
+    import numpy as np
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [p for p in (here, ROOT) if p not in paths] + paths)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    builder, _, shape, classes, batch = MODELS[model_name]
+    n = batch * min(steps + warmup, 4)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, *shape)).astype("float32")
+    y = rng.integers(0, classes, size=(n,)).astype("int32")
+    return f"_testbed_models:build_{builder}", x, y, batch
+
+
 def run_interleaved_tensorflow(model_name, steps, warmup, rounds, workdir,
                                processes="per_core"):
     """Every round of the cases in one set of TensorFlow worker processes.
@@ -274,33 +301,22 @@ def run_interleaved_tensorflow(model_name, steps, warmup, rounds, workdir,
     Returns:
         `(rounds, costs)`, as `_collect_rounds`.
     """
-    import numpy as np
-
     from autodist_keras import AutoStrategy
     from autodist_keras import Cluster
     from autodist_keras.backends.tf_multiworker import launch_local_workers
     from autodist_keras.strategies.share_balance import step_costs_to_dict
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (here, ROOT, os.environ.get("PYTHONPATH")) if p)
-    sys.path.insert(0, here)
+    model_fn, x, y, batch = tensorflow_worker_inputs(model_name, steps, warmup)
     import _testbed_models
 
-    builder, _, shape, classes, batch = MODELS[model_name]
+    builder = MODELS[model_name][0]
     cluster = Cluster.cpu_testbed()
-    model_fn = f"_testbed_models:build_{builder}"
 
     def plan(strategy_name, **options):
         strategy = AutoStrategy(strategy_name, cluster=cluster, **options)
         with strategy.scope():
             model = getattr(_testbed_models, f"build_{builder}")()
         return strategy.plan_for(model, batch)
-
-    n = batch * min(steps + warmup, 4)  # the workers repeat the data (fit_repeating)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(n, *shape)).astype("float32")
-    y = rng.integers(0, classes, size=(n,)).astype("int32")
 
     def alternate(plans, keys, n_rounds):
         results = launch_local_workers(model_fn, cluster, x, y, batch, steps + warmup,
@@ -360,23 +376,13 @@ def _tensorflow_case_result(cluster, ranks_raw, warmup, processes="per_device"):
 
 def _run_case_tensorflow(model_name, strategy_name, steps, warmup, step_costs=None,
                          processes="per_core"):
-    import numpy as np
-
     from autodist_keras import Cluster
     from autodist_keras.backends.tensorflow_adapter import run_steps
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (here, ROOT, os.environ.get("PYTHONPATH")) if p)
-    sys.path.insert(0, here)
-    builder, _, shape, classes, batch = MODELS[model_name]
-    n = batch * min(steps + warmup, 4)  # the workers repeat the data (fit_repeating)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(n, *shape)).astype("float32")
-    y = rng.integers(0, classes, size=(n,)).astype("int32")
+    model_fn, x, y, batch = tensorflow_worker_inputs(model_name, steps, warmup)
     cluster = Cluster.cpu_testbed()
     options = {"step_costs": step_costs} if step_costs is not None else {}
-    out = run_steps(f"_testbed_models:build_{builder}", strategy_name, cluster, x, y,
+    out = run_steps(model_fn, strategy_name, cluster, x, y,
                     batch_size=batch, steps=steps, warmup=warmup, processes=processes,
                     timeout_s=1500, options=options, details=True)
     # (run_steps dropped the warm-up steps already)

@@ -37,7 +37,7 @@ os.environ["KERAS_BACKEND"] = "tensorflow"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)  # hetero_testbed, next to this file
 LAYOUTS = ("per_core", "per_device")
 PLANS = ("data_parallel", "proportional")
 
@@ -48,11 +48,6 @@ def _ratio(a, b):
 
 def measure(model_names, rounds, steps, warmup):
     """Times every (model, layout, plan) for `rounds` rounds; returns the results dict."""
-    import numpy as np
-
-    sys.path.insert(0, HERE)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (HERE, ROOT, os.environ.get("PYTHONPATH")) if p)
     import hetero_testbed
 
     from autodist_keras import Cluster
@@ -61,15 +56,13 @@ def measure(model_names, rounds, steps, warmup):
     cluster = Cluster.cpu_testbed()
     results = {}
     for model_name in model_names:
-        builder, _, shape, classes, batch = hetero_testbed.MODELS[model_name]
-        rng = np.random.default_rng(0)
-        x = rng.normal(size=(batch * 4, *shape)).astype("float32")
-        y = rng.integers(0, classes, size=(batch * 4,)).astype("int32")
+        model_fn, x, y, batch = hetero_testbed.tensorflow_worker_inputs(
+            model_name, steps, warmup)
         rows = {f"{layout}/{plan}": [] for layout in LAYOUTS for plan in PLANS}
         for r in range(rounds):
             for layout in (LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]):
                 for plan in PLANS:
-                    times = run_steps(f"_testbed_models:build_{builder}", plan, cluster, x, y,
+                    times = run_steps(model_fn, plan, cluster, x, y,
                                       batch_size=batch, steps=steps, warmup=warmup,
                                       processes=layout, timeout_s=900)
                     rows[f"{layout}/{plan}"].append(round(statistics.median(times) * 1e3, 2))
@@ -94,7 +87,6 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
-    sys.path.insert(0, HERE)
     import hetero_testbed
 
     models = [m for m in args.models.split(",") if m]
