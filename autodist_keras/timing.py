@@ -15,6 +15,33 @@ import time
 import keras
 
 
+def _no_sync():
+    return None
+
+
+def accelerator_sync():
+    """A function that waits for the active backend's queued GPU work.
+
+    Returns:
+        `torch.cuda.synchronize` on the PyTorch backend once CUDA is in use,
+        TensorFlow's `sync_devices` when TensorFlow sees a GPU, else a
+        function that returns at once (CPU work is synchronous).
+    """
+    backend = keras.backend.backend()
+    if backend == "torch":
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return torch.cuda.synchronize
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        sync = getattr(getattr(tf.test, "experimental", None), "sync_devices", None)
+        if sync is not None and tf.config.list_logical_devices("GPU"):
+            return sync
+    return _no_sync
+
+
 class StepTimer(keras.callbacks.Callback):
     """Records the wall time of every training batch (measured, not predicted).
 
@@ -24,6 +51,10 @@ class StepTimer(keras.callbacks.Callback):
     (`cpu_times_s`, all threads): on a machine shared with other jobs, CPU time
     shows the work a step costs even when wall time is inflated by waiting
     for a core.
+
+    On a GPU the timer waits for the device's queued work at both ends of a
+    batch (`torch.cuda.synchronize`, or TensorFlow's `sync_devices`), so a
+    step's time includes its kernels, not only their launch.
 
     Args:
         warmup: Number of first batches to leave out of `times_s` (compilation,
@@ -37,13 +68,21 @@ class StepTimer(keras.callbacks.Callback):
         self.all_cpu_times_s = []
         self._start = None
         self._cpu_start = None
+        self._sync = None
+
+    def _wait_for_device(self):
+        if self._sync is None:
+            self._sync = accelerator_sync()
+        self._sync()
 
     def on_train_batch_begin(self, batch, logs=None):
+        self._wait_for_device()
         self._cpu_start = time.process_time()
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
         if self._start is not None:
+            self._wait_for_device()
             self.all_times_s.append(time.perf_counter() - self._start)
             self.all_cpu_times_s.append(time.process_time() - self._cpu_start)
             self._start = None

@@ -120,6 +120,39 @@ class TorchAdapter(BackendAdapter):
         self.last_run = {}
         self._run = None
 
+    def variable_scope(self):
+        """Creates the model's variables on the device rank 0 will run on.
+
+        Keras's PyTorch backend puts new tensors on the GPU whenever CUDA is
+        available, so without this a model for the CPU testbed on a machine
+        with a GPU would live on the GPU. The device is the first replica's
+        of a given plan, else `cuda:$LOCAL_RANK` for a torchrun rank on a GPU
+        cluster, else the first of the strategy's devices (`_start` checks
+        that the plan's rank 0 agrees and says what to change if not).
+        """
+        import contextlib
+
+        import keras
+
+        from autodist_keras.backends.torch_device import device_info
+        from autodist_keras.backends.torch_device import keras_device_name
+
+        strategy = self.strategy
+        cluster = strategy.cluster
+        plan = getattr(strategy, "plan", None)
+        if plan is not None and plan.replicas:
+            info = device_info(cluster.device(plan.replicas[0].device))
+        else:
+            env = torchrun_env()
+            gpus = [d for d in cluster.devices if d.kind == "gpu"]
+            if env is not None and gpus:
+                local = int(os.environ.get("LOCAL_RANK", env[0]))
+                info = {"name": f"local rank {local}", "kind": "gpu", "index": local}
+            else:
+                info = device_info(cluster.device(strategy.devices[0]))
+        name = keras_device_name(info)
+        return keras.device(name) if name else contextlib.nullcontext()
+
     def attach(self, model):
         """Wraps `model.fit` so that it runs the strategy's plan."""
         if getattr(model, _ATTACHED, None) is self:
@@ -246,6 +279,7 @@ class _FitRun:
         from keras.src.trainers.data_adapters import data_adapter_utils
 
         from autodist_keras.backends import torch_transport as tt
+        from autodist_keras.backends.torch_device import check_model_device
         from autodist_keras.backends.torch_device import device_info
         from autodist_keras.backends.torch_device import grad_backend
         from autodist_keras.backends.torch_device import pin
@@ -276,6 +310,7 @@ class _FitRun:
         if world == 1 and self.env is None:
             self.local = True
             self.token = pin(devices[0])
+            check_model_device(self.model, devices[0], 0)
             info["mode"] = "local"
             self.fusion = torch_fusion.for_plan(self.model, plan, [d["kind"] for d in devices],
                                                 *op_fusion)
@@ -302,6 +337,7 @@ class _FitRun:
         self.adapter.last_run = info
         # Pin rank 0 after the workers exist, so they do not inherit its affinity.
         self.token = pin(devices[0])
+        check_model_device(self.model, devices[0], 0)
         driver = Driver(self.model, plan, comm, strategy.cluster, reporter, spawned, timeout_s,
                         wake=wake, op_fusion=op_fusion)
         driver.setup()

@@ -4,7 +4,10 @@ On the CPU testbed a device is a set of cores and a thread count: the process
 (every one of its threads) is pinned to those cores with
 `os.sched_setaffinity` and `torch.set_num_threads(threads)` is applied, so the
 testbed's heterogeneity is real. On a GPU device the process selects that CUDA
-device. `pin` returns what it changed so `unpin` can put it back (rank 0 is the
+device. Either way Keras is told where to put new tensors (`keras.device`):
+on a machine with CUDA, Keras's PyTorch backend puts everything on the GPU
+unless told otherwise, so a CPU testbed device would silently run on the GPU.
+`pin` returns what it changed so `unpin` can put it back (rank 0 is the
 user's process and is restored after `fit`).
 
 Example:
@@ -17,6 +20,8 @@ unpin(token)
 """
 
 import os
+
+from autodist_keras.errors import BackendError
 
 
 def device_info(device):
@@ -46,6 +51,62 @@ def _set_affinity_all_threads(cores):
             pass  # a thread that ended meanwhile
 
 
+def keras_device_name(info):
+    """The Keras device string of a device (from `device_info`).
+
+    Returns:
+        `"cpu"` for a CPU (testbed) device, `"cuda:<index>"` for a GPU when
+        CUDA is available here, None for a GPU without CUDA (Keras's default
+        device, the CPU, serves).
+    """
+    import torch
+
+    if info is None:
+        return None
+    if info.get("kind") != "gpu":
+        return "cpu"
+    if torch.cuda.is_available():
+        return f"cuda:{int(info.get('index', 0))}"
+    return None
+
+
+def variables_device(model):
+    """The torch device of the model's first variable (`"cpu"`, `"cuda:0"`), or None."""
+    for v in model.variables:
+        value = getattr(v, "value", None)
+        if value is not None and hasattr(value, "device"):
+            return str(value.device)
+    return None
+
+
+def check_model_device(model, info, rank):
+    """Raises unless the model's variables are where `info`'s device computes.
+
+    Args:
+        model: The replica on this rank.
+        info: The rank's device (from `device_info`).
+        rank: The rank (for the message).
+
+    Raises:
+        BackendError: Naming both devices and how to fix it.
+    """
+    import torch
+
+    expected = keras_device_name(info)
+    actual = variables_device(model)
+    if expected is None or actual is None:
+        return
+    if torch.device(expected) != torch.device(actual):
+        raise BackendError(
+            f"Rank {rank} runs on {info.get('name')!r} ({expected}) but its model's "
+            f"variables are on {actual}. The PyTorch runtime trains each replica where its "
+            "variables live: build and compile the model inside strategy.scope(), and put "
+            "the device that rank 0 runs on first in AutoStrategy(devices=[...]) (or pass a "
+            f"plan whose first replica is that device). Received: variables on {actual}, "
+            f"device {expected}"
+        )
+
+
 def pin(info):
     """Places this process on the device described by `info` (from `device_info`).
 
@@ -71,6 +132,13 @@ def pin(info):
     if info.get("kind") == "gpu" and torch.cuda.is_available():
         token["cuda"] = torch.cuda.current_device()
         torch.cuda.set_device(int(info.get("index", 0)))
+    name = keras_device_name(info)
+    if name is not None:
+        import keras
+
+        scope = keras.device(name)
+        scope.__enter__()
+        token["keras_device"] = scope
     return token
 
 
@@ -80,6 +148,8 @@ def unpin(token):
 
     if not token:
         return
+    if "keras_device" in token:
+        token["keras_device"].__exit__(None, None, None)
     if "affinity" in token:
         _set_affinity_all_threads(set(token["affinity"]))
     if "threads" in token:

@@ -36,6 +36,7 @@ import warnings
 
 from autodist_keras.backends import torch_fusion
 from autodist_keras.backends import torch_transport as tt
+from autodist_keras.backends.torch_device import check_model_device
 from autodist_keras.backends.torch_device import device_info
 from autodist_keras.backends.torch_device import pin
 from autodist_keras.backends.torch_device import unpin
@@ -734,6 +735,7 @@ def serve(comm, reporter, model=None, on_model=None):
         elif not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         variables = _check_metas(model, setup, rank)
+        check_model_device(model, setup["devices"][rank], rank)
         with torch.no_grad():
             for v, value in zip(variables, tt.unpack(state, metas)):
                 v.assign(value)

@@ -1,0 +1,117 @@
+"""Where the PyTorch runtime puts a replica's tensors.
+
+Keras's PyTorch backend puts every new tensor on the GPU whenever CUDA is
+available. The runtime must put a CPU testbed device's replica on the CPU
+anyway, and a GPU device's on its own GPU. This machine has no GPU, so the
+tests stand Keras's "meta" device in for a default that is not the plan's
+device: whatever the surrounding default, `pin` and `strategy.scope()` must
+send tensors where the plan's device computes. `benchmarks/gpu_check.py`
+checks the same on a real GPU.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "torch", reason="PyTorch runtime tests run under KERAS_BACKEND=torch"
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU1 = {"name": "node0/cpu1", "node": "node0", "kind": "cpu", "index": 1,
+        "cpu_affinity": None, "threads": None}
+
+
+def _device_type():
+    return keras.ops.zeros((2,)).device.type
+
+
+def test_pin_sends_new_tensors_to_the_cpu_device_and_unpin_restores():
+    from autodist_keras.backends.torch_device import pin
+    from autodist_keras.backends.torch_device import unpin
+
+    with keras.device("meta"):
+        assert _device_type() == "meta"
+        token = pin(CPU1)
+        try:
+            assert _device_type() == "cpu"
+        finally:
+            unpin(token)
+        assert _device_type() == "meta"
+
+
+def test_keras_device_name_per_kind():
+    import torch
+
+    from autodist_keras.backends.torch_device import keras_device_name
+
+    assert keras_device_name(CPU1) == "cpu"
+    gpu = dict(CPU1, name="node0/gpu1", kind="gpu")
+    assert keras_device_name(gpu) == ("cuda:1" if torch.cuda.is_available() else None)
+    assert keras_device_name(None) is None
+
+
+def test_check_model_device_names_both_devices():
+    from autodist_keras.backends.torch_device import check_model_device
+    from autodist_keras.backends.torch_device import variables_device
+    from autodist_keras.errors import BackendError
+
+    with keras.device("meta"):
+        model = keras.Sequential([keras.Input((3,)),
+                                  keras.layers.Dense(2, kernel_initializer="zeros")])
+    assert variables_device(model) == "meta"
+    with pytest.raises(BackendError, match=r"Rank 2 runs on 'node0/cpu1' \(cpu\) but its "
+                                           r"model's variables are on meta.*Received"):
+        check_model_device(model, CPU1, 2)
+    cpu_model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    check_model_device(cpu_model, CPU1, 0)  # same device: no error
+
+
+def test_scope_builds_the_model_on_rank_zeros_device_whatever_the_default():
+    import numpy as np
+
+    from autodist_keras import AutoStrategy
+    from autodist_keras.backends.torch_device import variables_device
+
+    strategy = AutoStrategy(strategy="proportional", cluster="cpu_testbed")
+    with keras.device("meta"):
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+            model.compile(optimizer="sgd", loss="mse")
+    assert variables_device(model) == "cpu"
+    x = np.ones((12, 4), "float32")
+    history = model.fit(x, np.zeros((12, 3), "float32"), batch_size=6, verbose=0)
+    assert len(history.history["loss"]) == 1
+    assert strategy.adapter.last_run["world_size"] == 3
+
+
+@pytest.mark.slow
+def test_gpu_check_benchmark_runs_small(tmp_path):
+    """`benchmarks/gpu_check.py --small` on this CPU machine: every section runs."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--small",
+         "--out", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    with open(tmp_path / "gpu_check.json", encoding="utf-8") as f:
+        sections = json.load(f)["sections"]
+    for name in ("detect", "fit", "testbed", "steps", "layers"):
+        assert summary[name] == "ok", sections[name]
+    assert sections["detect"]["devices"][0]["kind"] == "cpu"
+    assert sections["fit"]["max_relative_weight_difference"] < 1e-5
+    assert sections["fit"]["auto_variables_on"] == "cpu"
+    assert sections["testbed"]["rank0_variables_on"] == "cpu"
+    assert sections["testbed"]["plan_devices"] == ["node0/cpu0", "node0/cpu1", "node0/cpu2"]
+    assert sections["testbed"]["max_relative_weight_difference_vs_cpu"] < 1e-4
+    assert len(sections["steps"]["cases"]) == 2
+    assert all(r["measured_s"] > 0 for r in sections["steps"]["cases"])
+    assert sections["steps"]["analytic_mape_pct"] is not None
+    assert sections["layers"]["layer_phases"] > 0
+    assert summary["steps_analytic_mape_pct"] == sections["steps"]["analytic_mape_pct"]
