@@ -1,0 +1,448 @@
+"""What autodist_keras does on this machine's GPU, PyTorch backend (measured).
+
+The project is developed on CPU-only machines; this script is what a session
+runs when it is lent a GPU (it also runs, smaller, on a CPU-only machine, which
+is how the tests keep it working). Every figure is measured here unless its
+name says `predicted`.
+
+Sections (each in a fresh process, each with its own time limit, each
+reported even when another fails):
+
+1. `detect`: `Cluster.detect()`: how the devices were found, and the catalog
+   entry each GPU was matched to.
+2. `fit`: `AutoStrategy("auto")` on the detected devices vs plain Keras `fit`
+   on the same device: same seed, data and steps; the largest weight
+   difference, where the variables live, the chosen plan, median step time of
+   each (the step timer waits for the GPU at both ends of a step).
+3. `testbed`: `AutoStrategy("proportional", cluster="cpu_testbed")`: the CPU
+   testbed on a machine that has a GPU. Every replica must run on the CPU
+   (Keras's PyTorch backend puts tensors on the GPU whenever CUDA is
+   available); compared with a plain fit on the CPU.
+4. `steps`: single-device step times of several models and batch sizes,
+   measured through the runtime adapter, next to the analytic simulator's and
+   the packaged learned estimator's predictions (and whether the estimator
+   considers the GPU inside its training domain).
+5. `layers`: every layer's forward and backward time (profiler) vs the
+   analytic cost model and the learned cost model trained on the stored CPU
+   testbed samples (`benchmarks/data/profile_samples_torch.json`): how well
+   the cost model predicts a device type it never ran on.
+
+Usage:
+    python benchmarks/gpu_check.py [--out DIR] [--sections fit,steps] [--small]
+
+`--small` uses tiny models, batches and step counts (the test on CPU).
+Results are written to DIR/gpu_check.json; the last line of output is one
+JSON object.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ZOO = "autodist_keras.graph.zoo"
+OUT_ENV = "AUTODIST_KERAS_GPU_CHECK_OUT"
+SECTIONS = ("detect", "fit", "testbed", "steps", "layers")
+SECTION_TIMEOUT_S = {"detect": 90, "fit": 150, "testbed": 150, "steps": 300, "layers": 240}
+
+# Models of `steps` and `layers`: (label, builder, kwargs, batch sizes).
+STEP_MODELS = [
+    ("mlp_wide", f"{ZOO}:mlp", {"input_dim": 256, "hidden": [1024, 1024]}, [96, 2048]),
+    ("cnn_wide", f"{ZOO}:small_cnn",
+     {"input_shape": [32, 32, 3], "filters": [32, 64, 96]}, [96, 1024]),
+    ("transformer_small", f"{ZOO}:transformer_encoder",
+     {"num_layers": 2, "d_model": 64, "heads": 4, "seq_len": 32, "vocab": 1000}, [96, 1024]),
+    ("transformer_base", f"{ZOO}:transformer_encoder",
+     {"num_layers": 6, "d_model": 512, "heads": 8, "seq_len": 128, "vocab": 30000}, [32, 128]),
+    ("ResNet50", "autodist_keras.graph.loading:load_model", {"spec": "ResNet50"}, [32, 128]),
+]
+SMALL_STEP_MODELS = [
+    ("mlp_small", f"{ZOO}:mlp", {"input_dim": 32, "hidden": [64, 64]}, [16]),
+    ("cnn_tiny", f"{ZOO}:small_cnn", {"input_shape": [16, 16, 3], "filters": [8, 16]}, [16]),
+]
+
+
+# ------------------------------------------------------------------ helpers
+def _median(values):
+    return float(statistics.median(values)) if values else None
+
+
+def _round(value, digits=6):
+    return None if value is None else round(float(value), digits)
+
+
+def _mlp(small):
+    from autodist_keras.graph import zoo
+
+    return zoo.mlp(input_dim=32 if small else 512,
+                   hidden=(64, 64) if small else (2048, 2048), num_classes=10)
+
+
+def _compile(model):
+    import keras
+
+    model.compile(optimizer=keras.optimizers.SGD(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def _data(samples, dim, seed=0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((samples, dim)).astype("float32")
+    y = rng.integers(0, 10, size=(samples,)).astype("int32")
+    return x, y
+
+
+def _weights(model):
+    import numpy as np
+
+    return [np.asarray(w) for w in model.get_weights()]
+
+
+def _max_rel_difference(a, b):
+    import numpy as np
+
+    worst = 0.0
+    for u, v in zip(a, b):
+        scale = max(float(np.max(np.abs(v))), 1e-12)
+        worst = max(worst, float(np.max(np.abs(u - v))) / scale)
+    return worst
+
+
+def _fit(model, x, y, batch, warmup):
+    from autodist_keras.timing import StepTimer
+
+    timer = StepTimer(warmup=warmup)
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+    return timer
+
+
+# ----------------------------------------------------------------- sections
+def section_detect(small):
+    from autodist_keras.devices import Cluster
+
+    cluster = Cluster.detect()
+    import torch
+
+    return {
+        "torch": torch.__version__,
+        "cuda_available": bool(torch.cuda.is_available()),
+        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available() else [],
+        "source": cluster.source,
+        "notes": list(cluster.notes),
+        "devices": [
+            {"name": d.name, "kind": d.kind, "catalog_model": d.model,
+             "memory_gb": _round(d.memory_bytes / 1e9, 1),
+             "peak_fp32_tflops_catalog": _round(d.peak_flops_fp32 / 1e12, 1),
+             "memory_bandwidth_gbs_catalog": _round(d.memory_bandwidth / 1e9, 0)}
+            for d in cluster.devices
+        ],
+    }
+
+
+def section_fit(small):
+    """AutoStrategy("auto") on the detected devices vs plain Keras fit."""
+    import keras
+
+    from autodist_keras import AutoStrategy
+    from autodist_keras.backends.torch_device import variables_device
+
+    steps, warmup, batch = (8, 2, 16) if small else (40, 5, 512)
+    dim = 32 if small else 512
+    x, y = _data(steps * batch, dim)
+
+    keras.utils.set_random_seed(1)
+    plain = _compile(_mlp(small))
+    plain_timer = _fit(plain, x, y, batch, warmup)
+
+    strategy = AutoStrategy(strategy="auto")
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        model = _compile(_mlp(small))
+    auto_timer = _fit(model, x, y, batch, warmup)
+    plan = strategy.plan
+    return {
+        "model": f"mlp {dim}-{'64-64' if small else '2048-2048'}-10, SGD, batch {batch}, "
+                 f"{steps} steps",
+        "plain_variables_on": variables_device(plain),
+        "auto_variables_on": variables_device(model),
+        "auto_plan": {"planner": plan.provenance.planner, "devices": plan.devices,
+                      "shares": [r.batch_share for r in plan.replicas]},
+        "auto_run": dict(strategy.adapter.last_run),
+        "max_relative_weight_difference": _max_rel_difference(_weights(model), _weights(plain)),
+        "plain_median_step_s": _round(plain_timer.median_s),
+        "auto_median_step_s": _round(auto_timer.median_s),
+        "auto_over_plain": _round(auto_timer.median_s / plain_timer.median_s, 3),
+        "steps_timed": len(auto_timer.times_s),
+    }
+
+
+def section_testbed(small):
+    """The CPU testbed on this machine: every replica on the CPU."""
+    import keras
+
+    from autodist_keras import AutoStrategy
+    from autodist_keras.backends.torch_device import variables_device
+
+    steps, warmup, batch = (6, 2, 24) if small else (20, 3, 96)
+    dim = 32 if small else 512
+    x, y = _data(steps * batch, dim)
+
+    keras.utils.set_random_seed(2)
+    with keras.device("cpu"):
+        plain = _compile(_mlp(small))
+        plain_timer = _fit(plain, x, y, batch, warmup)
+
+    strategy = AutoStrategy(strategy="proportional", cluster="cpu_testbed")
+    keras.utils.set_random_seed(2)
+    with strategy.scope():
+        model = _compile(_mlp(small))
+    timer = _fit(model, x, y, batch, warmup)
+    plan = strategy.plan
+    return {
+        "plan_devices": plan.devices,
+        "shares": [r.batch_share for r in plan.replicas],
+        "rank0_variables_on": variables_device(model),
+        "run": dict(strategy.adapter.last_run),
+        "max_relative_weight_difference_vs_cpu": _max_rel_difference(_weights(model),
+                                                                     _weights(plain)),
+        "median_step_s": _round(timer.median_s),
+        "plain_cpu_median_step_s": _round(plain_timer.median_s),
+    }
+
+
+def section_steps(small):
+    """Single-device step times through the adapter vs the estimators' predictions."""
+    from autodist_keras.devices import Cluster
+    from autodist_keras.estimator import learned
+    from autodist_keras.estimator.measurements import Case
+    from autodist_keras.estimator.measurements import measure_cases
+
+    cluster = Cluster.detect()
+    models = SMALL_STEP_MODELS if small else STEP_MODELS
+    steps, warmup = (5, 2) if small else (30, 5)
+    cases = [Case(label, builder, kwargs, "single_device", batch)
+             for label, builder, kwargs, batches in models for batch in batches]
+    started = time.perf_counter()
+    records, failures = measure_cases(cases, cluster=cluster, backend="torch", steps=steps,
+                                      warmup=warmup, passes=1, timeout_s=240, progress=False)
+    results = [(r.case, r) for r in records] + [(name, message) for name, message in failures]
+    out = os.environ.get(OUT_ENV)
+    if out and records:
+        from autodist_keras.estimator.measurements import save_measurements
+
+        save_measurements(records, os.path.join(out, "gpu_step_records.json"),
+                          provenance={"benchmark": "gpu_check steps"})
+    try:
+        estimator = learned.load_default("torch")
+    except Exception as e:  # noqa: BLE001 - reported, the measurements still count
+        estimator, estimator_error = None, f"{type(e).__name__}: {e}"
+    else:
+        estimator_error = None
+    rows = []
+    for case, record in results:
+        row = {"case": case if isinstance(case, str) else case.name}
+        if isinstance(record, str):
+            row["error"] = record[-600:]
+            rows.append(row)
+            continue
+        row["measured_s"] = _round(record.measured_s)
+        row["predicted_analytic_s"] = _round(record.predicted_analytic_s)
+        row["analytic_error"] = _round(record.predicted_analytic_s / record.measured_s - 1, 3)
+        if estimator is not None:
+            inside, why = estimator.in_domain(record.graph, record.cluster, record.plan, "torch")
+            predicted = estimator.predict(record.graph, record.cluster, record.plan, "torch")
+            row["predicted_learned_s"] = _round(predicted)
+            row["learned_error"] = _round(predicted / record.measured_s - 1, 3)
+            row["learned_in_domain"] = bool(inside)
+            row["learned_domain_reason"] = why
+        rows.append(row)
+    done = [r for r in rows if "measured_s" in r]
+
+    def mape(key):
+        errors = [abs(r[key]) for r in done if r.get(key) is not None]
+        return _round(100 * statistics.mean(errors), 1) if errors else None
+
+    return {
+        "device": cluster.devices[0].model,
+        "steps": steps, "warmup": warmup,
+        "cases": rows,
+        "analytic_mape_pct": mape("analytic_error"),
+        "learned_mape_pct": mape("learned_error"),
+        "estimator_error": estimator_error,
+        "seconds": _round(time.perf_counter() - started, 1),
+    }
+
+
+def section_layers(small):
+    """Per-layer profile on the first detected device vs the cost models."""
+    import keras
+
+    from autodist_keras.devices import Cluster
+    from autodist_keras.estimator.cost_model import AnalyticCostModel
+    from autodist_keras.estimator.learned_cost import LearnedCostModel
+    from autodist_keras.estimator.learned_cost import samples_from_profile
+    from autodist_keras.estimator.measurements import Case
+    from autodist_keras.estimator.measurements import build_model
+    from autodist_keras.estimator.profiler import profile_layers
+    from autodist_keras.graph import ModelGraph
+
+    cluster = Cluster.detect()
+    device = cluster.devices[0]
+    models = SMALL_STEP_MODELS if small else STEP_MODELS[:4]
+    batches = (8,) if small else (32, 256)
+    samples = []
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as cache:
+        for label, builder, kwargs, _ in models:
+            model = build_model(Case(label, builder, kwargs))
+            graph = ModelGraph.from_keras(model)
+            profile = profile_layers(model, cluster, batch_sizes=batches, devices=[device.name],
+                                     graph=graph, cache_dir=cache, progress=False,
+                                     budget_s=20 if small else 35)
+            samples += samples_from_profile(profile, graph, cluster, model_name=label,
+                                            contended=False)
+            keras.backend.clear_session()
+    stored_path = os.path.join(ROOT, "benchmarks", "data", "profile_samples_torch.json")
+    with open(stored_path, encoding="utf-8") as f:
+        cpu_samples = json.load(f)["samples"]
+    out = os.environ.get(OUT_ENV)
+    if out:
+        with open(os.path.join(out, "gpu_layer_samples.json"), "w", encoding="utf-8") as f:
+            json.dump({"samples": samples, "batches": list(batches)}, f)
+    learned_model = LearnedCostModel(samples=cpu_samples, evaluate=False)
+    learned_s = learned_model.predict_samples(samples)
+    analytic = AnalyticCostModel(cluster)  # noqa: F841 - samples carry its times
+
+    def errors(predicted):
+        return [p / s["measured_s"] - 1 for p, s in zip(predicted, samples)]
+
+    analytic_errors = errors([s["analytic_s"] for s in samples])
+    learned_errors = errors(list(learned_s))
+    total_measured = sum(s["measured_s"] for s in samples)
+    worst = sorted(zip(analytic_errors, samples), key=lambda t: -abs(t[0]))[:8]
+    return {
+        "device": device.model,
+        "batches": list(batches),
+        "layer_phases": len(samples),
+        "analytic_mape_pct": _round(100 * statistics.mean(abs(e) for e in analytic_errors), 1)
+        if samples else None,
+        "analytic_median_ratio": _round(_median([e + 1 for e in analytic_errors]), 3),
+        "learned_cpu_trained_mape_pct":
+            _round(100 * statistics.mean(abs(e) for e in learned_errors), 1) if samples else None,
+        "learned_cpu_trained_median_ratio": _round(_median([e + 1 for e in learned_errors]), 3),
+        "sum_measured_s": _round(total_measured),
+        "sum_analytic_s": _round(sum(s["analytic_s"] for s in samples)),
+        "sum_learned_s": _round(float(sum(learned_s))),
+        "worst_analytic": [
+            {"model": s["model"], "node": s["node"], "phase": s["phase"], "batch": s["batch"],
+             "measured_s": _round(s["measured_s"], 7), "analytic_s": _round(s["analytic_s"], 7)}
+            for _, s in worst
+        ],
+        "seconds": _round(time.perf_counter() - started, 1),
+    }
+
+
+FUNCTIONS = {"detect": section_detect, "fit": section_fit, "testbed": section_testbed,
+             "steps": section_steps, "layers": section_layers}
+
+
+# ------------------------------------------------------------------ driving
+def _child(args):
+    """Runs one section in this (fresh) process and prints its JSON."""
+    result = FUNCTIONS[args.child](args.small)
+    print("SECTION_RESULT " + json.dumps(result, default=str), flush=True)
+
+
+def run_section(name, small, timeout_s, out=None):
+    """One section in a fresh process (`KERAS_BACKEND=torch`); its result or error."""
+    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONUNBUFFERED="1")
+    if out:
+        env[OUT_ENV] = os.path.abspath(out)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    command = [sys.executable, os.path.abspath(__file__), "--child", name]
+    if small:
+        command.append("--small")
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stdout or "")[-1500:] if isinstance(e.stdout, str) else ""
+        return {"error": f"timed out after {timeout_s} s", "output_tail": tail}
+    seconds = round(time.perf_counter() - started, 1)
+    for line in proc.stdout.splitlines():
+        if line.startswith("SECTION_RESULT "):
+            result = json.loads(line[len("SECTION_RESULT "):])
+            result["section_seconds"] = seconds
+            return result
+    return {"error": f"exit code {proc.returncode}",
+            "output_tail": (proc.stdout + proc.stderr)[-3000:], "section_seconds": seconds}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="directory for gpu_check.json")
+    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--small", action="store_true", help="tiny sizes (CPU test)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="stop starting sections after this many seconds in all; a "
+                             "section's limit is cut to what is left")
+    parser.add_argument("--child", choices=SECTIONS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return _child(args)
+    names = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = sorted(set(names) - set(SECTIONS))
+    if unknown:
+        parser.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
+    results = {"sections": {}}
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    started = time.perf_counter()
+    for name in names:
+        limit = SECTION_TIMEOUT_S[name] // (3 if args.small else 1)
+        if args.budget_s is not None:
+            left = int(args.budget_s - (time.perf_counter() - started))
+            if left < 20:
+                results["sections"][name] = {"error": "skipped: --budget-s spent"}
+                continue
+            limit = min(limit, left)
+        print(f"[gpu_check] {name} (limit {limit} s) ...", flush=True)
+        results["sections"][name] = run_section(name, args.small, limit, args.out)
+        print(json.dumps({name: results["sections"][name]}, indent=1, default=str)[:6000],
+              flush=True)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "gpu_check.json"), "w", encoding="utf-8") as f:
+                json.dump(results, f, indent=1, default=str)
+    summary = {"benchmark": "gpu_check", "small": bool(args.small)}
+    for name, result in results["sections"].items():
+        summary[name] = "error" if "error" in result else "ok"
+    steps = results["sections"].get("steps", {})
+    layers = results["sections"].get("layers", {})
+    fit = results["sections"].get("fit", {})
+    summary.update({
+        "device": (results["sections"].get("detect", {}).get("devices") or [{}])[0].get("catalog_model"),
+        "fit_max_relative_weight_difference": fit.get("max_relative_weight_difference"),
+        "fit_auto_over_plain": fit.get("auto_over_plain"),
+        "steps_analytic_mape_pct": steps.get("analytic_mape_pct"),
+        "steps_learned_mape_pct": steps.get("learned_mape_pct"),
+        "layers_analytic_mape_pct": layers.get("analytic_mape_pct"),
+        "layers_learned_cpu_trained_mape_pct": layers.get("learned_cpu_trained_mape_pct"),
+    })
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
