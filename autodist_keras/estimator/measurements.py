@@ -729,6 +729,10 @@ def _run_job(job, in_process):
             cluster, job.get("tf_processes")):
         _configure_tensorflow_devices(cluster)
 
+    # Keras numbers unnamed layers per session (`input_layer`, `input_layer_1`,
+    # ...): the model measured below must get the names the plan was made for,
+    # so each build starts from a fresh session.
+    keras.backend.clear_session()
     keras.utils.set_random_seed(seed)
     probe = build_model(case)
     graph = ModelGraph.from_keras(probe)
@@ -737,6 +741,7 @@ def _run_job(job, in_process):
     samples = case.batch_size * (steps + warmup)
     x, y = synthetic_data(probe, samples, seed=seed)
     del probe
+    keras.backend.clear_session()
 
     load_before = load_average()
     speed = _probe_for(cluster)
