@@ -126,9 +126,10 @@ class TorchAdapter(BackendAdapter):
         Keras's PyTorch backend puts new tensors on the GPU whenever CUDA is
         available, so without this a model for the CPU testbed on a machine
         with a GPU would live on the GPU. The device is the first replica's
-        of a given plan, else `cuda:$LOCAL_RANK` for a torchrun rank on a GPU
-        cluster, else the first of the strategy's devices (`_start` checks
-        that the plan's rank 0 agrees and says what to change if not).
+        of a given data-parallel plan, else `cuda:$LOCAL_RANK` for a torchrun
+        rank on a GPU cluster, else the first of the strategy's devices
+        (`_start` checks that the plan's rank 0 agrees and says what to change
+        if not; placement plans are refused there).
         """
         import contextlib
 
@@ -140,7 +141,7 @@ class TorchAdapter(BackendAdapter):
         strategy = self.strategy
         cluster = strategy.cluster
         plan = getattr(strategy, "plan", None)
-        if plan is not None and plan.replicas:
+        if plan is not None and plan.is_data_parallel and plan.replicas:
             info = device_info(cluster.device(plan.replicas[0].device))
         else:
             env = torchrun_env()
