@@ -29,10 +29,11 @@ reported even when another fails):
 
 Usage:
     python benchmarks/gpu_check.py [--out DIR] [--sections fit,steps] [--small]
+        [--models default|prospective|recheck]
 
 `--small` uses tiny models, batches and step counts (the test on CPU).
-Results are written to DIR/gpu_check.json; the last line of output is one
-JSON object.
+Results are written to DIR/gpu_check.json (with the step records and layer
+samples as JSON beside it); the last line of output is one JSON object.
 """
 
 import argparse
@@ -61,6 +62,28 @@ STEP_MODELS = [
      {"num_layers": 6, "d_model": 512, "heads": 8, "seq_len": 128, "vocab": 30000}, [32, 128]),
     ("ResNet50", "autodist_keras.graph.loading:load_model", {"spec": "ResNet50"}, [32, 128]),
 ]
+# A prospective set for the host-time constants of the cost model (fitted to
+# STEP_MODELS on an H200, session 11): chosen before it was measured, other
+# layer types (ZeroPadding2D, Activation, DepthwiseConv2D) and other sizes.
+PROSPECTIVE_STEP_MODELS = [
+    ("ResNet50", "autodist_keras.graph.loading:load_model", {"spec": "ResNet50"}, [32, 128]),
+    ("MobileNetV2", "autodist_keras.graph.loading:load_model", {"spec": "MobileNetV2"},
+     [64, 256]),
+    ("mlp_deep", f"{ZOO}:mlp", {"input_dim": 128, "hidden": [256] * 6}, [256]),
+    ("cnn_deep", f"{ZOO}:small_cnn",
+     {"input_shape": [32, 32, 3], "filters": [16, 16, 32, 32]}, [256]),
+    ("transformer_deep", f"{ZOO}:transformer_encoder",
+     {"num_layers": 4, "d_model": 64, "heads": 4, "seq_len": 32, "vocab": 1000}, [256]),
+    ("transformer_large", f"{ZOO}:transformer_encoder",
+     {"num_layers": 12, "d_model": 768, "heads": 12, "seq_len": 128, "vocab": 30000}, [16, 64]),
+]
+# Two models of each set above, measured again in one run: do two machines of
+# the same kind differ (their hosts), or do the models?
+RECHECK_STEP_MODELS = [STEP_MODELS[0][:3] + ([96],), STEP_MODELS[2][:3] + ([96],),
+                       PROSPECTIVE_STEP_MODELS[2], PROSPECTIVE_STEP_MODELS[4]]
+MODEL_SETS = {"default": STEP_MODELS, "prospective": PROSPECTIVE_STEP_MODELS,
+              "recheck": RECHECK_STEP_MODELS}
+MODEL_SETS_ENV = "AUTODIST_KERAS_GPU_CHECK_MODELS"
 SMALL_STEP_MODELS = [
     ("mlp_small", f"{ZOO}:mlp", {"input_dim": 32, "hidden": [64, 64]}, [16]),
     ("cnn_tiny", f"{ZOO}:small_cnn", {"input_shape": [16, 16, 3], "filters": [8, 16]}, [16]),
@@ -74,6 +97,18 @@ def _median(values):
 
 def _round(value, digits=6):
     return None if value is None else round(float(value), digits)
+
+
+def _host_cpu():
+    """The host CPU's model name (Linux), or None."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def _mlp(small):
@@ -227,8 +262,12 @@ def section_steps(small):
     from autodist_keras.estimator.measurements import Case
     from autodist_keras.estimator.measurements import measure_cases
 
+    from autodist_keras.estimator.cost_model import AnalyticCostModel
+    from autodist_keras.estimator.simulator import simulate
+
     cluster = Cluster.detect()
-    models = SMALL_STEP_MODELS if small else STEP_MODELS
+    chosen = os.environ.get(MODEL_SETS_ENV, "default")
+    models = SMALL_STEP_MODELS if small else MODEL_SETS[chosen]
     steps, warmup = (5, 2) if small else (30, 5)
     cases = [Case(label, builder, kwargs, "single_device", batch)
              for label, builder, kwargs, batches in models for batch in batches]
@@ -258,6 +297,11 @@ def section_steps(small):
         row["measured_s"] = _round(record.measured_s)
         row["predicted_analytic_s"] = _round(record.predicted_analytic_s)
         row["analytic_error"] = _round(record.predicted_analytic_s / record.measured_s - 1, 3)
+        # The same simulation without the PyTorch host times (as before session 11).
+        no_host = simulate(record.graph, record.cluster, record.plan,
+                           cost_model=AnalyticCostModel(record.cluster, framework="none"))
+        row["predicted_without_host_time_s"] = _round(no_host.step_time_s)
+        row["without_host_time_error"] = _round(no_host.step_time_s / record.measured_s - 1, 3)
         if estimator is not None:
             inside, why = estimator.in_domain(record.graph, record.cluster, record.plan, "torch")
             predicted = estimator.predict(record.graph, record.cluster, record.plan, "torch")
@@ -274,9 +318,12 @@ def section_steps(small):
 
     return {
         "device": cluster.devices[0].model,
+        "models": "small" if small else chosen,
+        "host_cpu": _host_cpu(),
         "steps": steps, "warmup": warmup,
         "cases": rows,
         "analytic_mape_pct": mape("analytic_error"),
+        "without_host_time_mape_pct": mape("without_host_time_error"),
         "learned_mape_pct": mape("learned_error"),
         "estimator_error": estimator_error,
         "seconds": _round(time.perf_counter() - started, 1),
@@ -394,6 +441,10 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="directory for gpu_check.json")
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--small", action="store_true", help="tiny sizes (CPU test)")
+    parser.add_argument("--models", choices=("default", "prospective", "recheck"),
+                        default="default",
+                        help="the models of the steps section: the first set, the "
+                             "prospective set, or two of each measured again")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="stop starting sections after this many seconds in all; a "
                              "section's limit is cut to what is left")
@@ -418,6 +469,7 @@ def main(argv=None):
                 continue
             limit = min(limit, left)
         print(f"[gpu_check] {name} (limit {limit} s) ...", flush=True)
+        os.environ[MODEL_SETS_ENV] = args.models
         results["sections"][name] = run_section(name, args.small, limit, args.out)
         print(json.dumps({name: results["sections"][name]}, indent=1, default=str)[:6000],
               flush=True)
@@ -432,10 +484,13 @@ def main(argv=None):
     layers = results["sections"].get("layers", {})
     fit = results["sections"].get("fit", {})
     summary.update({
-        "device": (results["sections"].get("detect", {}).get("devices") or [{}])[0].get("catalog_model"),
+        "device": ((results["sections"].get("detect", {}).get("devices") or [{}])[0]
+                   .get("catalog_model")),
         "fit_max_relative_weight_difference": fit.get("max_relative_weight_difference"),
         "fit_auto_over_plain": fit.get("auto_over_plain"),
+        "steps_models": steps.get("models"),
         "steps_analytic_mape_pct": steps.get("analytic_mape_pct"),
+        "steps_without_host_time_mape_pct": steps.get("without_host_time_mape_pct"),
         "steps_learned_mape_pct": steps.get("learned_mape_pct"),
         "layers_analytic_mape_pct": layers.get("analytic_mape_pct"),
         "layers_learned_cpu_trained_mape_pct": layers.get("learned_cpu_trained_mape_pct"),

@@ -9,6 +9,9 @@ from autodist_keras.estimator import AnalyticCostModel
 from autodist_keras.estimator import cost_model as cm
 from autodist_keras.graph import ModelGraph
 
+# The roofline alone: the PyTorch backend adds host time on GPUs (tested below).
+ROOFLINE = "tensorflow"
+
 
 @pytest.fixture(scope="module")
 def graph():
@@ -25,7 +28,7 @@ def cluster():
 
 
 def test_compute_bound_layer_follows_peak_flops(graph, cluster):
-    cost = AnalyticCostModel(cluster)
+    cost = AnalyticCostModel(cluster, framework=ROOFLINE)
     node = graph.nodes["big"]
     v100 = cluster.devices[0]
     batch = 512
@@ -42,7 +45,7 @@ def test_compute_bound_layer_follows_peak_flops(graph, cluster):
         node.backward_flops * batch / (v100.peak_flops_fp32 * 0.55) + 2 * 8e-6, rel=1e-12
     )
     # Mixed precision uses the FP16 (tensor core) peak for matmul-like layers.
-    mixed = AnalyticCostModel(cluster, precision="mixed")
+    mixed = AnalyticCostModel(cluster, framework=ROOFLINE, precision="mixed")
     assert mixed.layer_time(node, v100, batch, "forward") < t / 4
     # A slower device takes longer; more samples take longer.
     t4 = cluster.devices[1]
@@ -51,7 +54,7 @@ def test_compute_bound_layer_follows_peak_flops(graph, cluster):
 
 
 def test_memory_bound_layer_follows_bandwidth(graph, cluster):
-    cost = AnalyticCostModel(cluster)
+    cost = AnalyticCostModel(cluster, framework=ROOFLINE)
     node = graph.nodes["relu"]
     v100 = cluster.devices[0]
     batch = 512
@@ -66,7 +69,7 @@ def test_memory_bound_layer_follows_bandwidth(graph, cluster):
 
 
 def test_free_cases_update_and_cpu_constants(graph, cluster):
-    cost = AnalyticCostModel(cluster)
+    cost = AnalyticCostModel(cluster, framework=ROOFLINE)
     v100 = cluster.devices[0]
     assert cost.layer_time(graph.nodes["x"], v100, 512, "forward") == 0.0
     assert cost.layer_time(graph.nodes["big"], v100, 0, "backward") == 0.0
@@ -95,8 +98,9 @@ def test_free_cases_update_and_cpu_constants(graph, cluster):
 def test_constants_can_be_overridden_and_are_checked(graph, cluster):
     node = graph.nodes["big"]
     v100 = cluster.devices[0]
-    slow = AnalyticCostModel(cluster, compute_efficiency={"gpu": {"matmul": 0.275}})
-    base = AnalyticCostModel(cluster)
+    slow = AnalyticCostModel(cluster, framework=ROOFLINE,
+                             compute_efficiency={"gpu": {"matmul": 0.275}})
+    base = AnalyticCostModel(cluster, framework=ROOFLINE)
     overhead = cm.LAUNCH_OVERHEAD_S["gpu"]
     assert slow.layer_time(node, v100, 512, "forward") - overhead == pytest.approx(
         2 * (base.layer_time(node, v100, 512, "forward") - overhead), rel=1e-12
@@ -112,3 +116,51 @@ def test_constants_can_be_overridden_and_are_checked(graph, cluster):
         AnalyticCostModel().transfer_time(1024, "node0/gpu0", "node0/gpu1")
     bound = AnalyticCostModel().with_cluster(cluster)
     assert bound.transfer_time(1024, *cluster.names) > 0
+
+
+def test_host_time_on_a_gpu_under_the_torch_backend(graph, cluster):
+    # Eager Keras on PyTorch spends a fixed host time per layer call; a GPU
+    # cannot run a layer faster than the host dispatches it (measured on
+    # H200s: docs/estimator.md, "On a GPU").
+    torch_cost = AnalyticCostModel(cluster, framework="torch")
+    traced = AnalyticCostModel(cluster, framework="tensorflow")
+    v100 = cluster.devices[0]
+    small, relu = graph.nodes["small"], graph.nodes["relu"]
+    assert traced.layer_time(small, v100, 8, "forward") < 20e-6  # roofline + one launch
+    assert torch_cost.layer_time(small, v100, 8, "forward") == cm.TORCH_GPU_HOST_S["Dense"]
+    assert torch_cost.layer_time(relu, v100, 8, "forward") == cm.TORCH_GPU_HOST_S["ReLU"]
+    # Backward runs in PyTorch's C++ autograd engine: no host time is added.
+    assert torch_cost.layer_time(small, v100, 8, "backward") == traced.layer_time(
+        small, v100, 8, "backward")
+    # A layer whose kernels outlast the host's dispatch keeps its device time.
+    big = graph.nodes["big"]
+    assert torch_cost.layer_time(big, v100, 4096, "forward") == traced.layer_time(
+        big, v100, 4096, "forward") > cm.TORCH_GPU_HOST_S["Dense"]
+    # A type not in the table takes its category's figure.
+    assert torch_cost.host_time("SeparableConv2D", v100, "forward") == (
+        cm.TORCH_GPU_HOST_BY_CATEGORY_S["depthwise"])
+    assert torch_cost.host_time("Dropout", v100, "forward") == (
+        cm.TORCH_GPU_HOST_BY_CATEGORY_S["other"])
+    assert torch_cost.step_overhead_time(v100) == cm.TORCH_GPU_STEP_HOST_S
+    assert traced.step_overhead_time(v100) == 0.0
+    # CPU devices are unchanged (their overheads are in the learned estimator).
+    cpu = Cluster.cpu_testbed()
+    cpu0 = cpu.device("node0/cpu0")
+    assert AnalyticCostModel(cpu, framework="torch").layer_time(small, cpu0, 8, "forward") == (
+        AnalyticCostModel(cpu, framework="tensorflow").layer_time(small, cpu0, 8, "forward"))
+    assert AnalyticCostModel(cpu, framework="torch").step_overhead_time(cpu0) == 0.0
+    assert torch_cost.config()["framework"] == "torch"
+
+
+def test_framework_defaults_to_the_active_backend_and_enters_the_step(graph, cluster):
+    from autodist_keras.estimator.simulator import simulate
+    from autodist_keras.strategies import baselines
+
+    assert AnalyticCostModel(cluster).framework == keras.backend.backend()
+    plan = baselines.single_device(graph, cluster, 64, device=cluster.devices[0].name)
+    with_host = simulate(graph, cluster, plan, cost_model=AnalyticCostModel(cluster,
+                                                                           framework="torch"))
+    without = simulate(graph, cluster, plan, cost_model=AnalyticCostModel(
+        cluster, framework="tensorflow"))
+    assert with_host.step_time_s >= without.step_time_s + cm.TORCH_GPU_STEP_HOST_S
+    assert with_host.cost_model["framework"] == "torch"

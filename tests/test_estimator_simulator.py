@@ -58,8 +58,10 @@ def _compute(graph, cost, device, share):
 
 
 def _update(graph, cost, device, names=None):
+    """A device's optimizer update task: the update and the step's fixed host time."""
     variables = [v for v in graph.variables if names is None or v.name in names]
-    return cost.update_time(sum(v.bytes for v in variables), device, len(variables))
+    return (cost.update_time(sum(v.bytes for v in variables), device, len(variables))
+            + cost.step_overhead_time(device))
 
 
 def _manual_plan(graph, batch, groups, sync=None):

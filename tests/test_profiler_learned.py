@@ -1,5 +1,6 @@
 """Learned cost model: trained on real profiles of small real Keras models here."""
 
+import dataclasses
 import json
 import math
 
@@ -113,17 +114,24 @@ def _check_drop_in_and_unseen_devices(samples, graphs, cluster):
     analytic = simulate(graph, cluster, plan)
     assert learned.step_time_s > 0 and learned.step_time_s != analytic.step_time_s
     assert learned.cost_model["type"] == "LearnedCostModel"
-    # A GPU it never ran on: the roofline times a bounded correction.
+    node = next(n for n in graph.nodes.values() if n.layer_type == "Dense")
+    # A CPU it never ran on (four times the peak): the roofline times a bounded
+    # correction learned on the other CPUs.
+    faster = dataclasses.replace(cluster.device(DEVICE), name="node0/cpu9",
+                                 peak_flops_fp32=4 * cluster.device(DEVICE).peak_flops_fp32)
+    ratio = cost.correction(node, faster, 64, "forward")
+    assert math.exp(cost._fitted.low) <= ratio <= math.exp(cost._fitted.high)
+    assert ratio != 1.0
+    assert cost.layer_time(node, faster, 64, "forward") == pytest.approx(
+        cost.analytic_time(node, faster, 64, "forward") * ratio)
+    # A GPU, a kind it never ran on: the analytic time. (Applied there, a
+    # correction learned on CPUs predicted a thousandth of an H200's layer times.)
     gpus = Cluster.from_string("1xV100")
     moved = cost.with_cluster(gpus)
-    node = next(n for n in graph.nodes.values() if n.layer_type == "Dense")
     gpu = gpus.devices[0]
-    ratio = moved.correction(node, gpu, 64, "forward")
-    assert math.exp(moved._fitted.low) <= ratio <= math.exp(moved._fitted.high)
-    assert moved.layer_time(node, gpu, 64, "forward") == pytest.approx(
-        moved.analytic_time(node, gpu, 64, "forward") * ratio)
-    assert moved.layer_time(node, gpu, 64, "forward") != cost.layer_time(
-        node, cluster.device(DEVICE), 64, "forward")
+    assert moved.correction(node, gpu, 64, "forward") == 1.0
+    assert moved.layer_time(node, gpu, 64, "forward") == moved.analytic_time(
+        node, gpu, 64, "forward")
 
 
 def _sample(node, device, batch, phase, measured, analytic, model="m"):

@@ -34,8 +34,22 @@ Constants (documented guesses, to be corrected by profiling; see
 | launch overhead per kernel | 8 us | 25 us |
 
 GPU figures follow what cuDNN / cuBLAS reach on mid-size layers in FP32 and
-the 5-10 us per-op launch plus framework overhead of eager Keras; CPU figures
-reflect oneDNN / ATen on a few cores and a larger per-op dispatch cost.
+the 5-10 us per-op launch; CPU figures reflect oneDNN / ATen on a few cores
+and a larger per-op dispatch cost.
+
+Host time on a GPU, PyTorch backend (`framework="torch"`): Keras runs eagerly
+on PyTorch, so every layer's forward call costs the host a fixed time in
+Python to dispatch its kernels, and the GPU cannot go faster than the host
+feeds it. A layer's forward pass on a GPU costs `max(device time, host time)`
+(`TORCH_GPU_HOST_S` per layer type, by category for other types); the
+backward pass runs in PyTorch's C++ autograd engine and keeps the launch
+overhead; each step adds a fixed host time for the loss, Keras's train step
+and the optimizer's Python (`TORCH_GPU_STEP_HOST_S`). Measured on NVIDIA H200
+machines (Keras 3.15, PyTorch 2.11; `benchmarks/gpu_check.py`;
+docs/estimator.md "On a GPU"), they depend on the host CPU: two machines
+differed by up to 2x. TensorFlow runs a traced graph, whose per-op host cost
+is small; no TensorFlow GPU was measured, so TensorFlow keeps the launch
+overhead alone.
 
 Optimizer update: Adam reads the parameter, its gradient and two slots and
 writes the parameter and the two slots: `7 x parameter bytes`, memory-bound,
@@ -76,9 +90,41 @@ COMPUTE_EFFICIENCY = {
 }
 MEMORY_EFFICIENCY = {"gpu": 0.75, "cpu": 0.50}
 LAUNCH_OVERHEAD_S = {"gpu": 8e-6, "cpu": 25e-6}
+# Host time of one eager Keras layer call's forward pass on a GPU, PyTorch
+# backend, seconds: the profiler's figures on an NVIDIA H200 host
+# (benchmarks/gpu_check.py) x 1.1, the factor that fits 17 step times of ten
+# models best. The backward pass runs in PyTorch's C++ autograd engine: its
+# host time fits as 0 (the launch overhead alone).
+TORCH_GPU_HOST_S = {
+    "Dense": 344e-6,
+    "Conv2D": 342e-6,
+    "MultiHeadAttention": 1989e-6,
+    "BatchNormalization": 967e-6,
+    "LayerNormalization": 208e-6,
+    "Embedding": 304e-6,
+    "Add": 392e-6,
+    "ReLU": 139e-6,
+    "MaxPooling2D": 210e-6,
+    "GlobalAveragePooling1D": 240e-6,
+    "GlobalAveragePooling2D": 174e-6,
+    "PositionEmbedding": 129e-6,
+}
+# Types not measured, by category.
+TORCH_GPU_HOST_BY_CATEGORY_S = {"matmul": 344e-6, "depthwise": 342e-6, "other": 210e-6}
+TORCH_GPU_STEP_HOST_S = 4.0e-3
 ADAM_UPDATE_BYTES_FACTOR = 7.0
 AGGREGATE_BYTES_FACTOR = 1.0  # per input buffer read, plus one write of the result
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8}
+
+
+def _active_framework():
+    """The active Keras backend (`KERAS_BACKEND`), without importing Keras when unset."""
+    import os
+    import sys
+
+    if "keras" in sys.modules:
+        return sys.modules["keras"].backend.backend()
+    return os.environ.get("KERAS_BACKEND", "tensorflow")
 
 
 def op_category(layer_type):
@@ -159,6 +205,10 @@ class CostModel:
         """Summing `num_inputs` gradient buffers of `nbytes` each (PS server)."""
         raise NotImplementedError
 
+    def step_overhead_time(self, device):
+        """Fixed time per training step on `device` outside the layers (default 0)."""
+        return 0.0
+
 
 class WrappedCostModel(CostModel):
     """A cost model over another one: it delegates every duration to `base`.
@@ -205,6 +255,9 @@ class WrappedCostModel(CostModel):
     def aggregate_time(self, nbytes, num_inputs, device):
         return self.base.aggregate_time(nbytes, num_inputs, device)
 
+    def step_overhead_time(self, device):
+        return self.base.step_overhead_time(device)
+
 
 class AnalyticCostModel(CostModel):
     """Roofline compute costs and alpha-beta communication costs.
@@ -219,6 +272,10 @@ class AnalyticCostModel(CostModel):
         precision: `"fp32"` (default) or `"mixed"` (matmul-like layers use
             the device's FP16 peak).
         dtype_bytes: Bytes per activation element for input activations.
+        framework: The Keras backend that will run the plan (`"torch"`,
+            `"tensorflow"`, ...); default the active one. On the PyTorch
+            backend a GPU layer costs at least its host dispatch time (see
+            the module docs); other backends add no host time.
 
     Example:
 
@@ -235,8 +292,10 @@ class AnalyticCostModel(CostModel):
         launch_overhead_s=None,
         precision="fp32",
         dtype_bytes=4,
+        framework=None,
     ):
         super().__init__(cluster)
+        self.framework = framework if framework is not None else _active_framework()
         if precision not in ("fp32", "mixed"):
             raise EstimatorError(
                 f"precision must be 'fp32' or 'mixed'. Received: precision={precision!r}"
@@ -275,6 +334,7 @@ class AnalyticCostModel(CostModel):
             "launch_overhead_s": self.launch_overhead_s,
             "precision": self.precision,
             "dtype_bytes": self.dtype_bytes,
+            "framework": self.framework,
         }
 
     def with_cluster(self, cluster):
@@ -347,7 +407,29 @@ class AnalyticCostModel(CostModel):
         efficiency = self.compute_efficiency[kind].get(category, self.compute_efficiency[kind]["other"])
         compute = flops / (peak * efficiency) if flops else 0.0
         memory = moved / (device.memory_bandwidth * self.memory_efficiency[kind])
-        return max(compute, memory) + kernels * self.launch_overhead_s[kind]
+        device_time = max(compute, memory) + kernels * self.launch_overhead_s[kind]
+        return max(device_time, self.host_time(node.layer_type, device, phase))
+
+    def _torch_on_gpu(self, device):
+        return self.framework == "torch" and getattr(device, "kind", "gpu") == "gpu"
+
+    def host_time(self, layer_type, device, phase):
+        """Host (dispatch) time of one layer call, which the device's work overlaps.
+
+        Non-zero on a GPU under the PyTorch backend only (see the module docs).
+        """
+        if phase != "forward" or not self._torch_on_gpu(device):
+            return 0.0
+        host = TORCH_GPU_HOST_S.get(layer_type)
+        if host is None:
+            host = TORCH_GPU_HOST_BY_CATEGORY_S.get(op_category(layer_type),
+                                                    TORCH_GPU_HOST_BY_CATEGORY_S["other"])
+        return host
+
+    def step_overhead_time(self, device):
+        """Fixed host time per training step on `device` (loss, Keras's train step)."""
+        device = self._device(device)
+        return TORCH_GPU_STEP_HOST_S if self._torch_on_gpu(device) else 0.0
 
     def update_time(self, nbytes, device, num_tensors=1):
         if nbytes <= 0 and num_tensors <= 0:

@@ -319,13 +319,22 @@ class _Regressor:
             self.shift = math.log(_weighted_median(np.exp(y - fitted), np.exp(fitted - y)))
         self.low = float(np.min(y)) - CLIP_MARGIN
         self.high = float(np.max(y)) + CLIP_MARGIN
+        self.device_kinds = sorted({s.get("device_kind", "gpu") for s in samples})
 
     def predict_log_ratio(self, samples):
+        """log(learned / analytic) per sample; 0 (the analytic time) on a device
+        kind the regressor never saw (a CPU-trained correction says nothing
+        about a GPU: applied there, it predicted a thousandth of the H200's
+        layer times)."""
         import numpy as np
 
+        if not samples:
+            return np.zeros(0)
         x = _feature_rows(samples, self.vocabulary)
         z = (x - self.mean) / self.scale
-        return np.clip(self.estimator.predict(z) + self.shift, self.low, self.high)
+        ratio = np.clip(self.estimator.predict(z) + self.shift, self.low, self.high)
+        seen = np.array([s.get("device_kind", "gpu") in self.device_kinds for s in samples])
+        return np.where(seen, ratio, 0.0)
 
 
 def _groups(samples, by):

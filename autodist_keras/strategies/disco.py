@@ -117,7 +117,8 @@ class _Timeline:
             device = cluster.device(members[0].device)
             share = members[0].batch_share
             update = max(
-                cost.update_time(total, cluster.device(m.device), len(order)) if order else 0.0
+                cost.update_time(total, cluster.device(m.device), len(order))
+                + cost.step_overhead_time(cluster.device(m.device)) if order else 0.0
                 for m in members
             )
             self.classes.append({
@@ -724,7 +725,8 @@ def _balanced_base(base, graph, cluster, cost, batch_size):
                     for n in nodes)
                 for g in grid
             ]
-            update = float(cost.update_time(graph.param_bytes, device, ntensors))
+            update = float(cost.update_time(graph.param_bytes, device, ntensors)
+                           + cost.step_overhead_time(device))
             curves[key] = (np.array(times, dtype=float) + update)
         per_device.append(curves[key])
     caps = [baselines.memory_capacity_samples(graph, cluster, d) for d in devices]
