@@ -105,6 +105,18 @@ MODELS = [
      {"num_layers": 1, "d_model": 48, "heads": 2, "seq_len": 20, "vocab": 800}),
     ("transformer_long_wide", f"{ZOO}:transformer_encoder",
      {"num_layers": 2, "d_model": 96, "heads": 4, "seq_len": 64, "vocab": 1500}),
+    # A fourth prospective batch (session 11, chosen before it was measured and
+    # after every stored model had been measured on one host; predicted by
+    # estimators trained on the thirty models above only): two models of each
+    # family, between stored neighbours.
+    ("mlp_two_mid", f"{ZOO}:mlp", {"input_dim": 128, "hidden": [640, 640]}),
+    ("mlp_five_narrow", f"{ZOO}:mlp", {"input_dim": 96, "hidden": [160] * 5}),
+    ("cnn_mid_small", f"{ZOO}:small_cnn", {"input_shape": [28, 28, 3], "filters": [12, 24]}),
+    ("cnn_four", f"{ZOO}:small_cnn", {"input_shape": [36, 36, 3], "filters": [8, 16, 24, 32]}),
+    ("transformer_three_small", f"{ZOO}:transformer_encoder",
+     {"num_layers": 3, "d_model": 64, "heads": 4, "seq_len": 40, "vocab": 1200}),
+    ("transformer_wide_mid", f"{ZOO}:transformer_encoder",
+     {"num_layers": 2, "d_model": 112, "heads": 4, "seq_len": 40, "vocab": 2500}),
 ]
 PLANS = ["single_device", "data_parallel", "proportional", "data_parallel_2"]
 BATCH_SIZE = 96
