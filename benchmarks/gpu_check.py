@@ -160,6 +160,16 @@ def _fit(model, x, y, batch, warmup):
     return timer
 
 
+def _fit_under(strategy, seed, small, x, y, batch, warmup):
+    """Builds the MLP in `strategy.scope()` from `seed`, fits it; `(model, timer)`."""
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    with strategy.scope():
+        model = _compile(_mlp(small))
+    return model, _fit(model, x, y, batch, warmup)
+
+
 # ----------------------------------------------------------------- sections
 def section_detect(small):
     from autodist_keras.devices import Cluster
@@ -200,10 +210,7 @@ def section_fit(small):
     plain_timer = _fit(plain, x, y, batch, warmup)
 
     strategy = AutoStrategy(strategy="auto")
-    keras.utils.set_random_seed(1)
-    with strategy.scope():
-        model = _compile(_mlp(small))
-    auto_timer = _fit(model, x, y, batch, warmup)
+    model, auto_timer = _fit_under(strategy, 1, small, x, y, batch, warmup)
     plan = strategy.plan
     return {
         "model": f"mlp {dim}-{'64-64' if small else '2048-2048'}-10, SGD, batch {batch}, "
@@ -238,10 +245,7 @@ def section_testbed(small):
         plain_timer = _fit(plain, x, y, batch, warmup)
 
     strategy = AutoStrategy(strategy="proportional", cluster="cpu_testbed")
-    keras.utils.set_random_seed(2)
-    with strategy.scope():
-        model = _compile(_mlp(small))
-    timer = _fit(model, x, y, batch, warmup)
+    model, timer = _fit_under(strategy, 2, small, x, y, batch, warmup)
     plan = strategy.plan
     return {
         "plan_devices": plan.devices,
@@ -335,7 +339,6 @@ def section_layers(small):
     import keras
 
     from autodist_keras.devices import Cluster
-    from autodist_keras.estimator.cost_model import AnalyticCostModel
     from autodist_keras.estimator.learned_cost import LearnedCostModel
     from autodist_keras.estimator.learned_cost import samples_from_profile
     from autodist_keras.estimator.measurements import Case
@@ -368,7 +371,6 @@ def section_layers(small):
             json.dump({"samples": samples, "batches": list(batches)}, f)
     learned_model = LearnedCostModel(samples=cpu_samples, evaluate=False)
     learned_s = learned_model.predict_samples(samples)
-    analytic = AnalyticCostModel(cluster)  # noqa: F841 - samples carry its times
 
     def errors(predicted):
         return [p / s["measured_s"] - 1 for p, s in zip(predicted, samples)]
