@@ -47,7 +47,7 @@ overhead; each step adds a fixed host time for the loss, Keras's train step
 and the optimizer's Python (`TORCH_GPU_STEP_HOST_S`). Measured on NVIDIA H200
 machines (Keras 3.15, PyTorch 2.11; `benchmarks/gpu_check.py`;
 docs/estimator.md "On a GPU"), they depend on the host CPU: two machines
-differed by up to 2x. TensorFlow runs a traced graph, whose per-op host cost
+differed by up to 1.9x. TensorFlow runs a traced graph, whose per-op host cost
 is small; no TensorFlow GPU was measured, so TensorFlow keeps the launch
 overhead alone.
 
