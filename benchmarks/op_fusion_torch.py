@@ -13,6 +13,10 @@ compilation happens in the first warm-up step of every "on" round).
 
 Usage:
     python benchmarks/op_fusion_torch.py [--steps 30] [--rounds 3] [--compiler inductor]
+        [--cluster cpu_testbed|detect]
+
+`--cluster detect` plans and trains on this machine's first detected device
+(a GPU where there is one) instead of the CPU testbed's first device.
 
 The last line of output is one JSON object.
 """
@@ -36,11 +40,12 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--models", default="cnn", help="cnn, mlp (the MLP has no regions)")
     parser.add_argument("--compiler", default="inductor", help="torch.compile backend")
+    parser.add_argument("--cluster", choices=("cpu_testbed", "detect"), default="cpu_testbed")
     args = parser.parse_args()
 
     from autodist_keras import Cluster
 
-    cluster = Cluster.cpu_testbed()
+    cluster = Cluster.detect() if args.cluster == "detect" else Cluster.cpu_testbed()
     device = cluster.names[0]
     print(f"op_fusion_torch: {platform.node() or 'machine'}, {os.cpu_count()} cores, device "
           f"{device}, compiler {args.compiler}; {args.steps} measured steps after "
@@ -57,6 +62,7 @@ def main():
               f"compiled)  off {off * 1e3:.1f} ms  on ({args.compiler}) {on * 1e3:.1f} ms  "
               f"off/on {row['off_over_on']:.3f}x (measured)")
     print(json.dumps({"benchmark": "op_fusion_torch", "compiler": args.compiler,
+                      "device": cluster.device(device).model,
                       "load_after": os.getloadavg()[0], "results": results}))
 
 

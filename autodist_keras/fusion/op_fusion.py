@@ -417,21 +417,29 @@ def regions_for(plan):
 OP_FUSION_POLICIES = ("auto", "on", "off")
 
 
-def compiled_by_default(device_kinds):
+def compiled_by_default(device_kinds, framework=None):
     """Whether `op_fusion="auto"` compiles regions on devices of these kinds.
 
-    Only GPUs: on this project's CPU measurements XLA regions were slower than
-    TensorFlow's own kernels (benchmarks/op_fusion_xla.py, docs/disco.md).
+    Only GPUs, and only under TensorFlow (XLA): on this project's CPU
+    measurements XLA regions were slower than TensorFlow's own kernels
+    (benchmarks/op_fusion_xla.py, docs/disco.md), and `torch.compile`
+    regions were slower than eager Keras both on the CPU (0.931x) and on an
+    NVIDIA H200 (0.813x, benchmarks/op_fusion_torch.py --cluster detect).
     Disco plans regions by the same rule, so its predictions count no savings
-    the runtime will not make.
+    the runtime will not make. `op_fusion="on"` still compiles them.
 
     Args:
         device_kinds: Kinds of the plan's devices (`"gpu"`, `"cpu"`).
+        framework: The Keras backend (default: the active one).
 
     Returns:
-        True when every device is a GPU.
+        True when every device is a GPU and the backend is not PyTorch.
     """
-    return all(kind == "gpu" for kind in device_kinds)
+    if framework is None:
+        from autodist_keras.estimator.cost_model import _active_framework
+
+        framework = _active_framework()
+    return framework != "torch" and all(kind == "gpu" for kind in device_kinds)
 
 
 def region_layers(model, regions):

@@ -498,9 +498,16 @@ def build_candidates(
         candidates.append(candidate)
         if progress is not None:
             progress.update(1)
-    # Disco plans op-fusion regions where both runtimes compile them by default
-    # (every device a GPU: XLA clusters on TensorFlow, torch.compile on PyTorch).
+    # Disco plans op-fusion regions where the backend's runtime compiles them by
+    # default (every device a GPU, TensorFlow's XLA; not torch.compile, which
+    # measured slower than eager Keras).
     family_options = {}
+    if options.get("backend"):
+        from autodist_keras.fusion.op_fusion import compiled_by_default
+
+        kinds = [cluster.device(d).kind for d in devices]
+        family_options["disco"] = {
+            "op_fusion": compiled_by_default(kinds, framework=options["backend"])}
     for family in families:
         started = time.perf_counter()
         candidate = Candidate(name=family, family=family)
