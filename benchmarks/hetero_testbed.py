@@ -34,8 +34,9 @@ time per step is a poor proxy for what it costs the core's wall time when
 two processes share the core (docs/planners.md has the figures), so the
 option stays available but is not what the target is measured on.
 
-Models: `cnn` (small CNN, batch 96), `mlp` (512-1024-1024-10, 1.59 M
-parameters, batch 384) and `mlp_large` (the same MLP at batch 3072). At
+Models: `cnn` (small CNN, batch 96), `cnn_large` (the same CNN at batch
+384), `mlp` (512-1024-1024-10, 1.59 M parameters, batch 384) and `mlp_large`
+(the same MLP at batch 3072). At
 batch 384 most of a replica's step cost scales with the parameters, not with
 its share (weights streamed through forward and backward, the 6.3 MB
 gradient all-reduce, the optimizer update), and the two replicas on core 1
@@ -46,7 +47,7 @@ TensorFlow's step took 48.9 ms even with shares 382/1/1. `mlp` is kept so
 this stays visible; `mlp_large` is the compute-dominated case the 1.33x
 ideal assumes (docs/runtime_torch.md, "Where a step's time goes", has the
 per-rank CPU figures). `min_ratio` covers every model; `min_ratio_share_bound`
-covers `cnn` and `mlp_large` only.
+covers `cnn`, `cnn_large` and `mlp_large` only.
 
 PyTorch cases also record the runtime's step profile
 (`AUTODIST_KERAS_TORCH_PROFILE`): per rank its cores, intra-op threads and
@@ -98,6 +99,10 @@ MODELS = {
     "mlp": ("mlp", MLP, (512,), 10, 384),
     # The same MLP where compute dominates, as the ideal 1.33x assumes.
     "mlp_large": ("mlp", MLP, (512,), 10, 3072),
+    # The same CNN at four times the batch (session 11): the per-step costs that
+    # do not shrink with a share weigh less, as for mlp_large.
+    "cnn_large": ("small_cnn", {"input_shape": (32, 32, 3), "filters": (32, 64)}, (32, 32, 3),
+                  10, 384),
 }
 
 
@@ -394,7 +399,7 @@ PER_CORE_NO_MEASURED_COSTS = (
     "fixed cost per step, which core 1's one process pays once for both of its devices")
 
 # Models whose per-replica step cost grows with the replica's share on this CPU.
-SHARE_BOUND = ("cnn", "mlp_large")
+SHARE_BOUND = ("cnn", "mlp_large", "cnn_large")
 
 CASES = (
     # key, strategy name, with the fitted step costs
