@@ -65,7 +65,7 @@ STEP_MODELS = [
 # A second set, chosen before it was measured (other layer types:
 # ZeroPadding2D, Activation, DepthwiseConv2D; other sizes). In session 11 it
 # checked the first host-time constants, fitted to STEP_MODELS, and found them
-# 40-69% high; the constants in cost_model.py are fitted to both sets
+# 14-69% high (MAPE 49%); the constants in cost_model.py are fitted to both sets
 # (docs/estimator.md, "On a GPU").
 PROSPECTIVE_STEP_MODELS = [
     ("ResNet50", "autodist_keras.graph.loading:load_model", {"spec": "ResNet50"}, [32, 128]),
