@@ -70,8 +70,13 @@ def physical_memory_bytes():
     return 8 * 2**30
 
 
-def _keras_backend():
-    """The Keras backend name, without importing Keras when it is not imported yet."""
+def active_keras_backend():
+    """The Keras backend name, without importing Keras when it is not imported yet.
+
+    Returns:
+        Keras's own answer once Keras is imported, else `$KERAS_BACKEND`, else
+        the `backend` of `keras.json`, else `"tensorflow"` (Keras's default).
+    """
     if "keras" in sys.modules:
         try:
             return sys.modules["keras"].backend.backend()
@@ -309,7 +314,7 @@ def _skip_reason(module, label):
     """
     if module in sys.modules:
         return None
-    backend = _keras_backend()
+    backend = active_keras_backend()
     if backend != module:
         return f"{label}: not asked ({module} not imported; Keras backend is {backend!r})"
     if not cuda_driver_present():

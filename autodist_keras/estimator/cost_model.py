@@ -68,6 +68,7 @@ t = cost.allreduce_time(100 * 2**20, cluster.names, "ring")
 import copy
 import math
 
+from autodist_keras.devices.detect import active_keras_backend
 from autodist_keras.errors import EstimatorError
 from autodist_keras.estimator.comm import CommModel
 
@@ -115,16 +116,6 @@ TORCH_GPU_STEP_HOST_S = 4.0e-3
 ADAM_UPDATE_BYTES_FACTOR = 7.0
 AGGREGATE_BYTES_FACTOR = 1.0  # per input buffer read, plus one write of the result
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8}
-
-
-def _active_framework():
-    """The active Keras backend (`KERAS_BACKEND`), without importing Keras when unset."""
-    import os
-    import sys
-
-    if "keras" in sys.modules:
-        return sys.modules["keras"].backend.backend()
-    return os.environ.get("KERAS_BACKEND", "tensorflow")
 
 
 def op_category(layer_type):
@@ -295,7 +286,7 @@ class AnalyticCostModel(CostModel):
         framework=None,
     ):
         super().__init__(cluster)
-        self.framework = framework if framework is not None else _active_framework()
+        self.framework = framework if framework is not None else active_keras_backend()
         if precision not in ("fp32", "mixed"):
             raise EstimatorError(
                 f"precision must be 'fp32' or 'mixed'. Received: precision={precision!r}"

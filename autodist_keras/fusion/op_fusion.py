@@ -436,9 +436,9 @@ def compiled_by_default(device_kinds, framework=None):
         True when every device is a GPU and the backend is not PyTorch.
     """
     if framework is None:
-        from autodist_keras.estimator.cost_model import _active_framework
+        from autodist_keras.devices.detect import active_keras_backend
 
-        framework = _active_framework()
+        framework = active_keras_backend()
     return framework != "torch" and all(kind == "gpu" for kind in device_kinds)
 
 
