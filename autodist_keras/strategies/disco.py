@@ -67,7 +67,8 @@ from autodist_keras.strategies.plan import SyncSpec
 
 DEFAULT_TIME_BUDGET_S = 2.0
 ALGORITHMS = ("ring", "tree", "hierarchical")
-OPTION_NAMES = ("algorithms", "speeds", "op_fusion", "tensor_fusion", "compare_baselines")
+OPTION_NAMES = ("algorithms", "speeds", "op_fusion", "tensor_fusion", "compare_baselines",
+                "backend")
 _EPS = 1e-12
 
 
@@ -508,10 +509,12 @@ def plan(
         **options: `algorithms` (all-reduce algorithms a bucket may use,
             default `("ring", "tree", "hierarchical")`), `speeds` (measured
             device speeds for the proportional shares), `op_fusion` and
-            `tensor_fusion` (False to search only the other), and
+            `tensor_fusion` (False to search only the other),
             `compare_baselines` (True to also simulate the no-fusion,
             DDP 25 MiB and Horovod 64 MiB layouts and the fully-overlapped
-            bound into `plan.prediction.baselines`).
+            bound into `plan.prediction.baselines`), and `backend` (the Keras
+            backend the plan is for, default the active one: whether op
+            fusion is searched when `op_fusion` is not given).
 
     Returns:
         A validated `Plan` with `planner="disco"`, `buckets`, `op_fusion`,
@@ -547,12 +550,13 @@ def plan(
     base = baselines.proportional(
         graph, cluster, batch_size, devices=devices, speeds=options.get("speeds")
     )
-    cpu_only_fusion_skipped = False
+    fusion_not_searched = False
     if use_op is None:
         # Plan regions only where the runtimes compile them by default (GPUs,
         # TensorFlow's XLA; torch.compile regions measured slower).
-        use_op = op_fusion_lib.compiled_by_default(cluster.device(d).kind for d in base.devices)
-        cpu_only_fusion_skipped = not use_op
+        use_op = op_fusion_lib.compiled_by_default(
+            [cluster.device(d).kind for d in base.devices], framework=options.get("backend"))
+        fusion_not_searched = not use_op
     use_op = bool(use_op)
     cost = cost_model if cost_model is not None else AnalyticCostModel(cluster)
     if isinstance(cost, op_fusion_lib.FusionAwareCostModel):
@@ -648,7 +652,7 @@ def plan(
 
     notes += _notes(timeline, state, bounds, bucket_algorithm, result, sim, bound, start_time,
                     use_op, shares_from)
-    if cpu_only_fusion_skipped:
+    if fusion_not_searched:
         notes.append(
             "Op fusion: not searched; the runtimes compile op-fusion regions by default "
             "only on GPUs under TensorFlow (XLA). torch.compile regions were measured "

@@ -501,13 +501,7 @@ def build_candidates(
     # Disco plans op-fusion regions where the backend's runtime compiles them by
     # default (every device a GPU, TensorFlow's XLA; not torch.compile, which
     # measured slower than eager Keras).
-    family_options = {}
-    if options.get("backend"):
-        from autodist_keras.fusion.op_fusion import compiled_by_default
-
-        kinds = [cluster.device(d).kind for d in devices]
-        family_options["disco"] = {
-            "op_fusion": compiled_by_default(kinds, framework=options["backend"])}
+    family_options = {"disco": {"backend": options["backend"]}} if options.get("backend") else {}
     for family in families:
         started = time.perf_counter()
         candidate = Candidate(name=family, family=family)
