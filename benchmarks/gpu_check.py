@@ -101,18 +101,6 @@ def _round(value, digits=6):
     return None if value is None else round(float(value), digits)
 
 
-def _host_cpu():
-    """The host CPU's model name (Linux), or None."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
 def _mlp(small):
     from autodist_keras.graph import zoo
 
@@ -266,6 +254,7 @@ def section_steps(small):
     from autodist_keras.devices import Cluster
     from autodist_keras.estimator import learned
     from autodist_keras.estimator.measurements import Case
+    from autodist_keras.estimator.measurements import machine_info
     from autodist_keras.estimator.measurements import measure_cases
 
     from autodist_keras.estimator.cost_model import AnalyticCostModel
@@ -325,7 +314,7 @@ def section_steps(small):
     return {
         "device": cluster.devices[0].model,
         "models": "small" if small else chosen,
-        "host_cpu": _host_cpu(),
+        "host_cpu": machine_info()["cpu"],
         "steps": steps, "warmup": warmup,
         "cases": rows,
         "analytic_mape_pct": mape("analytic_error"),
