@@ -169,6 +169,10 @@ def test_domain_rule(testbed, wide, torch_estimator):
     gpus = Cluster.from_string("2xV100")
     ok, why = torch_estimator.cluster_in_domain(gpus, backend="torch")
     assert not ok and "V100" in why
+    # In words: which devices, what kind, and what it knows.
+    assert "node0/gpu0, node0/gpu1: GPU V100" in why and "TFLOP/s" in why
+    assert "trained on: CPU testbed device on core(s)" in why
+    assert "cores=" not in why
     # A saved estimator keeps its domain.
     again = learned.LearnedEstimator.from_dict(json.loads(json.dumps(torch_estimator.to_dict())))
     assert again.domain == torch_estimator.domain
@@ -277,3 +281,16 @@ def test_unshared_devices_candidate(testbed, wide):
     assert selection.unshared_devices(gpus, gpus.names) == gpus.names
     names = [n for n, _ in selection.baseline_candidates(wide, gpus, 64, gpus.names, {})]
     assert "data_parallel_unshared" not in names
+
+
+def test_describe_signature_reads_back_device_signature():
+    testbed = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 2}])
+    words = [learned.describe_signature(learned.device_signature(testbed.device(d)))
+             for d in testbed.names]
+    assert words[0].startswith("CPU testbed device on core(s) 0, 1 thread (")
+    assert words[1].startswith("CPU testbed device on core(s) 1, 2 threads (")
+    gpu = Cluster.from_string("1xA100")
+    text = learned.describe_signature(learned.device_signature(gpu.device(gpu.names[0])))
+    assert text.startswith("GPU A100") and "TFLOP/s" in text
+    # Anything else is shown as it is.
+    assert learned.describe_signature("not a signature") == "not a signature"

@@ -950,6 +950,49 @@ def device_signature(device):
             f"{float(device.memory_bandwidth):.6g}:cores={affinity}:threads={device.threads}")
 
 
+def describe_signature(signature):
+    """A device signature (`device_signature`) in words, for messages.
+
+    Args:
+        signature: A string made by `device_signature`.
+
+    Returns:
+        A string such as `"GPU V100-SXM2-16GB (15.7 TFLOP/s, 900 GB/s)"` or
+        `"CPU testbed device on core(s) 0, 1 thread (40 GFLOP/s, 5 GB/s)"`.
+
+    Example:
+
+    ```python
+    >>> describe_signature("cpu:cpu:4e+10:5e+09:cores=1:threads=1")
+    'CPU testbed device on core(s) 1, 1 thread (40 GFLOP/s, 5 GB/s)'
+    ```
+    """
+    parts = str(signature).split(":")
+    if len(parts) < 6 or not parts[4].startswith("cores=") or not parts[5].startswith("threads="):
+        return str(signature)
+    kind, model = parts[0], parts[1]
+    try:
+        flops, bandwidth = float(parts[2]), float(parts[3])
+    except ValueError:
+        return str(signature)
+    cores, threads = parts[4][len("cores="):], parts[5][len("threads="):]
+    speed = f"{_si(flops)}FLOP/s, {_si(bandwidth)}B/s"
+    if kind != "cpu":
+        return f"{kind.upper()} {model} ({speed})"
+    if not cores:
+        return f"CPU device on every core ({speed})"
+    thread_text = "" if threads in ("None", "") else (
+        f", {threads} thread" + ("" if threads == "1" else "s"))
+    return f"CPU testbed device on core(s) {cores.replace(',', ', ')}{thread_text} ({speed})"
+
+
+def _si(value):
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}"
+    return f"{value:.3g} "
+
+
 def sync_kinds(plan):
     """The gradient synchronisation kinds of a plan, e.g. `["allreduce/ring"]`."""
     kinds = set()
@@ -1221,11 +1264,18 @@ class LearnedEstimator:
         if self.domain is None:
             return True, ""
         known = set(self.domain["devices"])
-        unknown = sorted({device_signature(cluster.device(d))
-                          for d in (devices or cluster.names)} - known)
+        unknown = {}
+        for d in (devices or cluster.names):
+            signature = device_signature(cluster.device(d))
+            if signature not in known:
+                unknown.setdefault(signature, []).append(d)
         if unknown:
-            return False, (f"device(s) {unknown[:3]} were not in its training measurements "
-                           f"(trained on {sorted(known)})")
+            listed = "; ".join(f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}: "
+                               f"{describe_signature(sig)}"
+                               for sig, names in sorted(unknown.items())[:3])
+            trained = "; ".join(describe_signature(sig) for sig in sorted(known))
+            return False, (f"these devices are of kinds not in its training measurements "
+                           f"({listed}); it was trained on: {trained}")
         return True, ""
 
     def in_domain(self, graph, cluster, plan, backend=None):
