@@ -34,3 +34,27 @@ def test_console_script_help():
     assert out.returncode == 0, out.stderr
     for command in ("devices", "graph"):
         assert command in out.stdout
+
+
+def test_backend_defaults_follow_keras_json(tmp_path):
+    """Without KERAS_BACKEND, the helpers answer what Keras would use: keras.json."""
+    import json
+
+    (tmp_path / "keras.json").write_text(json.dumps({"backend": "torch"}))
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    env["KERAS_HOME"] = str(tmp_path)
+    code = (
+        "from autodist_keras.devices.detect import active_keras_backend\n"
+        "from autodist_keras.estimator.measurements import _resolve_backend\n"
+        "from autodist_keras.estimator.cost_model import AnalyticCostModel\n"
+        "print(active_keras_backend(), _resolve_backend(None), AnalyticCostModel().framework)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["torch", "torch", "torch"]
+    env["KERAS_BACKEND"] = "tensorflow"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["tensorflow", "tensorflow", "tensorflow"]

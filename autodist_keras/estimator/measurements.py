@@ -491,10 +491,9 @@ def _framework_versions(backend):
 # ----------------------------------------------------------------- measuring
 def _resolve_backend(backend):
     if backend is None:
-        if "keras" in sys.modules:
-            backend = sys.modules["keras"].backend.backend()
-        else:
-            backend = os.environ.get("KERAS_BACKEND", "tensorflow")
+        from autodist_keras.devices.detect import active_keras_backend
+
+        backend = active_keras_backend()
     if backend not in BACKENDS:
         raise EstimatorError(
             f"backend must be one of {BACKENDS}. Received: backend={backend!r}"
