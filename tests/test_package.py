@@ -58,3 +58,20 @@ def test_backend_defaults_follow_keras_json(tmp_path):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["tensorflow", "tensorflow", "tensorflow"]
+
+
+def test_host_cpu_name_is_shared_by_provenance_and_profile_cache():
+    from autodist_keras import Cluster
+    from autodist_keras.devices.detect import host_cpu_name
+    from autodist_keras.estimator import measurements
+    from autodist_keras.estimator import profiler
+
+    name = host_cpu_name()
+    assert isinstance(name, str) and name
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            assert any(line.split(":", 1)[-1].strip() == name for line in f
+                       if line.lower().startswith("model name"))
+    assert measurements.machine_info()["cpu"] == name
+    device = Cluster.cpu_testbed().device("node0/cpu0")
+    assert profiler.device_signature(device)["host_cpu"] == name

@@ -70,6 +70,25 @@ def physical_memory_bytes():
     return 8 * 2**30
 
 
+def host_cpu_name():
+    """The host CPU's model name, as `/proc/cpuinfo` gives it.
+
+    Returns:
+        The first `model name` of `/proc/cpuinfo`; where there is none,
+        `platform.processor()`, else `platform.machine()` (e.g. `"arm64"`).
+    """
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def active_keras_backend():
     """The Keras backend name, without importing Keras when it is not imported yet.
 

@@ -452,15 +452,9 @@ def load_average():
 
 def machine_info():
     """Facts about this machine for a measurement file's provenance."""
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    from autodist_keras.devices.detect import host_cpu_name
+
+    cpu = host_cpu_name()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
         "hostname": platform.node(),

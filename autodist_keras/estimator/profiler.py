@@ -53,7 +53,6 @@ import json
 import math
 import multiprocessing
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -61,6 +60,7 @@ import tempfile
 import time
 import traceback
 
+from autodist_keras.devices.detect import host_cpu_name
 from autodist_keras.errors import AutodistError
 from autodist_keras.errors import EstimatorError
 
@@ -208,17 +208,6 @@ class ProfileCache:
 
 
 # ------------------------------------------------------------------- devices
-def _host_cpu():
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def device_signature(device):
     """What makes two devices measure the same: model, affinity, threads, host CPU.
 
@@ -232,7 +221,7 @@ def device_signature(device):
         "threads": device.threads,
     }
     if device.kind == "cpu":
-        signature["host_cpu"] = _host_cpu()
+        signature["host_cpu"] = host_cpu_name()
         if device.cpu_affinity is None:
             signature["process_cores"] = _process_cores()
     return signature
