@@ -9,7 +9,8 @@ Sections (each in a fresh process, each with its own time limit, each
 reported even when another fails):
 
 1. `detect`: `Cluster.detect()`: how the devices were found, and the catalog
-   entry each GPU was matched to.
+   entry each GPU was matched to; the host CPU and how fast it dispatches
+   eager Keras and PyTorch calls (`host_dispatch_probe`).
 2. `fit`: `AutoStrategy("auto")` on the detected devices vs plain Keras `fit`
    on the same device: same seed, data and steps; the largest weight
    difference, where the variables live, the chosen plan, median step time of
@@ -161,13 +162,54 @@ def _fit_under(strategy, seed, small, x, y, batch, warmup):
 
 
 # ----------------------------------------------------------------- sections
+def host_dispatch_probe(repeats=2000, rounds=5):
+    """How fast this host dispatches eager Keras and PyTorch calls (measured, on the CPU).
+
+    Eager Keras on PyTorch spends host time per layer call whatever the
+    device (docs/estimator.md, "On a GPU"), and that time differs between
+    hosts (up to 1.9x between two H200 machines). This probe times, on CPU
+    tensors so the device does not enter: a `Dense(8)` layer called on one
+    8-feature row (Keras's Python around a tiny matmul), and a `torch.add` of
+    two one-element tensors (PyTorch's dispatcher alone). Recorded beside the
+    measured step times, it lets a later session relate host time to host
+    speed (not yet used by the cost model).
+
+    Returns:
+        `{"keras_dense_call_s", "torch_add_s", "repeats", "rounds"}`: medians
+        over `rounds` rounds of the per-call mean of `repeats` calls.
+    """
+    import keras
+    import torch
+
+    with keras.device("cpu"):
+        layer = keras.layers.Dense(8)
+        x = torch.ones((1, 8))
+        layer(x)
+        a, b = torch.ones(1), torch.ones(1)
+        dense, add = [], []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(repeats):
+                layer(x)
+            dense.append((time.perf_counter() - start) / repeats)
+            start = time.perf_counter()
+            for _ in range(repeats):
+                torch.add(a, b)
+            add.append((time.perf_counter() - start) / repeats)
+    return {"keras_dense_call_s": _round(_median(dense), 9), "torch_add_s": _round(_median(add), 9),
+            "repeats": repeats, "rounds": rounds}
+
+
 def section_detect(small):
     from autodist_keras.devices import Cluster
+    from autodist_keras.estimator.measurements import machine_info
 
     cluster = Cluster.detect()
     import torch
 
     return {
+        "host_cpu": machine_info()["cpu"],
+        "host_dispatch_probe": host_dispatch_probe(repeats=200 if small else 2000),
         "torch": torch.__version__,
         "cuda_available": bool(torch.cuda.is_available()),
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]

@@ -105,6 +105,9 @@ def test_gpu_check_benchmark_runs_small(tmp_path):
     for name in ("detect", "fit", "testbed", "steps", "layers"):
         assert summary[name] == "ok", sections[name]
     assert sections["detect"]["devices"][0]["kind"] == "cpu"
+    probe = sections["detect"]["host_dispatch_probe"]
+    # A Keras layer call costs more host time than one bare PyTorch op.
+    assert 0 < probe["torch_add_s"] < probe["keras_dense_call_s"] < 0.05
     assert sections["fit"]["max_relative_weight_difference"] < 1e-5
     assert sections["fit"]["auto_variables_on"] == "cpu"
     assert sections["testbed"]["rank0_variables_on"] == "cpu"
