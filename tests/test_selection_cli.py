@@ -95,6 +95,20 @@ def test_explain_labels_predictions(graph, hetero):
     assert "Candidates (predicted)" in fancy
 
 
+def test_explain_compares_measured_with_predicted(graph, hetero):
+    plan, _ = selection.choose_plan(graph, hetero, 256, use_cache=False)
+    predicted = plan.prediction.step_time_s
+    slow = explanation(plan, hetero, measured={"step_time_s": 4 * predicted, "steps": 30})
+    assert slow["measured_vs_predicted"] == pytest.approx(4.0, rel=1e-3)
+    text = render_text(slow, use_rich=False)
+    assert "measured / predicted: 4.0x (the prediction was 75% low)" in text
+    assert "hint: the simulator prices each layer" in text  # a simulator prediction
+    close = explanation(plan, hetero, measured={"step_time_s": 0.9 * predicted, "steps": 30})
+    text = render_text(close, use_rich=False)
+    assert "(the prediction was 11% high)" in text and "hint:" not in text
+    assert explanation(plan, hetero)["measured_vs_predicted"] is None
+
+
 class _Run:
     def __init__(self, returncode, stdout, stderr):
         self.returncode, self.stdout, self.stderr = returncode, stdout, stderr

@@ -10,6 +10,11 @@ import io
 import sys
 
 
+# explain() adds a hint when the measured step exceeds the simulator's
+# prediction by more than this factor.
+MISS_FACTOR = 1.5
+
+
 def _ms(seconds):
     return None if seconds is None else round(seconds * 1e3, 3)
 
@@ -70,6 +75,10 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
     speedup = None
     if prediction is not None and even and even.get("predicted_step_time_s"):
         speedup = round(even["predicted_step_time_s"] / prediction.step_time_s, 3)
+    measured_vs_predicted = None
+    if (measured and measured.get("step_time_s") and prediction is not None
+            and prediction.step_time_s):
+        measured_vs_predicted = round(measured["step_time_s"] / prediction.step_time_s, 3)
     why = [n[len("auto: "):] for n in plan.notes if n.startswith("auto: ")]
     if not why:
         why = [f"{plan.provenance.planner} plan requested with strategy={strategy_name!r}"]
@@ -91,6 +100,7 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
             "simulated_step_time_ms": _ms(getattr(prediction, "simulated_step_time_s", None)),
         },
         "measured": dict(measured or {}),
+        "measured_vs_predicted": measured_vs_predicted,
         "speedup_vs_even_predicted": speedup,
         "devices": device_rows,
         "sync": sync,
@@ -160,6 +170,19 @@ def _header_lines(data):
             f"  measured step time: {m['step_time_s'] * 1e3:.3f} ms "
             f"(median of {m.get('steps', '?')} steps after warm-up)"
         )
+    ratio = data.get("measured_vs_predicted")
+    if ratio:
+        off = (f"{(1 - 1 / ratio) * 100:.0f}% low" if ratio >= 1
+               else f"{(1 / ratio - 1) * 100:.0f}% high")
+        lines.append(f"  measured / predicted: {ratio}x (the prediction was {off})")
+        source = (p or {}).get("source") or ""
+        if ratio > MISS_FACTOR and "learned" not in source:
+            lines.append(
+                "  hint: the simulator prices each layer from the device's spec-sheet speed "
+                "plus a fixed launch cost; the host's Python time per eager Keras call and per "
+                "step is mostly not in it, so small models and CPUs run slower than it "
+                "predicts (docs/estimator.md)"
+            )
     if data["speedup_vs_even_predicted"] is not None:
         lines.append(f"  predicted speedup over even data parallelism: "
                      f"{data['speedup_vs_even_predicted']}x")
