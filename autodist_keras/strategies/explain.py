@@ -179,9 +179,9 @@ def _header_lines(data):
         if ratio > MISS_FACTOR and "learned" not in source:
             lines.append(
                 "  hint: the simulator prices each layer from the device's spec-sheet speed "
-                "plus a fixed launch cost; the host's Python time per eager Keras call and per "
-                "step is mostly not in it, so small models and CPUs run slower than it "
-                "predicts (docs/estimator.md)"
+                "plus a fixed launch cost; most of the framework's host time per layer call "
+                "and per step (Keras's Python, op dispatch) is not in it, so small models and "
+                "CPUs run slower than it predicts (docs/estimator.md)"
             )
     if data["speedup_vs_even_predicted"] is not None:
         lines.append(f"  predicted speedup over even data parallelism: "
