@@ -179,8 +179,9 @@ def _header_lines(data):
         if ratio > MISS_FACTOR and "learned" not in source:
             lines.append(
                 "  hint: the simulator prices each layer from the device's spec-sheet speed "
-                "plus a fixed launch cost; most of the framework's host time per layer call "
-                "and per step (Keras's Python, op dispatch) is not in it, so small models and "
+                "plus a fixed launch cost (on GPUs under PyTorch, plus host times measured on "
+                "H200 hosts); the framework's host time per layer call and per step on this "
+                "machine (Keras's Python, op dispatch) can be far larger, so small models and "
                 "CPUs run slower than it predicts (docs/estimator.md)"
             )
     if data["speedup_vs_even_predicted"] is not None:
