@@ -8,11 +8,13 @@ progress bar), then with the even split, and prints the plan, the predicted
 step times and the measured ones side by side.
 
 On the PyTorch backend each testbed device is its own pinned process, so the
-heterogeneity is real. On the TensorFlow backend one process drives three
-logical devices that share TensorFlow's thread pools (per-device core pinning
-is not possible in one process; see docs/runtime_tensorflow.md), so the plan
-and the arithmetic are the same but the measured times show no heterogeneity,
-and the predictions (for pinned worker processes) do not describe that run.
+heterogeneity is real. On the TensorFlow backend `fit` runs in one process
+that drives three logical devices sharing TensorFlow's thread pools
+(per-device core pinning is not possible in one process; see
+docs/runtime_tensorflow.md), so those measured times show no heterogeneity.
+The TensorFlow demo therefore also times both plans in pinned worker
+processes, one per core set (`run_steps(..., processes="per_core")`, as
+`benchmarks/hetero_testbed.py` does), where the heterogeneity is real.
 
 Run: `make demo` (or `KERAS_BACKEND=torch make demo`).
 """
@@ -47,6 +49,41 @@ def train(strategy, x, y, verbose):
     model.fit(x, y, batch_size=BATCH_SIZE, epochs=1, shuffle=False, verbose=verbose,
               callbacks=[timer])
     return timer
+
+
+def build_model():
+    """The demo's CNN, compiled: what the pinned TensorFlow workers build (`demo:build_model`)."""
+    import keras
+
+    from autodist_keras.graph import zoo
+
+    keras.utils.set_random_seed(0)
+    model = zoo.small_cnn(input_shape=(32, 32, 3), filters=(32, 64))
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def pinned_tensorflow_times(cluster, x, y):
+    """Median step of each plan in pinned TensorFlow workers (one per core set), seconds."""
+    import statistics
+    import sys
+
+    from autodist_keras.backends.tensorflow_adapter import run_steps
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if here not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([here] + paths)
+    batches = x[:BATCH_SIZE * 4], y[:BATCH_SIZE * 4]  # the workers repeat them
+    times = {}
+    for name in ("proportional", "data_parallel"):
+        steps = run_steps("demo:build_model", name, cluster, *batches, batch_size=BATCH_SIZE,
+                          steps=30, warmup=5, processes="per_core", timeout_s=600)
+        times[name] = statistics.median(steps)
+    return times
 
 
 def main():
@@ -85,11 +122,16 @@ def main():
     import keras
 
     if keras.backend.backend() == "tensorflow":
-        print("note: on TensorFlow the three testbed devices are logical devices of one "
-              "process and share its threads, so the measured times show no heterogeneity, "
-              "and the predicted times describe one pinned worker process per device (how "
-              "the learned estimator's training measurements ran), not this run; "
-              "run `KERAS_BACKEND=torch make demo` for real per-device cores.")
+        print("note: on TensorFlow the three testbed devices above are logical devices of "
+              "one process and share its threads, so those measured times show no "
+              "heterogeneity. Timing both plans in pinned worker processes, one per core "
+              "set (cpu1 and cpu2 share core 1's process), where it is real:")
+        pinned = pinned_tensorflow_times(cluster, x, y)
+        print(f"  proportional: {pinned['proportional'] * 1e3:8.1f} ms measured\n"
+              f"  even:         {pinned['data_parallel'] * 1e3:8.1f} ms measured\n"
+              f"  measured speedup of proportional over even (pinned workers): "
+              f"{pinned['data_parallel'] / pinned['proportional']:.2f}x (one run; this "
+              f"machine's rounds vary by up to 30%, docs/runtime_tensorflow.md)")
 
 
 if __name__ == "__main__":
