@@ -200,6 +200,11 @@ class CostModel:
         """Fixed time per training step on `device` outside the layers (default 0)."""
         return 0.0
 
+    def replica_update_time(self, nbytes, device, num_tensors=1):
+        """A replica's update task in a step: its optimizer update plus the step's
+        fixed overhead (`update_time + step_overhead_time`)."""
+        return self.update_time(nbytes, device, num_tensors) + self.step_overhead_time(device)
+
 
 class WrappedCostModel(CostModel):
     """A cost model over another one: it delegates every duration to `base`.

@@ -815,8 +815,7 @@ class _Simulation:
                 continue
             t = T.add(
                 _UPDATE, f"optimizer update ({nbytes} B)",
-                self.cost.update_time(nbytes, self.devs[di], ntensors)
-                + self.cost.step_overhead_time(self.devs[di]), di, None,
+                self.cost.replica_update_time(nbytes, self.devs[di], ntensors), di, None,
                 self.update_prio, (di,), "update",
             )
             T.dep(self._compute_done(self._rep_device(di)), t)

@@ -118,8 +118,8 @@ class _Timeline:
             device = cluster.device(members[0].device)
             share = members[0].batch_share
             update = max(
-                cost.update_time(total, cluster.device(m.device), len(order))
-                + cost.step_overhead_time(cluster.device(m.device)) if order else 0.0
+                cost.replica_update_time(total, cluster.device(m.device), len(order))
+                if order else 0.0
                 for m in members
             )
             self.classes.append({
@@ -731,8 +731,7 @@ def _balanced_base(base, graph, cluster, cost, batch_size):
                     for n in nodes)
                 for g in grid
             ]
-            update = float(cost.update_time(graph.param_bytes, device, ntensors)
-                           + cost.step_overhead_time(device))
+            update = float(cost.replica_update_time(graph.param_bytes, device, ntensors))
             curves[key] = (np.array(times, dtype=float) + update)
         per_device.append(curves[key])
     caps = [baselines.memory_capacity_samples(graph, cluster, d) for d in devices]
