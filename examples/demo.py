@@ -65,18 +65,15 @@ def build_model():
 
 
 def pinned_tensorflow_times(cluster, x, y):
-    """Median step of each plan in pinned TensorFlow workers (one per core set), seconds."""
+    """Median step of each plan in pinned TensorFlow workers (one per core set), seconds.
+
+    The workers import `demo:build_model` through this process's `sys.path`,
+    which the launcher hands them (this script's folder is on it).
+    """
     import statistics
-    import sys
 
     from autodist_keras.backends.tensorflow_adapter import run_steps
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if here not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([here] + paths)
     batches = x[:BATCH_SIZE * 4], y[:BATCH_SIZE * 4]  # the workers repeat them
     times = {}
     for name in ("proportional", "data_parallel"):
