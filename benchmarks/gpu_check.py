@@ -202,13 +202,13 @@ def host_dispatch_probe(repeats=2000, rounds=5):
 
 def section_detect(small):
     from autodist_keras.devices import Cluster
-    from autodist_keras.estimator.measurements import machine_info
+    from autodist_keras.devices.detect import host_cpu_name
 
     cluster = Cluster.detect()
     import torch
 
     return {
-        "host_cpu": machine_info()["cpu"],
+        "host_cpu": host_cpu_name(),
         "host_dispatch_probe": host_dispatch_probe(repeats=200 if small else 2000),
         "torch": torch.__version__,
         "cuda_available": bool(torch.cuda.is_available()),
@@ -294,9 +294,9 @@ def section_testbed(small):
 def section_steps(small):
     """Single-device step times through the adapter vs the estimators' predictions."""
     from autodist_keras.devices import Cluster
+    from autodist_keras.devices.detect import host_cpu_name
     from autodist_keras.estimator import learned
     from autodist_keras.estimator.measurements import Case
-    from autodist_keras.estimator.measurements import machine_info
     from autodist_keras.estimator.measurements import measure_cases
 
     from autodist_keras.estimator.cost_model import AnalyticCostModel
@@ -356,7 +356,7 @@ def section_steps(small):
     return {
         "device": cluster.devices[0].model,
         "models": "small" if small else chosen,
-        "host_cpu": machine_info()["cpu"],
+        "host_cpu": host_cpu_name(),
         "steps": steps, "warmup": warmup,
         "cases": rows,
         "analytic_mape_pct": mape("analytic_error"),
