@@ -245,6 +245,26 @@ def test_hierarchical_allreduce_across_two_nodes():
     _assert_same_weights(model, reference)
 
 
+def test_hierarchical_allreduce_through_gloo(monkeypatch):
+    """The same plan with gradient sums through gloo (spawned workers sum in
+    shared memory by default): reduce in each node, all-reduce among the
+    leaders, broadcast in each node."""
+    from autodist_keras import AutoStrategy
+    from autodist_keras.devices import Cluster
+
+    monkeypatch.setenv("AUTODIST_KERAS_TORCH_SHM_REDUCE", "0")
+    cluster = Cluster.from_dict({"nodes": [
+        {"name": "node0", "address": "127.0.0.1", "cpus": [{"cores": [0], "threads": 1},
+                                                          {"cores": [1], "threads": 1}]},
+        {"name": "node1", "address": "127.0.0.2", "cpus": [{"cores": [1], "threads": 1}]},
+    ]})
+    strategy = AutoStrategy(strategy="data_parallel", cluster=cluster, algorithm="hierarchical")
+    model, _ = _distributed("mlp", "sgd", strategy)
+    assert strategy.adapter.last_run["gradient_transport"] == "gloo"
+    assert strategy.adapter._run.driver.trainer.reducer.area is None
+    _assert_same_weights(model, _reference_weights("mlp", "sgd")[0])
+
+
 # --------------------------------------------------------- Keras features
 def test_fit_features_history_save_and_evaluate(tmp_path):
     x, y = _data("mlp")
@@ -426,6 +446,36 @@ def test_shards_by_shared_memory_and_by_message_give_the_same_weights(monkeypatc
     assert strategy.adapter._run.driver._slots is None
     assert strategy.adapter.last_run["in_sync"] is True
     _assert_same_weights(model, _reference_weights("mlp", "adam")[0])
+
+
+@pytest.mark.parametrize("plan,ndev", [("even", 3), ("ps", 2), ("ps", 3)])
+def test_gradient_sums_through_shared_memory_and_through_gloo_give_the_same_weights(
+        plan, ndev, monkeypatch):
+    """Spawned CPU workers sum gradients in a shared file (torch_shm_reduce):
+    all-reduce buckets slice by slice, PS buckets by the server alone.
+    AUTODIST_KERAS_TORCH_SHM_REDUCE=0 sums them through gloo instead. Both
+    match single-device training, the replicas end bit-identical, and the file
+    is gone from /dev/shm once every rank mapped it."""
+    strategy = _strategy(plan, ndev)
+    model, _ = _distributed("mlp", "sgd", strategy)
+    run = strategy.adapter.last_run
+    assert run["gradient_transport"] == "shared_memory" and run["in_sync"] is True
+    reducer = strategy.adapter._run.driver.trainer.reducer
+    assert reducer.area is not None and reducer.area.world == ndev
+    assert reducer.area.path.startswith("/dev/shm/autodist_keras_grads_")
+    assert not os.path.exists(reducer.area.path)
+    if plan == "ps":
+        assert {b.kind for b in reducer.buckets} == {"ps"}
+    reference = _reference_weights("mlp", "sgd")[0]
+    _assert_same_weights(model, reference)
+
+    monkeypatch.setenv("AUTODIST_KERAS_TORCH_SHM_REDUCE", "0")
+    strategy = _strategy(plan, ndev)
+    model_gloo, _ = _distributed("mlp", "sgd", strategy)
+    run = strategy.adapter.last_run
+    assert run["gradient_transport"] == "gloo" and run["in_sync"] is True
+    assert strategy.adapter._run.driver.trainer.reducer.area is None
+    _assert_same_weights(model_gloo, reference)
 
 
 def test_pack_into_writes_the_pack_layout():

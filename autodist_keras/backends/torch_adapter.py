@@ -107,7 +107,8 @@ class TorchAdapter(BackendAdapter):
         last_run: Facts about the last distributed fit: `mode` (`"spawned"`,
             `"torchrun"` or `"local"`), `world_size`, `steps`, `in_sync`
             (the replicas ended with bit-identical weights and optimizer
-            state), `worker_pids`.
+            state), `worker_pids`, `gradient_transport` (`"shared_memory"`,
+            `"gloo"` or `"nccl"`: how the ranks summed gradients).
     """
 
     name = "torch"
@@ -343,6 +344,7 @@ class _FitRun:
                         wake=wake, op_fusion=op_fusion)
         driver.setup()
         self.driver = driver
+        info["gradient_transport"] = driver.gradient_transport
         info.update(torch_fusion.run_info(driver.trainer.fusion))
 
     def train_function(self, data):

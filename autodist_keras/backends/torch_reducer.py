@@ -23,6 +23,12 @@ is split, in order, into runs of one method):
   of the sum from it. Every rank then applies the same sum with its own
   optimizer, which equals the server applying it and sending the weights.
 
+With a shared `ReduceArea` (`use_shared_memory`; spawned CPU workers on rank
+0's machine), the sums go through shared memory instead of gloo's sockets: an
+all-reduce bucket is summed slice by slice, each rank its own slice, and a PS
+bucket by its server alone; gloo carries only two one-element barriers per
+bucket (`torch_shm_reduce`).
+
 `StateSync` keeps non-trainable float variables (BatchNormalization moving
 statistics) identical on all ranks: each rank contributes its update
 `(new - old) * share / global_batch`, all-reduced, and every rank sets
@@ -40,6 +46,7 @@ grads = reducer.finish()
 ```
 """
 
+from autodist_keras.backends import torch_shm_reduce
 from autodist_keras.backends.torch_transport import CommFailure
 from autodist_keras.errors import BackendError
 
@@ -54,6 +61,14 @@ class _Bucket:
         self.offsets = []
         self.work = None
         self.pending = 0
+        # Shared-memory sums (`GradientReducer.use_shared_memory`).
+        self.inputs = None  # every rank's input region
+        self.output = None  # the sum
+        self.flags = None  # one-element tensors of the two barriers
+
+    @property
+    def numel(self):
+        return sum(n for _, n in self.offsets)
 
 
 class GradientReducer:
@@ -115,8 +130,13 @@ class GradientReducer:
                 self.buckets.append(self._make_bucket(run, key))
         self.bucket_of = {}
         for b, bucket in enumerate(self.buckets):
+            offset = 0
             for i in bucket.indices:
                 self.bucket_of[i] = b
+                n = self.params[i].numel()
+                bucket.offsets.append((offset, n))
+                offset += n
+        self.area = None  # a `torch_shm_reduce.ReduceArea` once `use_shared_memory` ran
         self._handles = []
         self._next = 0
         self.error = None
@@ -153,6 +173,37 @@ class GradientReducer:
     @property
     def num_buckets(self):
         return len(self.buckets)
+
+    def shared_layout(self):
+        """`[(numel, dtype name), ...]` of the buckets (what a `ReduceArea` holds)."""
+        return [(b.numel, str(self.params[b.indices[0]].dtype)) for b in self.buckets]
+
+    def use_shared_memory(self, area):
+        """Sums the buckets through `area` (a `ReduceArea` every rank mapped)
+        from the next step on, instead of through the process group.
+
+        Raises:
+            BackendError: If the area does not fit these buckets or this rank.
+        """
+        import torch
+
+        if area.buckets != [(int(n), str(d)) for n, d in self.shared_layout()]:
+            raise BackendError(
+                "The shared reduce area does not match this rank's gradient buckets. "
+                f"Received: {area.buckets[:4]} vs {self.shared_layout()[:4]}"
+            )
+        if area.world != self.comm.world_size:
+            raise BackendError(
+                f"The shared reduce area is for {area.world} ranks but {self.comm.world_size} "
+                f"run. Received: world={area.world}"
+            )
+        for b, bucket in enumerate(self.buckets):
+            bucket.inputs = area.inputs(b)
+            bucket.output = area.output(b)
+            bucket.flags = (torch.zeros(1), torch.zeros(1))
+            if bucket.buffer is None:
+                bucket.buffer = torch.empty_like(bucket.output)
+        self.area = area
 
     # ------------------------------------------------------------ hooks
     def attach(self):
@@ -199,17 +250,13 @@ class GradientReducer:
 
         if bucket.buffer is None:
             first = self.params[bucket.indices[0]]
-            sizes = [self.params[i].numel() for i in bucket.indices]
-            bucket.buffer = torch.zeros(sum(sizes), dtype=first.dtype, device=first.device)
-            bucket.offsets = []
-            offset = 0
-            for n in sizes:
-                bucket.offsets.append((offset, n))
-                offset += n
+            bucket.buffer = torch.zeros(bucket.numel, dtype=first.dtype, device=first.device)
+        # With shared memory, this rank's input region is the flat bucket.
+        target = bucket.buffer if bucket.inputs is None else bucket.inputs[self.comm.rank]
         with torch.no_grad():
             for i, (offset, n) in zip(bucket.indices, bucket.offsets):
                 grad = self.params[i].grad
-                view = bucket.buffer[offset:offset + n]
+                view = target[offset:offset + n]
                 if grad is None:
                     view.zero_()
                 else:
@@ -223,7 +270,11 @@ class GradientReducer:
         try:
             self._fill(bucket)
             pg = self.comm.grad_pg
-            if bucket.kind == "ps":
+            if bucket.inputs is not None:  # arrival barrier; the sum follows in `finish`
+                opts = dist.AllreduceOptions()
+                opts.reduceOp = dist.ReduceOp.SUM
+                bucket.work = pg.allreduce([bucket.flags[0]], opts)
+            elif bucket.kind == "ps":
                 opts = dist.ReduceOptions()
                 opts.rootRank = bucket.root
                 opts.reduceOp = dist.ReduceOp.SUM
@@ -266,6 +317,8 @@ class GradientReducer:
         self.launch_rest()
         if self.error is not None:
             raise self.error
+        if self.area is not None:
+            return self._finish_shared()
         second = []
         for bucket in self.buckets:
             if bucket.work is not None:
@@ -282,11 +335,41 @@ class GradientReducer:
                 self._hierarchical_rest(item[1])
             else:
                 self.comm.wait(item)
+        return self._grads()
+
+    def _grads(self):
         grads = [None] * len(self.params)
         for bucket in self.buckets:
             for i, (offset, n) in zip(bucket.indices, bucket.offsets):
                 grads[i] = bucket.buffer[offset:offset + n].view(self.params[i].shape)
         return grads
+
+    def _finish_shared(self):
+        """`finish` through the shared area: arrival, sum, done, copy out."""
+        import torch
+        import torch.distributed as dist
+
+        rank, world = self.comm.rank, self.comm.world_size
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        done = []
+        with torch.no_grad():
+            for bucket in self.buckets:
+                self.comm.wait(bucket.work)  # every rank's input is written
+                bucket.work = None
+                if bucket.kind == "ps":
+                    if rank == bucket.root:
+                        torch_shm_reduce.sum_into(bucket.output, bucket.inputs, 0, bucket.numel)
+                else:
+                    start, stop = torch_shm_reduce.slice_bounds(bucket.numel, world, rank)
+                    torch_shm_reduce.sum_into(bucket.output, bucket.inputs, start, stop)
+                done.append(self.comm.call(self.comm.grad_pg.allreduce, [bucket.flags[1]], opts))
+            for bucket, work in zip(self.buckets, done):
+                self.comm.wait(work)  # every slice of the sum is written
+                # A private copy: the optimizer may read it while another rank
+                # already writes the next step's sum.
+                bucket.buffer.copy_(bucket.output)
+        return self._grads()
 
     def _hierarchical_rest(self, bucket):
         import torch.distributed as dist

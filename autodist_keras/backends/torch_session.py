@@ -41,12 +41,15 @@ from autodist_keras.backends.torch_device import device_info
 from autodist_keras.backends.torch_device import pin
 from autodist_keras.backends.torch_device import unpin
 from autodist_keras.backends.torch_shm import SharedSlots
+from autodist_keras.backends.torch_shm_reduce import ReduceArea
 from autodist_keras.backends.torch_step import ReplicaTrainer
 from autodist_keras.errors import BackendError
 from autodist_keras.errors import WorkerError
 
 _session_ids = itertools.count(1)
 SHM_ENV = "AUTODIST_KERAS_TORCH_SHM"
+# "0" makes spawned CPU workers sum gradients through gloo instead of shared memory.
+SHM_REDUCE_ENV = "AUTODIST_KERAS_TORCH_SHM_REDUCE"
 
 
 # ------------------------------------------------------------------ helpers
@@ -303,6 +306,12 @@ class Driver:
         # Spawned workers share rank 0's machine: shards go through shared memory
         # (torch_shm) unless AUTODIST_KERAS_TORCH_SHM=0.
         self._use_shm = spawned and os.environ.get(SHM_ENV, "1") != "0"
+        # ... and, on CPUs, sum gradients there too (torch_shm_reduce) unless
+        # AUTODIST_KERAS_TORCH_SHM_REDUCE=0.
+        self._use_shm_reduce = (spawned and comm.grad_backend == "gloo"
+                                and os.environ.get(SHM_REDUCE_ENV, "1") != "0")
+        # How gradients were summed: "shared_memory", "gloo" or "nccl".
+        self.gradient_transport = comm.grad_backend
         self._slots = None
         self._slots_unlinked = True
         self.steps = 0
@@ -328,6 +337,9 @@ class Driver:
         # Slot reuse is safe because each step's gradient all-reduce orders the
         # ranks (torch_shm); a model with nothing to reduce sends messages.
         self._use_shm = self._use_shm and self.trainer.reducer.num_buckets > 0
+        area = None
+        if self._use_shm_reduce and self.trainer.reducer.num_buckets > 0:
+            area = ReduceArea.create(self.trainer.reducer.shared_layout(), self.comm.world_size)
         weights, opt_vars = state_variables(model)
         payload = {
             "session": self.session_id,
@@ -342,6 +354,8 @@ class Driver:
             "profile_dir": self.trainer.profile.directory,
             # Rank 0 decided whether the plan's op-fusion regions are compiled.
             "op_fusion_compiler": self.trainer.fusion.compiler if self.trainer.fusion else None,
+            # Where the workers sum gradients with rank 0 (None: the process group).
+            "reduce_area": area.describe() if area is not None else None,
             "keras": {
                 "floatx": keras.config.floatx(),
                 "epsilon": keras.config.epsilon(),
@@ -373,8 +387,14 @@ class Driver:
             status = self.comm.allreduce_max(0)
         except tt.CommFailure as failure:
             self._fail(failure)
+        finally:
+            if area is not None:
+                area.unlink()  # every worker mapped it before agreeing on the status
         if status:
             raise self.reporter.diagnose(None)
+        if area is not None:
+            self.trainer.reducer.use_shared_memory(area)
+            self.gradient_transport = "shared_memory"
         self.trainer.attach()
 
     def _nodes(self):
@@ -744,6 +764,9 @@ def serve(comm, reporter, model=None, on_model=None):
         trainer = ReplicaTrainer(model, comm, plan, nodes, device_ranks,
                                  paths=setup.get("trainable_paths"))
         trainer.profile.directory = setup.get("profile_dir")
+        if setup.get("reduce_area"):
+            trainer.reducer.use_shared_memory(
+                ReduceArea.open(setup["reduce_area"], trainer.reducer.shared_layout()))
         if setup.get("op_fusion_compiler"):
             from autodist_keras.fusion.op_fusion import regions_for
 

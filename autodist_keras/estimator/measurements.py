@@ -870,6 +870,10 @@ def _measure_with_adapter(case, cluster, plan, x, y, steps, warmup, seed, backen
     last = getattr(strategy.adapter, "last_run", None)
     if isinstance(last, dict) and last.get("mode"):
         runtime["mode"] = last["mode"]
+    if isinstance(last, dict) and last.get("gradient_transport"):
+        # How the ranks summed gradients (shared memory or gloo): the step
+        # times depend on it, so the data says which one they measured.
+        runtime["gradient_transport"] = last["gradient_transport"]
     return timer.times_s, runtime
 
 
