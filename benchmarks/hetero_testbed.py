@@ -266,9 +266,10 @@ def _profile_summary(directory, world, warmup):
 def tensorflow_worker_inputs(model_name, steps, warmup):
     """What TensorFlow worker processes need to train one testbed model.
 
-    Makes `_testbed_models` (next to this file) importable here and in the
-    workers (`PYTHONPATH`), and draws the synthetic data: at most 4 global
-    batches, which the workers repeat (`fit_repeating`).
+    Makes `_testbed_models` (next to this file) importable here, and so in
+    the workers, which get this process's `sys.path` in their job file; and
+    draws the synthetic data: at most 4 global batches, which the workers
+    repeat (`fit_repeating`).
 
     Returns:
         `(model_fn, x, y, batch)`: the model's `"module:function"` spec, the
@@ -277,9 +278,6 @@ def tensorflow_worker_inputs(model_name, steps, warmup):
     import numpy as np
 
     here = os.path.dirname(os.path.abspath(__file__))
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [p for p in (here, ROOT) if p not in paths] + paths)
     if here not in sys.path:
         sys.path.insert(0, here)
     builder, _, shape, classes, batch = MODELS[model_name]

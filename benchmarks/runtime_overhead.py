@@ -22,6 +22,13 @@ Two comparisons, each measured in one run on this machine:
    their shard themselves), and it updates Keras's metrics over the global
    batch. Target: at most 1.05x.
 
+   The adapter's spawned CPU workers sum gradients through shared memory by
+   default (`torch_shm_reduce`), while DDP sums through gloo's loopback
+   sockets. So this case also runs the adapter with
+   `AUTODIST_KERAS_TORCH_SHM_REDUCE=0` (gloo sums, as DDP) as a third side and
+   reports it as `gloo_*`: that ratio is the adapter's own overhead, the
+   default's is what a user gets.
+
 Each side runs `--rounds` short fits; the sides alternate, and the order
 flips every round (A B, B A, ...), so load from other jobs hits both alike.
 Both sides keep their processes between rounds (the adapter its spawned
@@ -65,7 +72,21 @@ def _data(steps):
     return x, y
 
 
-def _fit_times(strategy, steps, warmup):
+def _fit_times(strategy, steps, warmup, env=None):
+    """One fit's step and CPU times; `env` is set in `os.environ` for the fit."""
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        return _fit_times_in_env(strategy, steps, warmup)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _fit_times_in_env(strategy, steps, warmup):
     import keras
 
     from autodist_keras.graph import zoo
@@ -87,18 +108,18 @@ def _fit_times(strategy, steps, warmup):
     return timer.times_s, timer.cpu_times_s
 
 
-def _alternate(rounds, run_base, run_auto):
-    """Runs the two sides `rounds` times, flipping which goes first each round.
+def _alternate(rounds, *runs):
+    """Runs every side `rounds` times, reversing their order every other round.
 
     Returns:
-        `(base_rounds, auto_rounds)`: each side's results, one per round.
+        One list per side of its results, one per round.
     """
-    base, auto = [], []
+    results = [[] for _ in runs]
     for i in range(rounds):
-        sides = ((base, run_base), (auto, run_auto))
-        for results, run in (sides if i % 2 == 0 else sides[::-1]):
-            results.append(run())
-    return base, auto
+        sides = list(zip(results, runs))
+        for side, run in (sides if i % 2 == 0 else sides[::-1]):
+            side.append(run())
+    return results
 
 
 def _summary(base_rounds, auto_rounds, base_name):
@@ -230,14 +251,22 @@ def two_process_case(steps, warmup, rounds):
     cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
     ranks = _DDPRanks(steps, warmup)
     try:
-        ddp, auto = _alternate(
+        ddp, auto, gloo = _alternate(
             rounds,
             ranks.run,
             lambda: _fit_times(AutoStrategy("data_parallel", cluster=cluster), steps, warmup),
+            lambda: _fit_times(AutoStrategy("data_parallel", cluster=cluster), steps, warmup,
+                               env={"AUTODIST_KERAS_TORCH_SHM_REDUCE": "0"}),
         )
     finally:
         ranks.close()
-    return _summary(ddp, auto, "ddp")
+    row = _summary(ddp, auto, "ddp")
+    row["gradient_sums"] = "shared memory (default)"
+    gloo_row = _summary(ddp, gloo, "ddp")
+    row.update({f"gloo_{k}": v for k, v in gloo_row.items()
+                if k.startswith(("autodist", "median_round", "cpu_ratio", "round_ratios"))})
+    row["gloo_ratio"] = round(gloo_row["autodist_median_s"] / gloo_row["ddp_median_s"], 3)
+    return row
 
 
 def main():
@@ -282,6 +311,10 @@ def main():
               f"{row['ratio']}x, median of {row['rounds']} round ratios "
               f"{row['median_round_ratio']}x, CPU time {row['cpu_ratio']}x "
               "(measured; target <= 1.05x)")
+        if "gloo_ratio" in row:
+            print(f"{'':<28} (gradient sums: {row['gradient_sums']}; with gloo sums, as DDP: "
+                  f"{row['gloo_autodist_median_s'] * 1e3:.2f} ms, {row['gloo_ratio']}x, median "
+                  f"round {row['gloo_median_round_ratio']}x, CPU {row['gloo_cpu_ratio']}x)")
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(json.dumps({"benchmark": "runtime_overhead", "results": results, "target_ratio": 1.05,
                       "load_average_at_end": load}))
