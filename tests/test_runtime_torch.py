@@ -228,15 +228,20 @@ def test_tensor_fusion_buckets_give_the_same_weights(bucket_bytes):
     _assert_same_weights(model, reference)
 
 
-def test_hierarchical_allreduce_across_two_nodes():
-    from autodist_keras import AutoStrategy
+def _two_node_cluster():
     from autodist_keras.devices import Cluster
 
-    cluster = Cluster.from_dict({"nodes": [
+    return Cluster.from_dict({"nodes": [
         {"name": "node0", "address": "127.0.0.1", "cpus": [{"cores": [0], "threads": 1},
                                                           {"cores": [1], "threads": 1}]},
         {"name": "node1", "address": "127.0.0.2", "cpus": [{"cores": [1], "threads": 1}]},
     ]})
+
+
+def test_hierarchical_allreduce_across_two_nodes():
+    from autodist_keras import AutoStrategy
+
+    cluster = _two_node_cluster()
     strategy = AutoStrategy(strategy="data_parallel", cluster=cluster, algorithm="hierarchical")
     model, _ = _distributed("mlp", "sgd", strategy)
     reference, _ = _reference_weights("mlp", "sgd")
@@ -250,14 +255,9 @@ def test_hierarchical_allreduce_through_gloo(monkeypatch):
     shared memory by default): reduce in each node, all-reduce among the
     leaders, broadcast in each node."""
     from autodist_keras import AutoStrategy
-    from autodist_keras.devices import Cluster
 
     monkeypatch.setenv("AUTODIST_KERAS_TORCH_SHM_REDUCE", "0")
-    cluster = Cluster.from_dict({"nodes": [
-        {"name": "node0", "address": "127.0.0.1", "cpus": [{"cores": [0], "threads": 1},
-                                                          {"cores": [1], "threads": 1}]},
-        {"name": "node1", "address": "127.0.0.2", "cpus": [{"cores": [1], "threads": 1}]},
-    ]})
+    cluster = _two_node_cluster()
     strategy = AutoStrategy(strategy="data_parallel", cluster=cluster, algorithm="hierarchical")
     model, _ = _distributed("mlp", "sgd", strategy)
     assert strategy.adapter.last_run["gradient_transport"] == "gloo"

@@ -31,11 +31,45 @@ SHM_DIR = "/dev/shm"
 NUM_SLOTS = 2
 
 
-def _unlink(path):
+def unlink_quietly(path):
     try:
         os.unlink(path)
     except OSError:
         pass
+
+
+def create_mapped(prefix, size, open_fn, directory=SHM_DIR):
+    """Makes a file of `size` bytes in `directory` and maps it with `open_fn(path)`.
+
+    The file's space is reserved up front (`posix_fallocate`), so a full
+    `/dev/shm` is found here rather than as a crash on the first write. Also
+    used by `torch_shm_reduce`.
+
+    Args:
+        prefix: Start of the file's name.
+        size: Bytes to reserve.
+        open_fn: Callable mapping the new file's path (its result is returned).
+        directory: Where to make the file.
+
+    Returns:
+        `open_fn`'s result, or None if the directory is missing or the space
+        cannot be reserved (nothing is left behind then).
+    """
+    if size <= 0 or not os.path.isdir(directory) or not hasattr(os, "posix_fallocate"):
+        return None
+    try:
+        fd, path = tempfile.mkstemp(prefix=prefix, dir=directory)
+    except OSError:
+        return None
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        finally:
+            os.close(fd)
+        return open_fn(path)
+    except (OSError, RuntimeError):
+        unlink_quietly(path)
+        return None
 
 
 class SharedSlots:
@@ -54,7 +88,7 @@ class SharedSlots:
         self.slot_bytes = int(slot_bytes)
         size = self.slot_bytes * NUM_SLOTS
         self.buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        self._finalizer = weakref.finalize(self, _unlink, path) if owner else None
+        self._finalizer = weakref.finalize(self, unlink_quietly, path) if owner else None
 
     @classmethod
     def create(cls, slot_bytes, directory=SHM_DIR):
@@ -64,21 +98,8 @@ class SharedSlots:
         `/dev/shm` is found here rather than as a crash on the first write.
         """
         slot_bytes = max(int(slot_bytes), 1)
-        if not os.path.isdir(directory) or not hasattr(os, "posix_fallocate"):
-            return None
-        try:
-            fd, path = tempfile.mkstemp(prefix="autodist_keras_batch_", dir=directory)
-        except OSError:
-            return None
-        try:
-            try:
-                os.posix_fallocate(fd, 0, slot_bytes * NUM_SLOTS)
-            finally:
-                os.close(fd)
-            return cls(path, slot_bytes, owner=True)
-        except (OSError, RuntimeError):
-            _unlink(path)
-            return None
+        return create_mapped("autodist_keras_batch_", slot_bytes * NUM_SLOTS,
+                             lambda path: cls(path, slot_bytes, owner=True), directory)
 
     @classmethod
     def open(cls, description):

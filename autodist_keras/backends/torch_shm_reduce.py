@@ -42,22 +42,15 @@ area.unlink()                                                    # once both map
 ```
 """
 
-import os
-import tempfile
 import weakref
 
+from autodist_keras.backends.torch_shm import SHM_DIR
+from autodist_keras.backends.torch_shm import unlink_quietly
+from autodist_keras.backends.torch_shm import create_mapped
 from autodist_keras.errors import BackendError
 
-SHM_DIR = "/dev/shm"
 ALIGN_BYTES = 64  # one cache line: regions of different ranks never share one
 CHUNK_ELEMENTS = 16  # slices start on a multiple of this many elements
-
-
-def _unlink(path):
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def _dtype(name):
@@ -111,7 +104,7 @@ class ReduceArea:
         self.buckets = [(int(n), str(d)) for n, d in buckets]
         self.world = int(world)
         size = area_bytes(self.buckets, self.world)
-        self._finalizer = weakref.finalize(self, _unlink, path) if owner else None
+        self._finalizer = weakref.finalize(self, unlink_quietly, path) if owner else None
         self.buffer = torch.from_file(path, shared=True, size=max(size, 1), dtype=torch.uint8)
         self._views = []
         offset = 0
@@ -139,22 +132,8 @@ class ReduceArea:
         Returns:
             A `ReduceArea`, or None.
         """
-        size = area_bytes(buckets, world)
-        if size <= 0 or not os.path.isdir(directory) or not hasattr(os, "posix_fallocate"):
-            return None
-        try:
-            fd, path = tempfile.mkstemp(prefix="autodist_keras_grads_", dir=directory)
-        except OSError:
-            return None
-        try:
-            try:
-                os.posix_fallocate(fd, 0, size)
-            finally:
-                os.close(fd)
-            return cls(path, buckets, world, owner=True)
-        except (OSError, RuntimeError):
-            _unlink(path)
-            return None
+        return create_mapped("autodist_keras_grads_", area_bytes(buckets, world),
+                             lambda path: cls(path, buckets, world, owner=True), directory)
 
     @classmethod
     def open(cls, description, buckets=None):
