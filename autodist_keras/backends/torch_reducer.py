@@ -180,18 +180,16 @@ class GradientReducer:
 
     def use_shared_memory(self, area):
         """Sums the buckets through `area` (a `ReduceArea` every rank mapped)
-        from the next step on, instead of through the process group.
+        from the next step on, instead of through the process group. The area
+        must hold these buckets: rank 0 makes it from its `shared_layout()`,
+        and a worker maps it with `ReduceArea.open(..., buckets=shared_layout())`,
+        which checks that.
 
         Raises:
-            BackendError: If the area does not fit these buckets or this rank.
+            BackendError: If the area is for another number of ranks.
         """
         import torch
 
-        if area.buckets != [(int(n), str(d)) for n, d in self.shared_layout()]:
-            raise BackendError(
-                "The shared reduce area does not match this rank's gradient buckets. "
-                f"Received: {area.buckets[:4]} vs {self.shared_layout()[:4]}"
-            )
         if area.world != self.comm.world_size:
             raise BackendError(
                 f"The shared reduce area is for {area.world} ranks but {self.comm.world_size} "

@@ -44,6 +44,7 @@ area.unlink()                                                    # once both map
 
 import weakref
 
+from autodist_keras.backends import torch_transport as tt
 from autodist_keras.backends.torch_shm import SHM_DIR
 from autodist_keras.backends.torch_shm import unlink_quietly
 from autodist_keras.backends.torch_shm import create_mapped
@@ -54,12 +55,8 @@ CHUNK_ELEMENTS = 16  # slices start on a multiple of this many elements
 
 
 def _dtype(name):
-    import torch
-
-    dtype = getattr(torch, str(name).replace("torch.", ""), None)
-    if not isinstance(dtype, torch.dtype):
-        raise BackendError(f"Unknown tensor dtype for a shared reduce area. Received: {name!r}")
-    return dtype
+    """`"torch.float32"` (a bucket's dtype name) -> `torch.float32`."""
+    return tt.torch_dtype(tt.dtype_name(name))
 
 
 def _region_bytes(numel, dtype):
@@ -108,12 +105,12 @@ class ReduceArea:
         self.buffer = torch.from_file(path, shared=True, size=max(size, 1), dtype=torch.uint8)
         self._views = []
         offset = 0
-        for numel, dtype in self.buckets:
-            step = _region_bytes(numel, dtype)
+        for numel, dtype_name in self.buckets:
+            dtype = _dtype(dtype_name)
+            step = _region_bytes(numel, dtype_name)
             regions = []
             for _ in range(self.world + 1):
-                raw = self.buffer[offset:offset + numel * _dtype(dtype).itemsize]
-                regions.append(raw.view(_dtype(dtype)))
+                regions.append(self.buffer[offset:offset + numel * dtype.itemsize].view(dtype))
                 offset += step
             self._views.append(regions)
 
