@@ -31,28 +31,9 @@ BATCH_SIZE = 96
 STEPS = 40
 
 
-def train(strategy, x, y, verbose):
-    import keras
-
-    from autodist_keras.graph import zoo
-    from autodist_keras.timing import StepTimer
-
-    keras.utils.set_random_seed(0)
-    with strategy.scope():
-        model = zoo.small_cnn(input_shape=(32, 32, 3), filters=(32, 64))
-        model.compile(
-            optimizer="adam",
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-        )
-    timer = StepTimer(warmup=5)
-    model.fit(x, y, batch_size=BATCH_SIZE, epochs=1, shuffle=False, verbose=verbose,
-              callbacks=[timer])
-    return timer
-
-
-def build_model():
-    """The demo's CNN, compiled: what the pinned TensorFlow workers build (`demo:build_model`)."""
+def build_model(metrics=None):
+    """The demo's CNN, seeded and compiled: what `train` fits and what the pinned
+    TensorFlow workers build (`demo:build_model`)."""
     import keras
 
     from autodist_keras.graph import zoo
@@ -60,8 +41,20 @@ def build_model():
     keras.utils.set_random_seed(0)
     model = zoo.small_cnn(input_shape=(32, 32, 3), filters=(32, 64))
     model.compile(optimizer="adam",
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=metrics)
     return model
+
+
+def train(strategy, x, y, verbose):
+    from autodist_keras.timing import StepTimer
+
+    with strategy.scope():
+        model = build_model(metrics=["accuracy"])
+    timer = StepTimer(warmup=5)
+    model.fit(x, y, batch_size=BATCH_SIZE, epochs=1, shuffle=False, verbose=verbose,
+              callbacks=[timer])
+    return timer
 
 
 def pinned_tensorflow_times(cluster, x, y):
