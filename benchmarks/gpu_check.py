@@ -27,6 +27,15 @@ reported even when another fails):
    analytic cost model and the learned cost model trained on the stored CPU
    testbed samples (`benchmarks/data/profile_samples_torch.json`): how well
    the cost model predicts a device type it never ran on.
+6. `multi_gpu` (needs at least 2 GPUs; skipped otherwise): the PyTorch
+   runtime across up to 4 local GPUs, gradients through NCCL. Even and
+   uneven all-reduce plans and a parameter-server plan, each against plain
+   Keras on one GPU (largest relative weight difference after the same
+   global batches, and which transport summed the gradients); the even plan's
+   step against torch DDP on the same GPUs and model; a worker that raises
+   mid-fit (what `fit` raises, how fast, and whether rank 0's GPU still runs
+   afterwards: a collective left hanging would block it). With `--small` on a
+   machine without 2 GPUs it runs the same code on two CPU testbed devices.
 
 Usage:
     python benchmarks/gpu_check.py [--out DIR] [--sections fit,steps] [--small]
@@ -49,8 +58,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ZOO = "autodist_keras.graph.zoo"
 OUT_ENV = "AUTODIST_KERAS_GPU_CHECK_OUT"
-SECTIONS = ("detect", "fit", "testbed", "steps", "layers")
-SECTION_TIMEOUT_S = {"detect": 90, "fit": 150, "testbed": 150, "steps": 300, "layers": 240}
+SECTIONS = ("detect", "fit", "testbed", "steps", "layers", "multi_gpu")
+SECTION_TIMEOUT_S = {"detect": 90, "fit": 150, "testbed": 150, "steps": 300, "layers": 240,
+                     "multi_gpu": 420}
 
 # Models of `steps` and `layers`: (label, builder, kwargs, batch sizes).
 STEP_MODELS = [
@@ -434,8 +444,206 @@ def section_layers(small):
     }
 
 
+MULTI_GPU_MAX = 4  # GPUs the multi_gpu section uses at most
+
+
+def _multi_devices(small):
+    """`(cluster, devices, why_not)` for the multi_gpu section.
+
+    Up to `MULTI_GPU_MAX` local GPUs when there are at least two. With
+    `--small` on a machine without two GPUs: two CPU testbed devices (cores 0
+    and 1), so that the same code runs on CPU, through shared memory instead
+    of NCCL. Otherwise `why_not` says what is missing.
+    """
+    import torch
+
+    from autodist_keras import Cluster
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= 2:
+        cluster = Cluster.detect()
+        names = [d for d in cluster.names if cluster.device(d).kind == "gpu"]
+        return cluster, names[:MULTI_GPU_MAX], None
+    if small:
+        cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
+        return cluster, list(cluster.names), None
+    return None, [], f"needs at least 2 GPUs; this machine has {gpus}"
+
+
+def _ddp_rank(rank, world, port, backend, small, steps, warmup, batch, conn):
+    """One torch DDP rank on the multi_gpu devices: rank 0's step times go to `conn`."""
+    os.environ["KERAS_BACKEND"] = "torch"
+    import torch
+    import torch.distributed as dist
+
+    gpu = backend == "nccl"
+    if gpu:
+        torch.cuda.set_device(rank)
+    else:
+        os.sched_setaffinity(0, {rank % os.cpu_count()})
+        torch.set_num_threads(1)
+    import keras
+
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    device = f"cuda:{rank}" if gpu else "cpu"
+    with keras.device(device):
+        keras.utils.set_random_seed(5)
+        model = _mlp(small)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if gpu else None)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)  # = Keras SGD(0.01)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    x, y = _data((steps + warmup) * batch, 32 if small else 512, seed=5)
+    share = batch // world
+    shards = []
+    for s in range(steps + warmup):
+        rows = slice(s * batch + rank * share, s * batch + (rank + 1) * share)
+        shards.append((torch.from_numpy(x[rows]).to(device), torch.from_numpy(y[rows]).to(device)))
+    times = []
+    for step in range(steps + warmup):
+        xb, yb = shards[step]
+        if gpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        loss = loss_fn(yb, ddp(xb))
+        loss.backward()
+        optimizer.step()
+        if gpu:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        conn.send(times[warmup:])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _ddp_step_s(devices, backend, small, steps, warmup, batch):
+    """Median step of torch DDP on `len(devices)` processes (rank 0, seconds)."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    world = len(devices)
+    procs = [ctx.Process(target=_ddp_rank, daemon=True,
+                         args=(r, world, port, backend, small, steps, warmup, batch, child))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        if not parent.poll(240):
+            raise RuntimeError("the DDP ranks did not report within 240 s")
+        return _median(parent.recv())
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+def _worker_failure(cluster, devices, small):
+    """A worker raising mid-fit: what `fit` raises, how fast, and whether rank 0's GPU still runs."""
+    import threading
+
+    import keras
+    import torch
+    from _testbed_models import FailOnWorker
+
+    from autodist_keras import AutoStrategy
+
+    dim, batch = (32, 24) if small else (512, 256)
+    x, y = _data(20 * batch, dim, seed=4)
+    strategy = AutoStrategy("data_parallel", cluster=cluster, devices=devices)
+    keras.utils.set_random_seed(4)
+    with strategy.scope():
+        inputs = keras.Input((dim,))
+        hidden = keras.layers.Dense(64, activation="relu")(inputs)
+        hidden = FailOnWorker(rank=1, after=2)(hidden)
+        model = _compile(keras.Model(inputs, keras.layers.Dense(10)(hidden)))
+    started = time.perf_counter()
+    raised, message = None, None
+    try:
+        model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+    except Exception as e:  # noqa: BLE001  (recorded: which type a user gets is the point)
+        raised, message = type(e).__name__, str(e)[:400]
+    seconds = time.perf_counter() - started
+    usable = None
+    if cluster.device(devices[0]).kind == "gpu" and torch.cuda.is_available():
+        # A collective left hanging by the dead worker would block this.
+        done = threading.Event()
+
+        def touch():
+            torch.cuda.synchronize()
+            torch.ones(4, device="cuda").sum().item()
+            done.set()
+
+        threading.Thread(target=touch, daemon=True).start()
+        usable = done.wait(30)
+    return {"raised": raised, "message": message, "seconds_to_raise": _round(seconds, 1),
+            "rank0_gpu_usable_after": usable}
+
+
+def section_multi_gpu(small):
+    """Data-parallel plans across the local GPUs (NCCL) vs one device; DDP; a worker failure."""
+    import keras
+
+    from autodist_keras import AutoStrategy
+
+    cluster, devices, why_not = _multi_devices(small)
+    if why_not:
+        return {"skipped": why_not}
+    steps, warmup, batch = (6, 1, 24) if small else (40, 5, 512)
+    dim = 32 if small else 512
+    x, y = _data((steps + warmup) * batch, dim, seed=3)
+
+    keras.utils.set_random_seed(3)
+    reference = _compile(_mlp(small))
+    reference_timer = _fit(reference, x, y, batch, warmup)
+    expected = _weights(reference)
+
+    faster_first = {d: (2.0 if i == 0 else 1.0) for i, d in enumerate(devices)}
+    plans = {
+        "even_allreduce": ("data_parallel", {}),
+        "uneven_allreduce": ("proportional", {"speeds": faster_first}),
+        "even_ps": ("data_parallel", {"sync": "ps", "ps_server": devices[-1]}),
+    }
+    results = {}
+    for label, (name, options) in plans.items():
+        strategy = AutoStrategy(name, cluster=cluster, devices=devices, **options)
+        model, timer = _fit_under(strategy, 3, small, x, y, batch, warmup)
+        run = strategy.adapter.last_run
+        results[label] = {
+            "shares": [r.batch_share for r in strategy.plan.replicas],
+            "gradient_transport": run.get("gradient_transport"),
+            "world_size": run.get("world_size"),
+            "max_relative_weight_difference": _max_rel_difference(_weights(model), expected),
+            "median_step_s": _round(timer.median_s),
+        }
+    backend = "nccl" if cluster.device(devices[0]).kind == "gpu" else "gloo"
+    ddp_s = _ddp_step_s(devices, backend, small, steps, warmup, batch)
+    even_s = results["even_allreduce"]["median_step_s"]
+    failure = _worker_failure(cluster, devices, small)
+    return {
+        "devices": devices,
+        "model": f"mlp {dim}-{'64-64' if small else '2048-2048'}-10, SGD, batch {batch}, "
+                 f"{steps} timed steps",
+        "single_device_median_step_s": _round(reference_timer.median_s),
+        "plans": results,
+        "ddp_backend": backend,
+        "ddp_median_step_s": _round(ddp_s),
+        "even_allreduce_over_ddp": _round(even_s / ddp_s, 3) if even_s and ddp_s else None,
+        "failure": failure,
+        # A GPU left busy by a hung collective would keep this process from exiting.
+        "exit_now": failure["rank0_gpu_usable_after"] is False,
+    }
+
+
 FUNCTIONS = {"detect": section_detect, "fit": section_fit, "testbed": section_testbed,
-             "steps": section_steps, "layers": section_layers}
+             "steps": section_steps, "layers": section_layers, "multi_gpu": section_multi_gpu}
 
 
 # ------------------------------------------------------------------ driving
@@ -443,6 +651,8 @@ def _child(args):
     """Runs one section in this (fresh) process and prints its JSON."""
     result = FUNCTIONS[args.child](args.small)
     print("SECTION_RESULT " + json.dumps(result, default=str), flush=True)
+    if result.get("exit_now"):
+        os._exit(0)  # the section says a device is stuck: exiting normally could hang
 
 
 def run_section(name, small, timeout_s, out=None):
@@ -514,7 +724,8 @@ def main(argv=None):
                 json.dump(results, f, indent=1, default=str)
     summary = {"benchmark": "gpu_check", "small": bool(args.small)}
     for name, result in results["sections"].items():
-        summary[name] = "error" if "error" in result else "ok"
+        summary[name] = ("error" if "error" in result
+                         else "skipped" if "skipped" in result else "ok")
     steps = results["sections"].get("steps", {})
     layers = results["sections"].get("layers", {})
     fit = results["sections"].get("fit", {})
@@ -530,6 +741,17 @@ def main(argv=None):
         "layers_analytic_mape_pct": layers.get("analytic_mape_pct"),
         "layers_learned_cpu_trained_mape_pct": layers.get("learned_cpu_trained_mape_pct"),
     })
+    multi = results["sections"].get("multi_gpu", {})
+    if multi.get("plans"):
+        summary.update({
+            "multi_gpu_devices": len(multi["devices"]),
+            "multi_gpu_transports": sorted({p["gradient_transport"] for p in multi["plans"].values()}),
+            "multi_gpu_max_relative_weight_difference": max(
+                p["max_relative_weight_difference"] for p in multi["plans"].values()),
+            "multi_gpu_even_allreduce_over_ddp": multi.get("even_allreduce_over_ddp"),
+            "multi_gpu_failure_raised": multi["failure"]["raised"],
+            "multi_gpu_failure_seconds": multi["failure"]["seconds_to_raise"],
+        })
     print(json.dumps(summary))
     return 0
 

@@ -102,7 +102,7 @@ def test_gpu_check_benchmark_runs_small(tmp_path):
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     with open(tmp_path / "gpu_check.json", encoding="utf-8") as f:
         sections = json.load(f)["sections"]
-    for name in ("detect", "fit", "testbed", "steps", "layers"):
+    for name in ("detect", "fit", "testbed", "steps", "layers", "multi_gpu"):
         assert summary[name] == "ok", sections[name]
     assert sections["detect"]["devices"][0]["kind"] == "cpu"
     probe = sections["detect"]["host_dispatch_probe"]
@@ -118,3 +118,15 @@ def test_gpu_check_benchmark_runs_small(tmp_path):
     assert sections["steps"]["analytic_mape_pct"] is not None
     assert sections["layers"]["layer_phases"] > 0
     assert summary["steps_analytic_mape_pct"] == sections["steps"]["analytic_mape_pct"]
+    # multi_gpu without 2 GPUs: the same code on two CPU testbed devices.
+    multi = sections["multi_gpu"]
+    assert summary["multi_gpu"] == "ok", multi
+    assert multi["devices"] == ["node0/cpu0", "node0/cpu1"]
+    assert multi["plans"]["uneven_allreduce"]["shares"] == [16, 8]
+    for plan in multi["plans"].values():
+        assert plan["gradient_transport"] == "shared_memory"
+        assert plan["max_relative_weight_difference"] < 1e-5
+    assert multi["ddp_backend"] == "gloo" and multi["ddp_median_step_s"] > 0
+    assert multi["failure"]["raised"] == "WorkerError"
+    assert "injected failure in rank 1" in multi["failure"]["message"]
+    assert multi["failure"]["seconds_to_raise"] < 30

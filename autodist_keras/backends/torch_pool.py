@@ -278,6 +278,13 @@ class WorkerPool(Reporter):
             if first_failure is not None and not self._closing:
                 if time.monotonic() - first_failure >= GRACE_S:
                     self._terminate_all()
+                    self._abort_gradient_groups()
+
+    def _abort_gradient_groups(self):
+        """Frees rank 0 from NCCL collectives whose peers are gone (see `Comm`)."""
+        comm = self.comm
+        if comm is not None:
+            comm.abort_gradient_groups()
 
     def _record(self, rank, kind, message, secondary):
         with self._lock:
@@ -375,5 +382,7 @@ class WorkerPool(Reporter):
                 conn.close()
             except OSError:
                 pass
+        if not graceful:
+            self._abort_gradient_groups()
         self.comm = None
         self.store = None

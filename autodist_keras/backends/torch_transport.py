@@ -92,6 +92,29 @@ class Comm:
             self.grad_pg = self.pg
         self._subgroups = {}
         self.broken = False
+        self._aborted = False
+
+    def abort_gradient_groups(self):
+        """Aborts this rank's NCCL communicators after a failure (gloo: nothing to do).
+
+        On a GPU, a collective whose peer died never finishes: its kernel keeps
+        the stream busy, so this process's next CUDA call (or one already
+        waiting, such as reading the loss) would hang until PyTorch's NCCL
+        watchdog ends the whole process at the group's timeout. Aborting the
+        communicators ends those kernels at once; the aborted groups are not
+        used again (the pool is discarded). Gloo groups fail with a connection
+        error instead and need nothing. Safe to call more than once, from any
+        thread.
+        """
+        if self.grad_backend != "nccl" or self._aborted:
+            return
+        self._aborted = True
+        self.broken = True
+        for pg in [self.grad_pg, *self._subgroups.values()]:
+            try:
+                pg.abort()
+            except Exception:  # noqa: BLE001  (best effort: the group is dropped anyway)
+                pass
 
     # ------------------------------------------------------------ groups
     def subgroup(self, ranks):
