@@ -66,3 +66,26 @@ def test_scope_restores_compile():
     with strategy.scope():
         assert keras.Model.compile is not original
     assert keras.Model.compile is original
+
+
+def test_load_model_inside_scope_compiles_and_attaches(tmp_path):
+    """A saved, compiled model loaded in scope() comes back compiled and attached."""
+    import numpy as np
+
+    keras.utils.set_random_seed(0)
+    model = zoo.mlp(input_dim=8, hidden=(16,), num_classes=3, name="saved")
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    x = np.random.default_rng(0).normal(size=(48, 8)).astype("float32")
+    y = np.arange(48) % 3
+    model.fit(x, y, batch_size=16, verbose=0)
+    path = tmp_path / "saved.keras"
+    model.save(path)
+
+    strategy = AutoStrategy("single_device", cluster=Cluster.cpu_testbed())
+    with strategy.scope():
+        loaded = keras.models.load_model(path)
+    assert loaded.compiled and loaded in strategy._models
+    assert int(loaded.optimizer.iterations) == 3  # the optimizer's state came back
+    history = loaded.fit(x, y, batch_size=16, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    assert strategy.plan is not None

@@ -202,13 +202,18 @@ class AutoStrategy:
         """Context in which models are built and compiled for this strategy.
 
         Every `model.compile(...)` called inside attaches the model to the
-        strategy, so its `fit`, `evaluate` and `predict` run the plan.
+        strategy, so its `fit`, `evaluate` and `predict` run the plan; so does
+        `keras.models.load_model(...)` of a compiled model (it compiles it).
         """
         import keras
 
         adapter = self.adapter
+        # `compile` is wrapped on the class that defines it (Keras's Trainer),
+        # not shadowed on keras.Model: Keras's `compile_from_config`, which
+        # `load_model` calls, skips models whose class overrides `compile`.
+        owner = next(c for c in keras.Model.__mro__ if "compile" in vars(c))
         with _scope_lock:
-            original_compile = keras.Model.compile
+            original_compile = vars(owner)["compile"]
             strategy = self
 
             def compile(model, *args, **kwargs):
@@ -217,13 +222,14 @@ class AutoStrategy:
                 strategy._attach(model)
                 return result
 
-            keras.Model.compile = compile
+            compile.__doc__ = original_compile.__doc__
+            owner.compile = compile
         try:
             with adapter.variable_scope():
                 yield self
         finally:
             with _scope_lock:
-                keras.Model.compile = original_compile
+                owner.compile = original_compile
 
     def _attach(self, model):
         if model not in self._models:
