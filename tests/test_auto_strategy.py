@@ -89,3 +89,17 @@ def test_load_model_inside_scope_compiles_and_attaches(tmp_path):
     history = loaded.fit(x, y, batch_size=16, verbose=0)
     assert np.isfinite(history.history["loss"][0])
     assert strategy.plan is not None
+
+
+def test_every_candidate_stays_on_the_devices_given():
+    cluster = Cluster.cpu_testbed()
+    allowed = ["node0/cpu1", "node0/cpu2"]
+    model = zoo.mlp(input_dim=8, hidden=(16,), name="subset")
+    strategy = AutoStrategy("auto", cluster=cluster, devices=allowed, estimator="simulator")
+    plan = strategy.plan_for(model, 48)
+    assert set(plan.devices) <= set(allowed)
+    for candidate in strategy.candidates:
+        if candidate.plan is not None:
+            assert set(candidate.plan.devices) <= set(allowed), candidate.name
+    single = AutoStrategy("single_device", cluster=cluster, devices=["node0/cpu2"])
+    assert single.plan_for(model, 48).devices == ["node0/cpu2"]

@@ -321,7 +321,7 @@ class AutoStrategy:
 
             builder = baselines.BASELINES[BASELINE_FOR_NAME[self.name]]
             if self.name == "single_device":
-                plan = builder(graph, self.cluster, batch_size, device=opts.get("device"))
+                plan = builder(graph, self.cluster, batch_size, devices=self.devices)
             else:
                 if self.name == "data_parallel":
                     opts.pop("speeds", None)

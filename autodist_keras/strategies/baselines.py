@@ -231,16 +231,19 @@ def _check_batch(batch_size, n):
         )
 
 
-def single_device(graph, cluster, batch_size, device=None, bucket_bytes=DDP_BUCKET_BYTES):
+def single_device(graph, cluster, batch_size, device=None, bucket_bytes=DDP_BUCKET_BYTES,
+                  devices=None):
     """The whole batch on one device (the fastest by peak FLOP/s by default).
 
     Args:
         graph: The `ModelGraph`.
         cluster: The `Cluster`.
         batch_size: Global batch size.
-        device: Device name; default the fastest device.
+        device: Device name; default the fastest of `devices`.
         bucket_bytes: Bucket threshold (irrelevant on one device, kept for
             a uniform plan layout).
+        devices: The devices the user allowed (default: all of the
+            cluster's); the default `device` is the fastest of them.
 
     Returns:
         A `Plan`.
@@ -248,8 +251,9 @@ def single_device(graph, cluster, batch_size, device=None, bucket_bytes=DDP_BUCK
     started = time.perf_counter()
     _check_batch(batch_size, 1)
     if device is None:
+        allowed = _resolve_devices(cluster, devices)
         speeds = device_speeds(cluster)
-        device = max(cluster.names, key=lambda d: (speeds[d], -cluster.names.index(d)))
+        device = max(allowed, key=lambda d: (speeds[d], -allowed.index(d)))
     devices = _resolve_devices(cluster, [device])
     return _data_parallel_plan(
         graph, cluster, batch_size, devices, [batch_size], "single_device", "allreduce",

@@ -363,7 +363,7 @@ def baseline_candidates(graph, cluster, batch_size, devices, options):
     costs = {"step_costs": options["step_costs"]} if options.get("step_costs") else {}
     pairs = [
         ("single_device", lambda: baselines.single_device(
-            graph, cluster, batch_size,
+            graph, cluster, batch_size, devices=devices,
             bucket_bytes=opts.get("bucket_bytes", baselines.DDP_BUCKET_BYTES))),
     ]
     if len(devices) > 1:
