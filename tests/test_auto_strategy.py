@@ -21,6 +21,46 @@ def test_unknown_names_and_options_list_the_valid_ones():
         AutoStrategy(cluster=Cluster.cpu_testbed(), devices=["node7/gpu0"])
 
 
+@pytest.mark.parametrize("strategy,options,message", [
+    ("fastt", {"sync": "ps"}, "would be ignored by strategy='fastt'.*'data_parallel' or "
+                              "'proportional'"),
+    ("heterog", {"sync": "ps", "ps_server": "node0/cpu2"}, "would be ignored"),
+    ("disco", {"bucket_bytes": 1024, "algorithm": "tree"}, "chooses gradient buckets"),
+    ("auto", {"sync": "ps"}, "auto compares plans"),
+    ("auto", {"speeds": {"node0/cpu0": 2.0}}, "would be ignored by strategy='auto'"),
+    ("data_parallel", {"speeds": {"node0/cpu0": 2.0}}, "used by strategy 'proportional'"),
+    ("single_device", {"bucket_bytes": 1024}, "no gradient synchronisation"),
+    ("proportional", {"sync": "foo"}, "sync must be 'allreduce' or 'ps'"),
+    ("proportional", {"ps_server": "node0/cpu1"}, "needs sync='ps'"),
+    ("proportional", {"sync": "ps", "ps_server": "node0/cpu9"}, "ps_server must be a device"),
+    ("data_parallel", {"algorithm": "butterfly"}, "algorithm must be one of"),
+    ("auto", {"bucket_bytes": -5}, "bucket_bytes must be a number of bytes >= 0"),
+    ("data_parallel", {"bucket_bytes": "big"}, "bucket_bytes must be"),
+    ("data_parallel", {"buckets": "x"}, "buckets must be a list of lists"),
+    ("proportional", {"speeds": {"node0/cpu0": -1}}, "positive relative speed"),
+    ("proportional", {"speeds": {"node0/gpu7": 1.0}}, "not in the cluster"),
+    ("proportional", {"timeout_s": -1}, "timeout_s must be a positive number"),
+])
+def test_option_values_and_unused_options_are_errors_when_the_strategy_is_made(
+        strategy, options, message):
+    with pytest.raises(StrategyError, match=message) as info:
+        AutoStrategy(strategy, cluster=Cluster.cpu_testbed(), **options)
+    assert "Received:" in str(info.value)
+
+
+def test_plan_shaping_options_next_to_a_fixed_plan_are_errors(tmp_path):
+    strategy = AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed())
+    model = zoo.mlp(input_dim=8, hidden=(16,), name="fixed_opts")
+    plan = strategy.plan_for(model, 48)
+    with pytest.raises(StrategyError, match="plan= gives the plan to run as it is"):
+        AutoStrategy(cluster=Cluster.cpu_testbed(), plan=plan, sync="ps")
+    # A plan as a dict (Plan.to_dict()) is accepted; other types are a clear error.
+    again = AutoStrategy(cluster=Cluster.cpu_testbed(), plan=plan.to_dict())
+    assert again.plan_for(model, 48).to_dict() == plan.to_dict()
+    with pytest.raises(StrategyError, match="plan must be a Plan, a dict"):
+        AutoStrategy(cluster=Cluster.cpu_testbed(), plan=42)
+
+
 def test_plan_per_model_and_explain(tmp_path):
     strategy = AutoStrategy("proportional", cluster=Cluster.cpu_testbed())
     assert "No plan yet" in strategy.explain()

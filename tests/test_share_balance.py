@@ -180,8 +180,9 @@ def test_auto_strategy_option(tiny_mlp, testbed, tmp_path):
             "step_costs"]
     plain = AutoStrategy("proportional", cluster=testbed).plan_for(tiny_mlp(), 96)
     assert [r.batch_share for r in plain.replicas] == [48, 24, 24]
-    even = AutoStrategy("data_parallel", cluster=testbed, step_costs=costs).plan_for(tiny_mlp(), 96)
-    assert [r.batch_share for r in even.replicas] == [32, 32, 32]
+    # Even shares cannot use measured costs: the option would be ignored, so it is an error.
+    with pytest.raises(StrategyError, match="would be ignored by strategy='data_parallel'"):
+        AutoStrategy("data_parallel", cluster=testbed, step_costs=costs)
     with pytest.raises(StrategyError, match="step_costs.*Received"):
         AutoStrategy("proportional", cluster=testbed, step_costs=str(tmp_path / "none.json"))
     with pytest.raises(StrategyError, match="Valid options:.*step_costs"):

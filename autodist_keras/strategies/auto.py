@@ -16,6 +16,7 @@ first training step, when the global batch size is known.
 """
 
 import contextlib
+import os
 import threading
 import time
 
@@ -159,7 +160,27 @@ class AutoStrategy:
                         f"Received: devices={devices}"
                     )
         self.devices = devices or list(self.cluster.names)
-        if plan is not None and not isinstance(plan, Plan):
+        from autodist_keras.strategies.options import PLAN_OPTIONS
+        from autodist_keras.strategies.options import check_options
+
+        if plan is not None:
+            fixed = sorted(k for k in options if k in PLAN_OPTIONS)
+            if fixed:
+                raise StrategyError(
+                    f"Option(s) {fixed} shape a plan, but plan= gives the plan to run as it "
+                    "is. Leave them out, or drop plan= to have the strategy build one. "
+                    f"Received: {', '.join(f'{k}={options[k]!r}' for k in fixed)}"
+                )
+        else:
+            check_options(strategy, options, self.cluster)
+        if isinstance(plan, dict):
+            plan = Plan.from_dict(plan)
+        elif plan is not None and not isinstance(plan, Plan):
+            if not isinstance(plan, (str, os.PathLike)):
+                raise StrategyError(
+                    "plan must be a Plan, a dict from Plan.to_dict(), or the path of a plan "
+                    f"JSON file. Received: {type(plan).__name__}"
+                )
             plan = Plan.from_json(plan)
         self._fixed_plan = plan
         self.options = dict(options)
@@ -323,9 +344,6 @@ class AutoStrategy:
             if self.name == "single_device":
                 plan = builder(graph, self.cluster, batch_size, devices=self.devices)
             else:
-                if self.name == "data_parallel":
-                    opts.pop("speeds", None)
-                    opts.pop("step_costs", None)
                 plan = builder(graph, self.cluster, batch_size, devices=self.devices, **opts)
             plan.prediction = simulate(graph, self.cluster, plan).to_prediction()
         else:
