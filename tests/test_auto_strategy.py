@@ -143,3 +143,18 @@ def test_every_candidate_stays_on_the_devices_given():
             assert set(candidate.plan.devices) <= set(allowed), candidate.name
     single = AutoStrategy("single_device", cluster=cluster, devices=["node0/cpu2"])
     assert single.plan_for(model, 48).devices == ["node0/cpu2"]
+
+
+def test_explain_says_why_candidates_were_left_out():
+    # cpu0, the fastest device, has 1 MB of memory: the single-device plan cannot fit there.
+    cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1, "memory_gb": 0.001},
+                                   {"cores": [1], "threads": 1}])
+    strategy = AutoStrategy("auto", cluster=cluster, estimator="simulator")
+    model = zoo.mlp(input_dim=512, hidden=(1024,), name="too_big_for_cpu0")
+    strategy.plan_for(model, 64)
+    data = strategy.explain(format="json")
+    single = next(c for c in data["candidates"] if c["name"] == "single_device")
+    assert single["feasible"] is False and single["reason"]
+    text = strategy.explain()
+    assert "Candidates left out, and why:" in text
+    assert f"single_device: {single['reason']}" in text

@@ -24,3 +24,11 @@ class BackendAdapter:
     def attach(self, model):
         """Installs the plan-running train/test/predict functions on `model`."""
         raise NotImplementedError
+
+    def measurement_note(self):
+        """What a reader of the measured step time should know, or None.
+
+        `explain()` prints it beside the measured step time, e.g. when the
+        run could not reproduce what the prediction models.
+        """
+        return None

@@ -298,6 +298,22 @@ class TensorFlowAdapter(BackendAdapter):
             return self.tf_device(options.get("ps_server") or self.strategy.devices[0])
         return self.tf_device(self.strategy.devices[0])
 
+    def measurement_note(self):
+        """Says so when CPU testbed devices ran unpinned, in this one process."""
+        info = self.runtime_info or {}
+        names = list(info.get("replica_devices") or {})
+        if info.get("mode") != "single-process" or len(names) < 2:
+            return None
+        if not any(self.cluster.device(n).cpu_affinity for n in names):
+            return None
+        return (
+            "TensorFlow drove the testbed devices from this one process, where their cores "
+            "are not enforced (every device's ops share TensorFlow's thread pool), so this "
+            "step is not the pinned testbed step that the prediction models; "
+            "tensorflow_adapter.run_steps(..., processes='per_core') times that "
+            "(docs/runtime_tensorflow.md)"
+        )
+
     def can_execute(self, plan):
         """Whether this adapter can run `plan` here.
 

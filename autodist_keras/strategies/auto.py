@@ -275,6 +275,9 @@ class AutoStrategy:
             history = original_fit(*args, **kwargs)
             if timer.median_s is not None:
                 strategy.measured = {"step_time_s": timer.median_s, "steps": len(timer.times_s)}
+                note = strategy.adapter.measurement_note()
+                if note:
+                    strategy.measured["note"] = note
             return history
 
         model.fit = fit

@@ -117,6 +117,7 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
                 "scorer": c.get("scorer"),
                 "executable": c.get("executable"),
                 "planning_time_s": c.get("planning_time_s"),
+                "reason": c.get("reason"),
             }
             for name, c in candidates.items()
             if isinstance(c, dict)
@@ -170,13 +171,17 @@ def _header_lines(data):
             f"  measured step time: {m['step_time_s'] * 1e3:.3f} ms "
             f"(median of {m.get('steps', '?')} steps after warm-up)"
         )
+    if m.get("note"):
+        lines.append(f"  about the measurement: {m['note']}")
     ratio = data.get("measured_vs_predicted")
     if ratio:
         off = (f"{(1 - 1 / ratio) * 100:.0f}% low" if ratio >= 1
                else f"{(1 / ratio - 1) * 100:.0f}% high")
         lines.append(f"  measured / predicted: {ratio}x (the prediction was {off})")
         source = (p or {}).get("source") or ""
-        if ratio > MISS_FACTOR and "learned" not in source:
+        # Plain or rescaled simulator predictions (the learned estimator was
+        # fitted to measured steps and misses for other reasons).
+        if ratio > MISS_FACTOR and source.startswith("simulator"):
             lines.append(
                 "  hint: the simulator prices each layer from the device's spec-sheet speed "
                 "plus a fixed launch cost (on GPUs under PyTorch, plus host times measured on "
@@ -194,6 +199,12 @@ def _header_lines(data):
     )
     lines += [f"  note: {n}" for n in data["notes"]]
     return lines
+
+
+def _unused_candidate_lines(data):
+    """Why each candidate that could not be chosen was left out (infeasible, not built)."""
+    return [f"  {c['name']}: {c['reason']}" for c in data["candidates"]
+            if c.get("reason") and (not c.get("feasible") or c.get("executable") is False)]
 
 
 DEVICE_COLUMNS = [
@@ -244,6 +255,9 @@ def _render_plain(data):
         for c in data["candidates"]:
             lines.append("  ".join(_cell(k, c.get(k)).ljust(w)
                                    for (k, _), w in zip(CANDIDATE_COLUMNS, widths)))
+        left_out = _unused_candidate_lines(data)
+        if left_out:
+            lines += ["", "Candidates left out, and why:"] + left_out
     return "\n".join(lines)
 
 
@@ -268,4 +282,9 @@ def _render_rich(data):
         for c in data["candidates"]:
             table.add_row(*[_cell(k, c.get(k)) for k, _ in CANDIDATE_COLUMNS])
         console.print(table)
+        left_out = _unused_candidate_lines(data)
+        if left_out:
+            console.print("Candidates left out, and why:", highlight=False, markup=False)
+            for line in left_out:
+                console.print(line, highlight=False, markup=False)
     return buffer.getvalue()
