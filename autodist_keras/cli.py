@@ -245,6 +245,12 @@ def main(argv=None):
     except AutodistError as e:
         print(f"autodist-keras {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        where = f" {e.filename!r}" if e.filename else ""
+        print(f"autodist-keras {args.command}: error: cannot use the file{where}: "
+              f"{e.strerror or e}. Check the path and its permissions. Received: {e.filename!r}",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -178,3 +178,24 @@ def test_cli_launch_starts_ranks_with_torchrun_variables(cli, tmp_path):
     assert texts[0][0] == texts[1][0] == "2" and texts[0][1] == texts[1][1]
     script.write_text("import sys\nsys.exit(3)\n")
     assert cli("launch", "--nprocs", "2", "--timeout-s", "120", str(script)).returncode == 1
+
+
+def test_cli_file_errors_modes_and_infeasible_plans(cli, tmp_path):
+    # An output path that cannot be written is a one-line error, not a traceback.
+    run = cli("plan", "--model", "mlp", "--cluster", HETERO, "--out", str(tmp_path))
+    assert run.returncode == 2, run.stdout
+    assert "cannot use the file" in run.stderr and "Traceback" not in run.stderr
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]
+    # Written files get the umask's permissions, like any other write.
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "plan.json"
+        assert cli("plan", "--model", "mlp", "--cluster", HETERO, "--out", str(out)).returncode == 0
+        assert (os.stat(out).st_mode & 0o777) == 0o644
+    finally:
+        os.umask(old)
+    # A forced plan that does not fit says so in the text output.
+    run = cli("plan", "--model", "ResNet50", "--cluster", HETERO, "--strategy",
+              "single_device", "--batch-size", "256")
+    assert run.returncode == 0, run.stderr
+    assert "INFEASIBLE (predicted): " in run.stdout

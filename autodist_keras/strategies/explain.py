@@ -96,6 +96,7 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
             "exposed_comm_ms": _ms(prediction.exposed_comm_s),
             "idle_ms": _ms(prediction.idle_s),
             "feasible": prediction.feasible,
+            "infeasible_reason": prediction.infeasible_reason,
             "source": prediction.source,
             "simulated_step_time_ms": _ms(getattr(prediction, "simulated_step_time_s", None)),
         },
@@ -152,6 +153,8 @@ def _header_lines(data):
     lines = [f"AutoStrategy({data['strategy']!r}): chose {data['chosen']}"]
     lines += [f"  why: {w}" for w in data["why"]]
     p = data["predicted"]
+    if p is not None and p.get("feasible") is False:
+        lines.append(f"  INFEASIBLE (predicted): {p.get('infeasible_reason') or 'out of memory'}")
     if p is not None and p.get("simulated_step_time_ms") is not None:
         lines.append(f"  predicted step time: {p['step_time_ms']} ms ({p['source']})")
         lines.append(

@@ -581,15 +581,32 @@ def split_batch(weights, batch_size):
     return parts
 
 
+def _file_mode(path):
+    """The mode `path` should get: an existing file's own, else 0o666 minus the umask."""
+    try:
+        return os.stat(path).st_mode & 0o777
+    except OSError:
+        mask = os.umask(0)
+        os.umask(mask)
+        return 0o666 & ~mask
+
+
 def write_text_atomic(path, text):
-    """Writes `text` to `path` through a temporary file and a rename."""
+    """Writes `text` to `path` through a temporary file and a rename.
+
+    The file gets the permissions an ordinary write would give it (an
+    existing file's mode, else the umask's), not the temporary file's 0600.
+    Missing parent directories are created.
+    """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
+    mode = _file_mode(path)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
