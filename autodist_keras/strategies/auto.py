@@ -62,7 +62,9 @@ def _normalise_step_costs(value):
     try:
         return share_balance.step_costs_to_dict(share_balance.load_step_costs(value))
     except PlanError as e:
-        raise StrategyError(f"step_costs: {e}") from None
+        message = str(e)
+        raise StrategyError(message if message.startswith("step_costs")
+                            else f"step_costs: {message}") from None
 
 
 class AutoStrategy:
@@ -352,11 +354,12 @@ class AutoStrategy:
         else:
             chosen = [c for c in self.candidates if c.name == wanted]
             if not chosen or chosen[0].plan is None:
-                reason = chosen[0].reason if chosen else "not built"
-                raise StrategyError(
-                    f"The {self.name!r} plan could not be made for this model and cluster: "
-                    f"{reason}. Try strategy='auto'. Received: strategy={self.name!r}"
-                )
+                reason = str(chosen[0].reason if chosen else "not built").rstrip(".")
+                message = (f"The {self.name!r} plan could not be made for this model and "
+                           f"cluster: {reason}. Try strategy='auto'.")
+                if "Received:" not in reason:  # the reason usually names what it received
+                    message += f" Received: strategy={self.name!r}"
+                raise StrategyError(message)
             plan = chosen[0].plan
             if chosen[0].executable is False:
                 raise StrategyError(
