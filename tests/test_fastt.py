@@ -61,7 +61,8 @@ def test_plan_is_valid_and_carries_the_simulators_prediction(cnn, hetero):
     assert plan.prediction.step_time_s == pytest.approx(again.step_time_s, rel=1e-12)
     assert plan.prediction.feasible
     assert set(plan.prediction.baselines) == {"data_parallel_even", "proportional"}
-    assert any("data_parallel_even" in note for note in plan.notes)
+    assert any(note.startswith("Simulated (the planner's own scoring, predicted)")
+               and "data_parallel_even" in note for note in plan.notes)
     # Round trip through JSON keeps a runnable plan.
     restored = type(plan).from_json(plan.to_json())
     assert simulate(cnn, hetero, restored).step_time_s == pytest.approx(again.step_time_s)

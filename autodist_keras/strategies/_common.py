@@ -212,7 +212,8 @@ def comparison_note(step_time_s, figures):
         speedup = other / step_time_s if step_time_s > 0 else float("inf")
         fits = "" if fig.get("feasible", True) else ", does not fit in memory"
         parts.append(f"{name} {ms(other)}{fits} (this plan is {speedup:.2f}x)")
-    return f"Predicted {ms(step_time_s)} per step vs " + "; ".join(parts) + "."
+    return (f"Simulated (the planner's own scoring, predicted) {ms(step_time_s)} per step vs "
+            + "; ".join(parts) + ".")
 
 
 def int_option(planner, name, value, minimum):

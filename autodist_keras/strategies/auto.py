@@ -432,5 +432,15 @@ class AutoStrategy:
         """
         from autodist_keras.strategies.gantt import plot_timeline
 
-        return plot_timeline(self._simulation(), path, title=f"{self.plan.provenance.planner} "
-                             "plan: simulated step (predicted)")
+        title = f"{self.plan.provenance.planner} plan: simulated step (predicted)"
+        prediction = self.plan.prediction
+        if prediction is not None and not prediction.source.startswith("simulator ("):
+            # The headline figure is rescaled or learned; the timeline is the simulator's.
+            title = (f"{self.plan.provenance.planner} plan, predicted {prediction.step_time_s * 1e3:.2f}"
+                     f" ms ({_scorer_name(prediction.source)}); the simulator's timeline")
+        return plot_timeline(self._simulation(), path, title=title)
+
+
+def _scorer_name(source):
+    """`"learned estimator (gnn, torch; predicted)"` -> `"learned estimator"`, etc."""
+    return source.split(" (")[0].split(";")[0]

@@ -115,7 +115,8 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
                 "name": name,
                 "predicted_step_time_s": c.get("predicted_step_time_s", c.get("step_time_s")),
                 "feasible": c.get("feasible"),
-                "scorer": c.get("scorer"),
+                # Figures a planner recorded from its own search are the simulator's.
+                "scorer": c.get("scorer") or "simulator (in the planner's search)",
                 "executable": c.get("executable"),
                 "planning_time_s": c.get("planning_time_s"),
                 "reason": c.get("reason"),

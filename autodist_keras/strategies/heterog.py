@@ -217,7 +217,7 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     best_seed = min((r.step_time_s for _, _, r in seeds if r.feasible), default=None)
     if best_seed is not None and label == "search":
         notes.append(
-            f"Search result {_common.ms(result.step_time_s)} vs best seed "
+            f"Search result {_common.ms(result.step_time_s)} (simulated) vs best seed "
             f"{_common.ms(best_seed)} ({best_seed / result.step_time_s:.2f}x)."
         )
     compare = {n: f for n, f in figures.items() if n in ("data_parallel_even", "proportional")}
