@@ -262,3 +262,20 @@ def test_lp_optimum_is_a_lower_bound_of_the_coarse_step(cnn, hetero):
         assert space.evaluate(state, bound=bound * 0.5) == (infeasible, seconds)
         checked += 1
     assert checked >= 3
+
+
+def test_shares_of_devices_that_do_not_set_the_step_are_balanced():
+    """A tiny model whose PS device is critical whatever the shares: the LP's
+    other devices get even shares, not an arbitrary vertex (once 1 / 46 / 1)."""
+    import keras
+
+    from autodist_keras.devices import Cluster
+    from autodist_keras.graph import ModelGraph
+    from autodist_keras.strategies import heterog
+
+    model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(10, activation="softmax")])
+    plan = heterog.plan(ModelGraph.from_keras(model), Cluster.cpu_testbed(), 48)
+    shares = {r.device: r.batch_share for g in plan.groups for r in g.replicas}
+    assert abs(shares["node0/cpu1"] - shares["node0/cpu2"]) <= 1, shares

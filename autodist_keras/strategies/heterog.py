@@ -180,6 +180,15 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     if state is not None:
         found = space.fine_plan(state, record)
         found_result = simulate(graph, cluster, found, cost_model=cost, validate=False)
+        first_shares = space.solve_shares(state)
+        if space.balance_shares(state) is not None:
+            # Same predicted step (within 0.1%), other devices balanced: keep it.
+            balanced = space.fine_plan(state, record)
+            balanced_result = simulate(graph, cluster, balanced, cost_model=cost, validate=False)
+            if balanced_result.step_time_s <= found_result.step_time_s * 1.001:
+                found, found_result = balanced, balanced_result
+            else:
+                space.restore_shares(state, first_shares)
         found = (found, found_result)
 
     candidates = []
@@ -489,7 +498,32 @@ class _Space:
         shares, self.lp_bound = found
         return shares
 
-    def _solve_shares(self, state):
+    def balance_shares(self, state):
+        """Re-solves `state`'s shares, balancing the devices that do not set the step time.
+
+        The LP minimises the busiest device's time; when fixed costs make one
+        device critical whatever the shares (e.g. a parameter server on a
+        tiny model), every split of the others is optimal and the solver
+        returns an arbitrary vertex (once 1 / 46 / 1 samples, the full-speed
+        device getting 1). This second LP keeps the step time and then
+        minimises the busiest of the other devices' times, so they share the
+        rest evenly by speed. Returns the new shares, or None when they equal
+        the first ones.
+        """
+        key = tuple((c, sync if sync[0] == "ps" else None) for c, sync in state)
+        first = self.solve_shares(state)
+        balanced = self._solve_shares(state, balance=True)
+        if balanced is None or balanced == first:
+            return None
+        self._lp_cache[key] = (balanced, self._lp_cache[key][1])
+        return balanced
+
+    def restore_shares(self, state, shares):
+        """Puts `shares` back as `state`'s solution (after `balance_shares`)."""
+        key = tuple((c, sync if sync[0] == "ps" else None) for c, sync in state)
+        self._lp_cache[key] = (shares, self._lp_cache[key][1])
+
+    def _solve_shares(self, state, balance=False):
         t = self.tables
         n = self.n
         B = self.batch
@@ -544,6 +578,7 @@ class _Space:
         rows, cols, vals, b_ub = [], [], [], []
         eq_rows, eq_cols = [], []
         per_device = [[] for _ in range(n)]
+        time_rows = {}
         for ci, (c, members, chunk_ids) in enumerate(var_classes):
             act = float(sum(self.act[i] for i in chunk_ids))
             for d in members:
@@ -563,6 +598,7 @@ class _Space:
             if not per_device[d]:
                 continue
             r = len(b_ub)
+            time_rows[d] = r
             rows.append(r)
             cols.append(0)
             vals.append(-1.0)
@@ -596,6 +632,9 @@ class _Space:
         if res.status != 0:
             return None
         self.lp_bound = float(res.x[0])
+        if balance:
+            res = self._balanced(res, rows, cols, vals, b_ub, a_eq, bounds, nvar, time_rows,
+                                 per_device, len(var_classes)) or res
         shares = {}
         for c in classes:
             members = self.sets[c]
@@ -611,6 +650,45 @@ class _Space:
                     whole[j] = 1
             shares[c] = list(zip(members, whole))
         return shares
+
+    def _balanced(self, first, rows, cols, vals, b_ub, a_eq, bounds, nvar, time_rows,
+                  per_device, n_classes):
+        """The second LP of `balance_shares`; None if it fails or nothing is left to balance.
+
+        Devices whose time constraint binds in the first solution (a nonzero
+        dual value) set the step time; the step time stays at most the first
+        optimum, and a new variable bounds every other device's time.
+        """
+        marginals = getattr(getattr(first, "ineqlin", None), "marginals", None)
+        if marginals is None:
+            return None
+        critical = {d for d, r in time_rows.items() if abs(marginals[r]) > 1e-12}
+        others = [d for d in time_rows if d not in critical]
+        if not critical or not others:
+            return None
+        rows, cols, vals, b_ub = list(rows), list(cols), list(vals), list(b_ub)
+        t2 = nvar
+        for d in others:
+            r = len(b_ub)
+            rows.append(r)
+            cols.append(t2)
+            vals.append(-1.0)
+            for ti, _, _ in per_device[d]:
+                rows.append(r)
+                cols.append(ti)
+                vals.append(1.0)
+            b_ub.append(b_ub[time_rows[d]])
+        a_ub = coo_matrix((vals, (rows, cols)), shape=(len(b_ub), nvar + 1)).tocsr()
+        a_eq = a_eq.tocoo()
+        a_eq = coo_matrix((a_eq.data, (a_eq.row, a_eq.col)), shape=(n_classes, nvar + 1)).tocsr()
+        step = float(first.x[0])
+        bounds = [(0, step * (1 + 1e-9) + 1e-15)] + list(bounds[1:]) + [(0, None)]
+        objective = np.zeros(nvar + 1)
+        objective[t2] = 1.0
+        self.work += LP_COST_US
+        res = linprog(objective, A_ub=a_ub, b_ub=np.array(b_ub), A_eq=a_eq,
+                      b_eq=np.full(n_classes, float(self.batch)), bounds=bounds, method="highs")
+        return res if res.status == 0 else None
 
     # ------------------------------------------------------- evaluation
     def coarse_plan(self, state, shares):
