@@ -130,3 +130,42 @@ def test_gpu_check_benchmark_runs_small(tmp_path):
     assert multi["failure"]["raised"] == "WorkerError"
     assert "injected failure in rank 1" in multi["failure"]["message"]
     assert multi["failure"]["seconds_to_raise"] < 30
+
+
+def _cuda_gpus():
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.skipif(_cuda_gpus() >= 2, reason="this machine has the cluster's GPUs")
+@pytest.mark.parametrize("name", ["data_parallel", "auto"])
+def test_a_gpu_cluster_that_is_not_here_is_an_error_not_a_silent_cpu_run(name):
+    import numpy as np
+
+    from autodist_keras import AutoStrategy
+    from autodist_keras.errors import StrategyError
+
+    strategy = AutoStrategy(name, cluster="2xV100")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+        model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(StrategyError, match=r"this machine has \d CUDA GPU\(s\).*plan_for"):
+        model.fit(np.ones((32, 8), "float32"), np.ones((32, 4), "float32"), batch_size=16,
+                  verbose=0)
+    assert "worker_pids" not in strategy.adapter.last_run
+
+
+def test_under_torchrun_auto_plans_one_replica_per_process(monkeypatch):
+    from autodist_keras import AutoStrategy
+    from autodist_keras import Cluster
+    from autodist_keras.graph import zoo
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.delenv("AUTODIST_KERAS_WORKER_RANK", raising=False)
+    strategy = AutoStrategy("auto", cluster=Cluster.cpu_testbed(), estimator="simulator")
+    plan = strategy.plan_for(zoo.mlp(input_dim=8, hidden=(16,), name="torchrun_auto"), 48)
+    assert len(plan.replicas) == 3
+    reasons = [c.reason for c in strategy.candidates if c.executable is False]
+    assert any("WORLD_SIZE=3" in r for r in reasons)

@@ -249,7 +249,38 @@ class TorchAdapter(BackendAdapter):
         servers = sorted({s.server for s in plan.sync.values() if s.method == "ps"} - devices)
         if servers:
             return False, f"PS server(s) {servers} run no replica; the PyTorch runtime hosts PS in a replica"
+        env = torchrun_env()
+        if env is not None:
+            if len(plan.replicas) != env[1]:
+                return False, (
+                    f"under torchrun one process runs per replica, and WORLD_SIZE={env[1]} "
+                    f"processes run, but this plan has {len(plan.replicas)} replica(s)"
+                )
+            return True, ""
+        missing = self._missing_gpus(plan)
+        if missing:
+            return False, missing
         return True, ""
+
+    def _missing_gpus(self, plan):
+        """Why the plan's GPUs are not on this machine (spawned runs), or ''."""
+        gpus = [r.device for r in plan.replicas
+                if self.strategy.cluster.device(r.device).kind == "gpu"]
+        if not gpus:
+            return ""
+        import torch
+
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        absent = [d for d in gpus if self.strategy.cluster.device(d).index >= have]
+        if not absent:
+            return ""
+        return (
+            f"the plan trains on GPU(s) {absent}, but this machine has {have} CUDA GPU(s): "
+            "the cluster describes GPUs that are not here, and the replicas would silently "
+            "run on the CPU. To train here, use cluster=None (this machine's devices) or "
+            "Cluster.cpu_testbed(); to plan for a cluster you do not own, use "
+            "strategy.plan_for(model, batch_size) or `autodist-keras plan`"
+        )
 
     def worker_pids(self):
         """Process ids of the spawned workers of the current or last fit, by rank."""
@@ -303,6 +334,10 @@ class _FitRun:
                 "strategy='data_parallel', 'proportional' or 'auto'. "
                 f"Received: {len(plan.groups)} groups"
             )
+        missing = self.env is None and self.adapter._missing_gpus(plan)
+        if missing:
+            raise BackendError(f"Cannot train here: {missing}. Received: plan devices "
+                               f"{plan.devices}")
         devices = [device_info(strategy.cluster.device(r.device)) for r in plan.replicas]
         world = len(devices)
         timeout_s = self.adapter.timeout_s

@@ -363,9 +363,9 @@ class AutoStrategy:
             plan = chosen[0].plan
             if chosen[0].executable is False:
                 raise StrategyError(
-                    f"The {self.name!r} plan cannot run on the {self.adapter.name} backend "
-                    f"yet: {chosen[0].reason}. Use strategy='auto' to pick a plan that runs, "
-                    f"or plan with the CLI. Received: strategy={self.name!r}"
+                    f"The {self.name!r} plan cannot run here on the {self.adapter.name} "
+                    f"backend: {chosen[0].reason}. Use strategy='auto' to pick a plan that "
+                    f"runs, or plan with the CLI. Received: strategy={self.name!r}"
                 )
         selection.record_candidates(plan, self.candidates)
         return plan

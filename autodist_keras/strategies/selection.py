@@ -555,6 +555,12 @@ def pick(candidates):
     usable = [c for c in candidates if _usable(c)]
     if not usable:
         reasons = "; ".join(f"{c.name}: {c.reason}" for c in candidates if c.reason)
+        if any(c.feasible and c.executable is False for c in candidates):
+            raise StrategyError(
+                "No candidate plan can run here: those that fit cannot be executed by this "
+                "backend on this machine (the reasons follow). "
+                f"Received: {reasons}"
+            )
         raise StrategyError(
             "No candidate plan fits this model on this cluster (predicted). Use more or "
             f"larger devices, or a smaller batch. Received: {reasons}"
