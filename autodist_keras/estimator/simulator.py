@@ -802,6 +802,9 @@ class _Simulation:
                         self._p2p_ports(server, di), 0, (server, di), "ps_pull",
                     )
                     T.dep(upd, pull)
+                    # The replica's own end of step (its host time, any local update)
+                    # follows its pull.
+                    update_deps[di].append(pull)
                     self.comm_tasks += [push, pull]
 
         # Per-device optimizer update, after the device's compute and all-reduces.
@@ -809,14 +812,22 @@ class _Simulation:
             {"parameters": params[i], "gradients": grads[i], "optimizer_slots": slots[i]}
             for i in range(n_dev)
         ]
+        replica_devices = {self.dev_index[r.device] for g in self.plan.groups for r in g.replicas}
         for di in range(n_dev):
             nbytes, ntensors = local_update[di]
-            if ntensors == 0:
+            if ntensors:
+                duration = self.cost.replica_update_time(nbytes, self.devs[di], ntensors)
+                label = f"optimizer update ({nbytes} B)"
+            else:
+                # Every replica pays the step's fixed host time, also when a parameter
+                # server applies all of its updates (the runtime's ranks step anyway).
+                duration = (self.cost.step_overhead_time(self.devs[di])
+                            if di in replica_devices else 0.0)
+                label = "step host time"
+            if duration <= 0 and not ntensors:
                 continue
             t = T.add(
-                _UPDATE, f"optimizer update ({nbytes} B)",
-                self.cost.replica_update_time(nbytes, self.devs[di], ntensors), di, None,
-                self.update_prio, (di,), "update",
+                _UPDATE, label, duration, di, None, self.update_prio, (di,), "update",
             )
             T.dep(self._compute_done(self._rep_device(di)), t)
             for c in update_deps[di]:
