@@ -88,6 +88,17 @@ def test_script_without_main_guard_fails_at_once_with_the_fix(tmp_path):
     assert "bootstrapping phase" not in result.stderr  # no worker was started
 
 
+def test_script_read_from_stdin_fails_at_once_with_the_fix(tmp_path):
+    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=ROOT,
+               AUTODIST_KERAS_CACHE=str(tmp_path / "cache"))
+    result = subprocess.run([sys.executable, "-"], input=textwrap.dedent(TRAIN + GUARDED_MAIN),
+                            capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert result.returncode != 0
+    assert "BackendError" in result.stderr
+    assert "Save it as a .py file" in result.stderr.replace("\n", " ")
+    assert "trained" not in result.stdout
+
+
 def test_sequential_model_trains_on_three_processes_like_one_device(tmp_path):
     result = _run(tmp_path, TRAIN + GUARDED_MAIN)
     assert result.returncode == 0, result.stderr[-3000:]

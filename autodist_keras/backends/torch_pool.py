@@ -108,6 +108,14 @@ def check_main_guard():
     """
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
+    if isinstance(path, str) and path.startswith("<"):
+        # `python - < train.py`: the workers would try to import a file named "<stdin>".
+        raise BackendError(
+            "The PyTorch runtime starts one worker process per extra device, and each worker "
+            "imports your main script; yours was read from "
+            f"{path}, which the workers cannot import. Save it as a .py file and run "
+            f"`python train.py`. Received: __main__.__file__={path!r}"
+        )
     if not path or not path.endswith(".py") or not os.path.isfile(path):
         return
     try:
