@@ -326,6 +326,30 @@ def test_learning_rate_schedule_reaches_every_worker(plan):
     np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
 
 
+def test_ema_optimizer_ends_fit_with_the_replicas_in_sync(recwarn):
+    """With use_ema=True Keras swaps the moving averages into the weights at the end of
+    fit; the workers do the same, so no 'replicas differ' warning and one-device weights."""
+    import warnings
+
+    def ema_compile(model):
+        model.compile(optimizer=keras.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.9),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    strategy = _strategy("even", 2)
+    with strategy.scope():
+        model = _build("mlp")
+        ema_compile(model)
+    x, y = _data("mlp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    assert strategy.adapter.last_run["in_sync"] is True
+    reference = _build("mlp")
+    ema_compile(reference)
+    reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    _assert_same_weights(model, reference)
+
+
 class _StopAtEpoch(keras.callbacks.Callback):
     def __init__(self, epoch):
         super().__init__()

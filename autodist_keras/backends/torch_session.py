@@ -638,6 +638,21 @@ class Driver:
 
 
 # ---------------------------------------------------------------- ranks > 0
+def _finalize_like_rank0(model, payload):
+    """What Keras's `fit` does to rank 0's weights after its last epoch, here too.
+
+    Keras ends `fit` with `optimizer.finalize_variable_values` (with
+    `use_ema=True` it swaps in the moving averages), so a worker does the same
+    before the replicas' weights are compared.
+    """
+    import keras
+
+    optimizer = getattr(model, "optimizer", None)
+    epochs = (payload or {}).get("params", {}).get("epochs") or 0
+    if isinstance(optimizer, keras.optimizers.Optimizer) and epochs > 0:
+        optimizer.finalize_variable_values(model.trainable_weights)
+
+
 def _apply_keras_settings(settings):
     import keras
 
@@ -796,6 +811,7 @@ def serve(comm, reporter, model=None, on_model=None):
             if kind == tt.CMD_END:
                 payload = comm.broadcast_json(length=int(command[1]))
                 trainer.detach()
+                _finalize_like_rank0(model, payload)
                 profile.save()
                 comm.wait(comm.isend(checksums(model), 0, tag=3), peer=0)
                 return model, payload
