@@ -257,6 +257,9 @@ class AutoStrategy:
     def _attach(self, model):
         if model not in self._models:
             self._models.append(model)
+        # A (re)compile may change what trains (e.g. layers frozen for fine-tuning):
+        # the model is planned again at its next fit.
+        self._plans.pop(id(model), None)
         self.adapter.attach(model)
         self._time_fit(model)
 
