@@ -98,7 +98,7 @@ def _cmd_plan(args):
     by_name = {c.name: c for c in candidates}
     even = by_name.get("data_parallel_even") or by_name.get("single_device")
     result = {
-        "strategy": plan.provenance.planner,
+        "strategy": (plan.provenance.options or {}).get("auto_chosen") or plan.provenance.planner,
         "requested": args.strategy,
         "model": args.model,
         "cluster": args.cluster,
@@ -181,6 +181,17 @@ def _cmd_launch(args):
     return 0 if all(code == 0 for code in codes) else 1
 
 
+def _positive_int(text):
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer. Received: {text!r}")
+    return value
+
+
 _MODEL_HELP = "ResNet50, mlp, a .keras file or module:function"
 _CLUSTER_HELP = "YAML spec, '2xV100,4x1080Ti' or 'cpu_testbed'"
 
@@ -208,7 +219,8 @@ def build_parser():
     p.add_argument("--cluster", required=True, help=_CLUSTER_HELP)
     p.add_argument("--strategy", default="auto", help="auto, fastt, heterog, disco, "
                    "data_parallel, proportional or single_device")
-    p.add_argument("--batch-size", type=int, default=None, help="global batch (default 32 x devices)")
+    p.add_argument("--batch-size", type=_positive_int, default=None,
+                   help="global batch (default 32 x devices)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--out", default=None, help="write the plan as JSON to this file")
     p.set_defaults(func=_cmd_plan)

@@ -199,3 +199,21 @@ def test_cli_file_errors_modes_and_infeasible_plans(cli, tmp_path):
               "single_device", "--batch-size", "256")
     assert run.returncode == 0, run.stderr
     assert "INFEASIBLE (predicted): " in run.stdout
+
+
+def test_cli_batch_size_must_be_positive_and_the_chosen_candidate_is_named(cli):
+    for bad in ("0", "-5", "x"):
+        with pytest.raises(SystemExit) as info:
+            cli("plan", "--model", "mlp", "--cluster", HETERO, "--batch-size", bad)
+        assert info.value.code == 2
+    run = cli("plan", "--model", "mlp", "--cluster", "2xV100", "--json")
+    assert run.returncode == 0, run.stderr
+    data = json.loads(run.stdout)
+    assert data["strategy"] in data["baselines"]  # a candidate's name, e.g. data_parallel_even_ps
+
+
+def test_missing_plan_file_says_what_to_pass(tmp_path):
+    from autodist_keras.errors import PlanError
+
+    with pytest.raises(PlanError, match="Pass the path of a plan.*Received:"):
+        Plan.from_json(str(tmp_path / "nope.json"))

@@ -86,7 +86,9 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
             why.append(f"its predicted step time is from the {prediction.source}")
     return {
         "strategy": strategy_name,
-        "chosen": plan.provenance.planner,
+        # The candidate's name (e.g. data_parallel_even_ps) where auto chose it; two
+        # candidates may share a planner.
+        "chosen": (plan.provenance.options or {}).get("auto_chosen") or plan.provenance.planner,
         "why": why,
         "notes": [n for n in plan.notes if not n.startswith("auto: ")],
         "global_batch_size": plan.global_batch_size,

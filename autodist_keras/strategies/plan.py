@@ -510,7 +510,11 @@ class Plan:
                 with open(source, encoding="utf-8") as f:
                     text = f.read()
             except OSError as e:
-                raise PlanError(f"Cannot read plan file {source}: {e.strerror}.") from None
+                raise PlanError(
+                    f"Cannot read plan file {source}: {e.strerror}. Pass the path of a plan "
+                    "written by Plan.to_json() or `autodist-keras plan --out`. "
+                    f"Received: {source!r}"
+                ) from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:

@@ -715,7 +715,7 @@ def choose_plan(
     plan.notes += ["auto: " + line for line in _explain_choice(best, candidates, scorer)]
     plan.provenance.options = dict(
         plan.provenance.options, auto_search_time_s=time.perf_counter() - started,
-        candidates=[c.name for c in candidates],
+        candidates=[c.name for c in candidates], auto_chosen=best.name,
         scorer=scorer.identity if scorer is not None else "cost_model",
     )
     if use_cache and cost_model is None:
