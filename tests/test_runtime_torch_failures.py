@@ -43,12 +43,24 @@ class FailOnRank(keras.layers.Layer):
         return dict(super().get_config(), rank=self.rank, after=self.after)
 
 
-def _model(fail_rank=None, after=3):
+@keras.saving.register_keras_serializable(package="autodist_keras_tests")
+class HangOnRank(FailOnRank):
+    """Identity layer that blocks (sleeps) in the worker of rank `rank` after `after` calls."""
+
+    def call(self, inputs, training=None):
+        if training and os.environ.get("AUTODIST_KERAS_WORKER_RANK") == str(self.rank):
+            self.calls += 1
+            if self.calls > self.after:
+                time.sleep(600)
+        return inputs
+
+
+def _model(fail_rank=None, after=3, layer=FailOnRank):
     keras.utils.set_random_seed(1)
     inputs = keras.Input((16,))
     x = keras.layers.Dense(16, activation="relu")(inputs)
     if fail_rank is not None:
-        x = FailOnRank(fail_rank, after)(x)
+        x = layer(fail_rank, after)(x)
     outputs = keras.layers.Dense(4)(x)
     model = keras.Model(inputs, outputs)
     model.compile(optimizer="sgd",
@@ -61,12 +73,13 @@ def _data(n=24 * 20):
     return rng.normal(size=(n, 16)).astype("float32"), rng.integers(0, 4, size=n)
 
 
-def _strategy(ndev):
+def _strategy(ndev, **options):
     from autodist_keras import AutoStrategy
     from autodist_keras.devices import Cluster
 
     cluster = Cluster.cpu_testbed()
-    return AutoStrategy(strategy="proportional", cluster=cluster, devices=cluster.names[:ndev])
+    return AutoStrategy(strategy="proportional", cluster=cluster, devices=cluster.names[:ndev],
+                        **options)
 
 
 def _alive(pid):
@@ -143,4 +156,21 @@ def test_killed_worker_fails_fit_within_deadline_and_leaves_no_process():
     assert info.value.rank == 1
     assert "SIGKILL" in str(info.value)
     assert elapsed < DEADLINE_S
+    _assert_all_gone(list(strategy.adapter.worker_pids().values()))
+
+
+def test_hung_worker_fails_fit_after_timeout_s_and_says_how_to_wait_longer():
+    """A worker that blocks without dying is caught by the group timeout (`timeout_s`)."""
+    from autodist_keras.errors import WorkerError
+
+    strategy = _strategy(2, timeout_s=5)
+    with strategy.scope():
+        model = _model(fail_rank=1, after=3, layer=HangOnRank)
+    x, y = _data()
+    clock = _Clock(batch=3)  # rank 1 blocks in its 4th step
+    with pytest.raises(WorkerError) as info:
+        model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False, callbacks=[clock])
+    elapsed = time.monotonic() - clock.started
+    assert 5 <= elapsed < DEADLINE_S
+    assert "timeout_s=" in str(info.value) and "(now 5 s)" in str(info.value)
     _assert_all_gone(list(strategy.adapter.worker_pids().values()))

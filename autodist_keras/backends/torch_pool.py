@@ -333,7 +333,9 @@ class WorkerPool(Reporter):
             peer = getattr(failure, "peer", None)
             return WorkerError(
                 peer if peer is not None else "unknown",
-                f"communication failed and no worker reported an error: {failure}",
+                f"communication failed and no worker reported an error: {failure}. If a "
+                "worker was busy rather than stuck (a slow first step, a long data load), "
+                f"raise AutoStrategy(..., timeout_s=...) (now {self.timeout_s:g} s)",
             )
         rank = chosen["rank"]
         messages = [e["message"] for e in events if e["rank"] == rank and e["kind"] == "error"]
