@@ -47,4 +47,6 @@ def test_freeze_and_recompile_in_scope_replans_and_matches_plain_keras():
     assert strategy.plan is not None and len(strategy.plan.replicas) == 3
     for got, want in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    if hasattr(strategy.adapter, "close"):
+        strategy.adapter.close()  # PyTorch: end the kept worker processes
 

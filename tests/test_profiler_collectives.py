@@ -45,10 +45,11 @@ def test_alpha_beta_fit_recovers_latency_and_bandwidth():
 def test_gloo_collectives_between_testbed_devices(tmp_path):
     cluster = Cluster.cpu_testbed()
     devices = ["node0/cpu0", "node0/cpu1"]
+    before = set(multiprocessing.active_children())  # e.g. runtime workers kept by other tests
     links = profile_collectives(cluster, devices=devices, sizes=SIZES, warmup=1, repeats=3,
                                 timeout_s=120, cache_dir=tmp_path)
     assert links.backend == "gloo" and links.devices == devices and not links.cached
-    assert multiprocessing.active_children() == []
+    assert set(multiprocessing.active_children()) <= before
     assert set(links.samples) == {"allreduce", "broadcast", "p2p"}
     for op, by_label in links.samples.items():
         for per_size in by_label.values():
@@ -80,10 +81,11 @@ def test_gloo_collectives_between_testbed_devices(tmp_path):
 
 @torch_only
 def test_overrun_kills_the_workers_and_says_so(tmp_path):
+    before = set(multiprocessing.active_children())  # e.g. runtime workers kept by other tests
     with pytest.raises(EstimatorError, match="did not finish within 0.2 s"):
         profile_collectives(Cluster.cpu_testbed(), devices=["node0/cpu0", "node0/cpu1"],
                             sizes=SIZES, timeout_s=0.2, use_cache=False)
-    assert multiprocessing.active_children() == []
+    assert set(multiprocessing.active_children()) <= before
 
 
 def test_invalid_collective_requests():

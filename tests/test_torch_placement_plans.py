@@ -61,7 +61,7 @@ def test_fastt_strategy_fails_at_plan_time_with_a_clear_error():
     with pytest.raises(StrategyError) as info:
         model.fit(x, y, batch_size=BATCH, verbose=0)
     message = str(info.value)
-    assert "cannot run on the torch backend" in message
+    assert "cannot run here on the torch backend" in message
     assert "KERAS_BACKEND=tensorflow" in message
     assert "data-parallel strategy" in message
     assert "Received: strategy='fastt'" in message
