@@ -59,6 +59,8 @@ def test_plan_shaping_options_next_to_a_fixed_plan_are_errors(tmp_path):
     assert again.plan_for(model, 48).to_dict() == plan.to_dict()
     with pytest.raises(StrategyError, match="plan must be a Plan, a dict"):
         AutoStrategy(cluster=Cluster.cpu_testbed(), plan=42)
+    with pytest.raises(StrategyError, match="timeout_s must be a positive number"):
+        AutoStrategy(cluster=Cluster.cpu_testbed(), plan=plan, timeout_s=0)
 
 
 def test_plan_per_model_and_explain(tmp_path):

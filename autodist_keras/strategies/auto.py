@@ -162,19 +162,9 @@ class AutoStrategy:
                         f"Received: devices={devices}"
                     )
         self.devices = devices or list(self.cluster.names)
-        from autodist_keras.strategies.options import PLAN_OPTIONS
         from autodist_keras.strategies.options import check_options
 
-        if plan is not None:
-            fixed = sorted(k for k in options if k in PLAN_OPTIONS)
-            if fixed:
-                raise StrategyError(
-                    f"Option(s) {fixed} shape a plan, but plan= gives the plan to run as it "
-                    "is. Leave them out, or drop plan= to have the strategy build one. "
-                    f"Received: {', '.join(f'{k}={options[k]!r}' for k in fixed)}"
-                )
-        else:
-            check_options(strategy, options, self.cluster)
+        check_options(strategy, options, self.cluster, fixed_plan=plan is not None)
         if isinstance(plan, dict):
             plan = Plan.from_dict(plan)
         elif plan is not None and not isinstance(plan, Plan):

@@ -60,19 +60,29 @@ def _users_of(option):
     return [name for name, allowed in PLAN_OPTIONS_FOR.items() if option in allowed]
 
 
-def check_options(strategy, options, cluster):
+def check_options(strategy, options, cluster, fixed_plan=False):
     """Raises `StrategyError` for option values that cannot work or are not used.
 
     Args:
         strategy: The strategy name (one of `PLAN_OPTIONS_FOR`).
         options: The options given to `AutoStrategy` (names already checked).
         cluster: The resolved `Cluster`.
+        fixed_plan: True when `plan=` gives the plan: then no option may
+            shape one.
 
     Raises:
         StrategyError: Naming the option, what is wrong and how to fix it.
     """
+    if fixed_plan:
+        fixed = [k for k in PLAN_OPTIONS if k in options]
+        if fixed:
+            raise StrategyError(
+                f"Option(s) {fixed} shape a plan, but plan= gives the plan to run as it is. "
+                "Leave them out, or drop plan= to have the strategy build one. "
+                f"Received: {', '.join(f'{k}={options[k]!r}' for k in fixed)}"
+            )
     unused = [k for k in PLAN_OPTIONS if k in options and k not in PLAN_OPTIONS_FOR[strategy]]
-    if unused:
+    if unused and not fixed_plan:
         takers = sorted({s for k in unused for s in _users_of(k)})
         given = ", ".join(f"{k}={options[k]!r}" for k in unused)
         raise StrategyError(
