@@ -246,6 +246,12 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     return chosen
 
 
+def _lp_key(state):
+    """The LP depends on each group's replica set and, for a parameter server, on
+    where the aggregation runs, not on the all-reduce algorithm."""
+    return tuple((c, sync if sync[0] == "ps" else None) for c, sync in state)
+
+
 def _fastest(cluster, names, batch_size):
     speeds = baselines.device_speeds(cluster, names)
     keep = sorted(names, key=lambda d: (-speeds[d], names.index(d)))[:batch_size]
@@ -491,7 +497,7 @@ class _Space:
         server, on where the aggregation runs, not on the all-reduce
         algorithm: states differing only in that share one solution (cached).
         """
-        key = tuple((c, sync if sync[0] == "ps" else None) for c, sync in state)
+        key = _lp_key(state)
         found = self._lp_cache.get(key)
         if found is None:
             found = self._lp_cache[key] = (self._solve_shares(state), self.lp_bound)
@@ -510,7 +516,7 @@ class _Space:
         rest evenly by speed. Returns the new shares, or None when they equal
         the first ones.
         """
-        key = tuple((c, sync if sync[0] == "ps" else None) for c, sync in state)
+        key = _lp_key(state)
         first = self.solve_shares(state)
         balanced = self._solve_shares(state, balance=True)
         if balanced is None or balanced == first:
@@ -520,7 +526,7 @@ class _Space:
 
     def restore_shares(self, state, shares):
         """Puts `shares` back as `state`'s solution (after `balance_shares`)."""
-        key = tuple((c, sync if sync[0] == "ps" else None) for c, sync in state)
+        key = _lp_key(state)
         self._lp_cache[key] = (shares, self._lp_cache[key][1])
 
     def _solve_shares(self, state, balance=False):
