@@ -551,9 +551,8 @@ def _worker_failure(cluster, devices, small):
 
     import keras
     import torch
-    from _testbed_models import FailOnWorker
-
     from autodist_keras import AutoStrategy
+    from autodist_keras.testing import FailOnWorker
 
     dim, batch = (32, 24) if small else (512, 256)
     x, y = _data(20 * batch, dim, seed=4)

@@ -14,6 +14,8 @@ import keras
 import numpy as np
 import pytest
 
+from autodist_keras.testing import FailOnWorker
+
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "torch", reason="PyTorch runtime tests run under KERAS_BACKEND=torch"
 )
@@ -22,45 +24,12 @@ BATCH = 24
 DEADLINE_S = 30.0
 
 
-@keras.saving.register_keras_serializable(package="autodist_keras_tests")
-class FailOnRank(keras.layers.Layer):
-    """Identity layer that raises in the worker of rank `rank` after `after` training calls."""
-
-    def __init__(self, rank, after, **kwargs):
-        super().__init__(**kwargs)
-        self.rank = int(rank)
-        self.after = int(after)
-        self.calls = 0
-
-    def call(self, inputs, training=None):
-        if training and os.environ.get("AUTODIST_KERAS_WORKER_RANK") == str(self.rank):
-            self.calls += 1
-            if self.calls > self.after:
-                raise ValueError(f"injected failure in rank {self.rank}")
-        return inputs
-
-    def get_config(self):
-        return dict(super().get_config(), rank=self.rank, after=self.after)
-
-
-@keras.saving.register_keras_serializable(package="autodist_keras_tests")
-class HangOnRank(FailOnRank):
-    """Identity layer that blocks (sleeps) in the worker of rank `rank` after `after` calls."""
-
-    def call(self, inputs, training=None):
-        if training and os.environ.get("AUTODIST_KERAS_WORKER_RANK") == str(self.rank):
-            self.calls += 1
-            if self.calls > self.after:
-                time.sleep(600)
-        return inputs
-
-
-def _model(fail_rank=None, after=3, layer=FailOnRank):
+def _model(fail_rank=None, after=3, mode="raise"):
     keras.utils.set_random_seed(1)
     inputs = keras.Input((16,))
     x = keras.layers.Dense(16, activation="relu")(inputs)
     if fail_rank is not None:
-        x = layer(fail_rank, after)(x)
+        x = FailOnWorker(fail_rank, after, mode=mode)(x)
     outputs = keras.layers.Dense(4)(x)
     model = keras.Model(inputs, outputs)
     model.compile(optimizer="sgd",
@@ -165,7 +134,7 @@ def test_hung_worker_fails_fit_after_timeout_s_and_says_how_to_wait_longer():
 
     strategy = _strategy(2, timeout_s=5)
     with strategy.scope():
-        model = _model(fail_rank=1, after=3, layer=HangOnRank)
+        model = _model(fail_rank=1, after=3, mode="hang")
     x, y = _data()
     clock = _Clock(batch=3)  # rank 1 blocks in its 4th step
     with pytest.raises(WorkerError) as info:
@@ -174,3 +143,10 @@ def test_hung_worker_fails_fit_after_timeout_s_and_says_how_to_wait_longer():
     assert 5 <= elapsed < DEADLINE_S
     assert "timeout_s=" in str(info.value) and "(now 5 s)" in str(info.value)
     _assert_all_gone(list(strategy.adapter.worker_pids().values()))
+
+
+def test_failure_drill_layer_checks_its_mode():
+    from autodist_keras.errors import BackendError
+
+    with pytest.raises(BackendError, match="mode must be one of.*Received: mode='explode'"):
+        FailOnWorker(mode="explode")
