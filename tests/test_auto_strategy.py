@@ -84,6 +84,7 @@ def test_plan_per_model_and_explain(tmp_path):
     assert {"data_parallel_even", "proportional"} <= {c["name"] for c in data["candidates"]}
     text = strategy.explain()
     assert "predicted step time" in text
+    assert "the learned estimator did not score it: " in text  # and says why
     png = strategy.plot(tmp_path / "timeline.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     trace = json.loads(strategy.export_trace(tmp_path / "trace.json").read_text())

@@ -94,6 +94,7 @@ class Candidate:
     reason: str = None
     scorer: str = None
     simulated_step_time_s: float = None
+    scorer_why: str = None  # why the learned estimator did not score it (outside its domain)
 
     def to_dict(self):
         return {
@@ -106,6 +107,7 @@ class Candidate:
             "planning_time_s": self.planning_time_s,
             "executable": self.executable,
             "reason": self.reason,
+            "scorer_why": self.scorer_why,
         }
 
 
@@ -436,7 +438,8 @@ def _score(graph, cluster, candidate, cost_model, scorer=None):
     candidate.simulated_step_time_s = prediction.step_time_s
     candidate.scorer = prediction.source
     if scorer is not None and cost_model is None:
-        seconds, source, _ = scorer.score(graph, cluster, candidate.plan, result)
+        seconds, source, why = scorer.score(graph, cluster, candidate.plan, result)
+        candidate.scorer_why = why or None
         prediction.simulated_step_time_s = prediction.step_time_s
         prediction.step_time_s = float(seconds)
         prediction.source = source
