@@ -161,3 +161,19 @@ def test_explain_says_why_candidates_were_left_out():
     text = strategy.explain()
     assert "Candidates left out, and why:" in text
     assert f"single_device: {single['reason']}" in text
+
+
+def test_planning_for_a_gpu_cluster_that_is_not_here():
+    """plan_for, explain and the timeline for a catalog cluster on this CPU-only machine."""
+    import keras as k
+
+    if k.backend.backend() == "torch":
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() >= 4:
+            pytest.skip("this machine has the cluster's GPUs")
+    strategy = AutoStrategy("auto", cluster="2xV100,2xT4")
+    model = zoo.mlp(input_dim=64, hidden=(128,), name="what_if")
+    plan = strategy.plan_for(model, 256)
+    assert any("not on this machine" in note for note in plan.notes)
+    assert "predicted step time" in strategy.explain()

@@ -360,8 +360,11 @@ def test_plan_on_missing_gpus_is_a_backend_error():
     from autodist_keras import AutoStrategy
     from autodist_keras import BackendError
 
+    strategy = AutoStrategy("data_parallel", cluster="2xV100")
+    assert strategy.adapter.cluster_is_here() is False  # planning for it still works
     with pytest.raises(BackendError, match=r"node0/gpu0.*0 GPU\(s\)"):
-        AutoStrategy("data_parallel", cluster="2xV100").adapter
+        with strategy.scope():
+            pass
 
 
 def test_custom_train_step_and_sum_loss_are_rejected():

@@ -144,16 +144,19 @@ def test_a_gpu_cluster_that_is_not_here_is_an_error_not_a_silent_cpu_run(name):
     import numpy as np
 
     from autodist_keras import AutoStrategy
-    from autodist_keras.errors import StrategyError
+    from autodist_keras.errors import BackendError
 
     strategy = AutoStrategy(name, cluster="2xV100")
     with strategy.scope():
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
         model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(StrategyError, match=r"this machine has \d CUDA GPU\(s\).*plan_for"):
+    with pytest.raises(BackendError, match=r"this machine has \d CUDA GPU\(s\).*plan_for"):
         model.fit(np.ones((32, 8), "float32"), np.ones((32, 4), "float32"), batch_size=16,
                   verbose=0)
     assert "worker_pids" not in strategy.adapter.last_run
+    # Planning for that cluster (without training) works, as with the CLI.
+    plan = AutoStrategy(name, cluster="2xV100").plan_for(model, 256)
+    assert any("not on this machine" in note for note in plan.notes)
 
 
 def test_under_torchrun_auto_plans_one_replica_per_process(monkeypatch):

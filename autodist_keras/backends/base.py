@@ -32,3 +32,12 @@ class BackendAdapter:
         run could not reproduce what the prediction models.
         """
         return None
+
+    def cluster_is_here(self):
+        """Whether the strategy's devices exist on this machine (default True).
+
+        When they do not (e.g. a catalog GPU cluster on a CPU-only machine),
+        the strategy plans without asking which plans could run here, as the
+        CLI does, and `fit` refuses to run.
+        """
+        return True

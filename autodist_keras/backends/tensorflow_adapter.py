@@ -170,7 +170,7 @@ class TensorFlowAdapter(BackendAdapter):
             self._setup_worker()
         else:
             self._setup_local_devices()
-        self.home = self._home_device()
+        self._home = None
         self.runtimes = {}
         self.runtime_info = {}
 
@@ -282,6 +282,24 @@ class TensorFlowAdapter(BackendAdapter):
                 f"runs so the adapter can create them. Received: {name!r}"
             )
         return f"/CPU:{k}"
+
+    @property
+    def home(self):
+        """Where the variables live (found when first needed, so that a strategy for a
+        cluster that is not here can still plan)."""
+        if self._home is None:
+            self._home = self._home_device()
+        return self._home
+
+    def cluster_is_here(self):
+        """False when the strategy's devices name GPUs that TensorFlow does not see here."""
+        import tensorflow as tf
+
+        if self.worker is not None:
+            return True
+        gpus = [self.cluster.device(n) for n in self.strategy.devices
+                if self.cluster.device(n).kind == "gpu"]
+        return not gpus or max(d.index for d in gpus) < len(tf.config.list_logical_devices("GPU"))
 
     def _home_device(self):
         """Where the variables live: the PS server if there is one, else the first device."""

@@ -250,22 +250,20 @@ class TorchAdapter(BackendAdapter):
         if servers:
             return False, f"PS server(s) {servers} run no replica; the PyTorch runtime hosts PS in a replica"
         env = torchrun_env()
-        if env is not None:
-            if len(plan.replicas) != env[1]:
-                return False, (
-                    f"under torchrun one process runs per replica, and WORLD_SIZE={env[1]} "
-                    f"processes run, but this plan has {len(plan.replicas)} replica(s)"
-                )
-            return True, ""
-        missing = self._missing_gpus(plan)
-        if missing:
-            return False, missing
+        if env is not None and len(plan.replicas) != env[1]:
+            return False, (
+                f"under torchrun one process runs per replica, and WORLD_SIZE={env[1]} "
+                f"processes run, but this plan has {len(plan.replicas)} replica(s)"
+            )
         return True, ""
 
-    def _missing_gpus(self, plan):
-        """Why the plan's GPUs are not on this machine (spawned runs), or ''."""
-        gpus = [r.device for r in plan.replicas
-                if self.strategy.cluster.device(r.device).kind == "gpu"]
+    def cluster_is_here(self):
+        """False when the strategy's devices name GPUs this machine lacks (spawned runs)."""
+        return torchrun_env() is not None or not self._missing_gpus(self.strategy.devices)
+
+    def _missing_gpus(self, names):
+        """Why the GPUs among device `names` are not on this machine (spawned runs), or ''."""
+        gpus = [n for n in names if self.strategy.cluster.device(n).kind == "gpu"]
         if not gpus:
             return ""
         import torch
@@ -334,7 +332,7 @@ class _FitRun:
                 "strategy='data_parallel', 'proportional' or 'auto'. "
                 f"Received: {len(plan.groups)} groups"
             )
-        missing = self.env is None and self.adapter._missing_gpus(plan)
+        missing = self.env is None and self.adapter._missing_gpus(plan.devices)
         if missing:
             raise BackendError(f"Cannot train here: {missing}. Received: plan devices "
                                f"{plan.devices}")

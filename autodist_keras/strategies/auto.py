@@ -316,14 +316,17 @@ class AutoStrategy:
 
         opts = {k: v for k, v in self.options.items() if k not in RUNTIME_ONLY_OPTIONS}
         estimator = self.options.get("estimator", "learned")
-        executable = getattr(self.adapter, "can_execute", None)
+        # On the machine the cluster describes, only plans this backend can run here
+        # count; for a cluster that is not here (planning only, as the CLI does) all do.
+        here = self.adapter.cluster_is_here()
+        executable = getattr(self.adapter, "can_execute", None) if here else None
         if self.name == "auto":
             plan, self.candidates = selection.choose_plan(
                 graph, self.cluster, batch_size, devices=self.devices,
                 options=dict(opts, backend=self.adapter.name),
                 show_progress=True, executable=executable, estimator=estimator,
             )
-            return plan
+            return _noted_if_not_here(plan, here)
         families = [self.name] if self.name in FAMILY_NAMES else []
         sync_opts = {k: opts[k] for k in ("algorithm", "bucket_bytes", "step_costs") if k in opts}
         self.candidates = selection.build_candidates(
@@ -361,7 +364,7 @@ class AutoStrategy:
                     f"runs, or plan with the CLI. Received: strategy={self.name!r}"
                 )
         selection.record_candidates(plan, self.candidates)
-        return plan
+        return _noted_if_not_here(plan, here)
 
     # -------------------------------------------------------------- explain
     def explain(self, format="text"):
@@ -432,6 +435,17 @@ class AutoStrategy:
             title = (f"{self.plan.provenance.planner} plan, predicted {prediction.step_time_s * 1e3:.2f}"
                      f" ms ({_scorer_name(prediction.source)}); the simulator's timeline")
         return plot_timeline(self._simulation(), path, title=title)
+
+
+NOT_HERE_NOTE = ("planned for a cluster whose devices are not on this machine: every candidate "
+                 "was considered, as by `autodist-keras plan`; fit here would refuse to run it")
+
+
+def _noted_if_not_here(plan, here):
+    """Adds `NOT_HERE_NOTE` to a plan made for a cluster that is not on this machine."""
+    if not here and NOT_HERE_NOTE not in plan.notes:
+        plan.notes = list(plan.notes) + [NOT_HERE_NOTE]
+    return plan
 
 
 def _scorer_name(source):
