@@ -86,7 +86,10 @@ def _cmd_plan(args):
         )
     else:
         families = [args.strategy] if args.strategy in FAMILY_NAMES else []
-        candidates = selection.build_candidates(graph, cluster, batch_size, families=families)
+        # Scored as `auto` scores them, so a plan shows the same prediction either way.
+        scorer = selection.resolve_scorer("learned").prepare(cluster, list(cluster.names))
+        candidates = selection.build_candidates(graph, cluster, batch_size, families=families,
+                                                scorer=scorer)
         wanted = BASELINE_FOR_NAME.get(args.strategy, args.strategy)
         chosen = [c for c in candidates if c.name == wanted and c.plan is not None]
         if not chosen:
@@ -142,9 +145,15 @@ def _cmd_simulate(args):
     from autodist_keras.estimator import simulate
     from autodist_keras.strategies.plan import Plan
 
+    plan = Plan.from_json(args.plan)  # first: a bad plan file fails before the model loads
     cluster = _cluster(args.cluster)
     graph = _load_graph(args.model)
-    plan = Plan.from_json(args.plan)
+    for what, made_for, here in (
+            ("model", plan.provenance.graph_fingerprint, graph.fingerprint()),
+            ("cluster", plan.provenance.cluster_fingerprint, cluster.fingerprint())):
+        if made_for and made_for != here:
+            print(f"note: {args.plan} was made for another {what} (fingerprint {made_for[:12]}, "
+                  f"this one {here[:12]}); simulating it here anyway", file=sys.stderr)
     result = simulate(graph, cluster, plan)
     if args.trace:
         result.export_trace(args.trace)
@@ -162,6 +171,11 @@ def _cmd_simulate(args):
         }, indent=2))
     else:
         print(result.summary())
+        print("(the discrete-event simulator's prediction", end="")
+        if plan.prediction is not None and not plan.prediction.source.startswith("simulator ("):
+            print(f"; the plan file's own, from the {plan.prediction.source}: "
+                  f"{plan.prediction.step_time_s * 1e3:.3f} ms", end="")
+        print(")")
         if args.trace:
             print(f"Chrome trace written to {args.trace} (open in Perfetto)")
     return 0

@@ -217,3 +217,19 @@ def test_missing_plan_file_says_what_to_pass(tmp_path):
 
     with pytest.raises(PlanError, match="Pass the path of a plan.*Received:"):
         Plan.from_json(str(tmp_path / "nope.json"))
+
+
+def test_cli_scores_a_plan_the_same_whatever_the_strategy_and_simulate_flags_a_mismatch(
+        cli, tmp_path):
+    testbed = os.path.join(ROOT, "examples", "clusters", "cpu_testbed.yaml")
+    auto = json.loads(cli("plan", "--model", "mlp", "--cluster", testbed, "--json").stdout)
+    forced = json.loads(cli("plan", "--model", "mlp", "--cluster", testbed, "--json",
+                            "--strategy", "single_device").stdout)
+    assert forced["predicted_step_time_s"] == pytest.approx(
+        auto["baselines"]["single_device"]["predicted_step_time_s"])
+    assert forced["scorer"] == auto["baselines"]["single_device"]["scorer"]
+    out = tmp_path / "plan.json"
+    assert cli("plan", "--model", "mlp", "--cluster", HETERO, "--out", str(out)).returncode == 0
+    other = "node0:2xT4;node1:2xT4;node2:2xT4;node3:2xT4"
+    run = cli("simulate", "--model", "mlp", "--cluster", other, "--plan", str(out))
+    assert "was made for another cluster" in run.stderr
