@@ -180,6 +180,7 @@ def test_bad_yaml_specs_name_file_field_and_value(tmp_path, text, field, needle)
     assert error.field == field, str(error)
     assert needle in str(error)
     assert "Received:" in str(error) and str(error).startswith(f"In {path}")
+    assert f"Received: {error.value!r}" in str(error)  # the value travels on the error too
 
 
 @pytest.mark.parametrize("text, needle", [

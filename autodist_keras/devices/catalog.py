@@ -340,7 +340,7 @@ def lookup_gpu(name, source=None, field=None):
         raise ClusterSpecError(
             f"A GPU type must be a string naming a catalog entry (one of "
             f"{', '.join(GPU_CATALOG)}). Received: {name!r}",
-            source=source, field=field,
+            source=source, field=field, value=name,
         )
     key = _ALIASES.get(normalise_gpu_name(name))
     if key is None:
@@ -353,6 +353,6 @@ def lookup_gpu(name, source=None, field=None):
             "For a GPU not in the catalog give its figures explicitly: "
             "{name: ..., memory_gb: ..., fp32_tflops: ..., fp16_tflops: ..., bandwidth_gbps: ...}. "
             f"Received: {name!r}",
-            source=source, field=field,
+            source=source, field=field, value=name,
         )
     return GPU_CATALOG[key]

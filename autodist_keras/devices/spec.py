@@ -92,7 +92,8 @@ CPU_ESTIMATE_NOTE = (
 
 
 def _fail(message, source, field, value):
-    return ClusterSpecError(f"{message} Received: {value!r}", source=source, field=field)
+    return ClusterSpecError(f"{message} Received: {value!r}", source=source, field=field,
+                            value=value)
 
 
 def _child(field, key):
@@ -117,7 +118,7 @@ def _check_keys(mapping, allowed, source, field):
             raise ClusterSpecError(
                 f"Unknown key {key!r}.{hint} Valid keys here: {', '.join(allowed)}. "
                 f"Received: {key!r}",
-                source=source, field=_child(field, str(key)),
+                source=source, field=_child(field, str(key)), value=key,
             )
 
 
