@@ -191,8 +191,14 @@ def _cmd_launch(args):
     from autodist_keras.launch import launch
 
     result = launch(args.script, args.nprocs, args=args.args, timeout_s=args.timeout_s)
-    codes = list(result.returncodes)
-    return 0 if all(code == 0 for code in codes) else 1
+    if result.ok:
+        return 0
+    codes = ", ".join(f"rank {r}: {c}" for r, c in enumerate(result.returncodes))
+    why = (f"the job ran past --timeout-s {args.timeout_s:g} and was stopped"
+           if result.timed_out else f"rank {result.failed_rank} failed first")
+    print(f"autodist-keras launch: {why} (exit codes: {codes}); its output is above.",
+          file=sys.stderr)
+    return 1
 
 
 def _positive_int(text):

@@ -176,8 +176,10 @@ def test_cli_launch_starts_ranks_with_torchrun_variables(cli, tmp_path):
     assert run.returncode == 0, run.stderr
     texts = [(tmp_path / r).read_text().split() for r in ("0", "1")]
     assert texts[0][0] == texts[1][0] == "2" and texts[0][1] == texts[1][1]
-    script.write_text("import sys\nsys.exit(3)\n")
-    assert cli("launch", "--nprocs", "2", "--timeout-s", "120", str(script)).returncode == 1
+    script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    run = cli("launch", "--nprocs", "2", "--timeout-s", "120", str(script))
+    assert run.returncode == 1
+    assert "rank 1 failed first" in run.stderr and "rank 1: 3" in run.stderr
 
 
 def test_cli_file_errors_modes_and_infeasible_plans(cli, tmp_path):
