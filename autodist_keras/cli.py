@@ -94,7 +94,8 @@ def _cmd_plan(args):
         chosen = [c for c in candidates if c.name == wanted and c.plan is not None]
         if not chosen:
             reason = next((c.reason for c in candidates if c.name == wanted), "not built")
-            raise StrategyError(f"No {args.strategy} plan: {reason}. Received: {args.strategy!r}")
+            raise StrategyError(f"No {args.strategy} plan: {str(reason).rstrip('.')}. "
+                                f"Received: {args.strategy!r}")
         plan = chosen[0].plan
         selection.record_candidates(plan, candidates)
     planning_time = time.perf_counter() - started
@@ -116,7 +117,7 @@ def _cmd_plan(args):
         },
         "speedup_vs_even": (
             even.step_time_s / plan.prediction.step_time_s
-            if even is not None and even.step_time_s else None
+            if even is not None and even.step_time_s and even.feasible else None
         ),
         "planning_time_s": planning_time,
         "feasible": plan.prediction.feasible,

@@ -72,6 +72,8 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
         key = f"ps@{spec.server}" if spec.method == "ps" else f"allreduce/{spec.algorithm}"
         sync[key] = sync.get(key, 0) + 1
     even = candidates.get("data_parallel_even") or candidates.get("single_device")
+    if even and even.get("feasible") is False:
+        even = None  # a speedup over a plan that does not fit means nothing
     speedup = None
     if prediction is not None and even and even.get("predicted_step_time_s"):
         speedup = round(even["predicted_step_time_s"] / prediction.step_time_s, 3)

@@ -592,10 +592,12 @@ def _explain_choice(best, candidates, scorer=None):
              f"its time from the {best.scorer or SCORER_SIMULATOR})"]
     if scorer is not None:
         lines.append(scorer.summary(candidates))
-    if even is not None and even.step_time_s and best.step_time_s:
+    if even is not None and even.step_time_s and best.step_time_s and even.feasible:
         lines.append(
             f"predicted speedup over {even.name}: {even.step_time_s / best.step_time_s:.2f}x"
         )
+    elif even is not None and not even.feasible:
+        lines.append(f"no speedup over {even.name} is given: it does not fit in memory")
     for c in candidates:
         if c is best:
             continue
