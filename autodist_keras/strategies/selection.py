@@ -266,9 +266,12 @@ class Scorer:
             else:
                 line += (f", not rescaled: the machine-speed probe reads {ratio:.2f}x its "
                          "training measurements' time, within the probe's noise")
-        if other:
+        if other and learned:
             line += (f"; by the simulator, rescaled by the learned / simulated ratio of an "
                      f"in-domain candidate, for {', '.join(other)} (outside its domain)")
+        elif other:
+            line += ("; so every candidate got the simulator's time scaled by the estimator's "
+                     "overall calibration (none lies in its training domain)")
         return line
 
 
