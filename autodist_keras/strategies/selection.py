@@ -59,7 +59,10 @@ from autodist_keras.strategies.plan import write_text_atomic
 
 FAMILIES = ("fastt", "heterog", "disco")
 FAMILY_BUDGET_S = {"fastt": 3.0, "heterog": 4.0, "disco": 2.0}
-CACHE_VERSION = 2
+# Bumped when planners or the simulator change what they would plan (3: session 14's
+# parameter-server host time and HeteroG share balancing); the package version is in
+# the key too, so an upgrade never reuses an older release's plans.
+CACHE_VERSION = 3
 ESTIMATOR_CHOICES = ("learned", "simulator")
 TIE_RTOL = 1e-6
 SCORER_SIMULATOR = "simulator (predicted)"
@@ -119,11 +122,18 @@ def default_cache_dir():
     return os.path.join(root, "plans")
 
 
+def _package_version():
+    from autodist_keras import __version__
+
+    return __version__
+
+
 def cache_key(graph, cluster, batch_size, devices, families, options, scorer="simulator"):
     """A stable key of everything a plan search depends on (the scorer's identity included)."""
     payload = json.dumps(
         {
             "version": CACHE_VERSION,
+            "package": _package_version(),
             "scorer": scorer,
             "graph": graph.fingerprint(),
             "cluster": cluster.fingerprint(),
