@@ -107,6 +107,19 @@ def test_explain_compares_measured_with_predicted(graph, hetero):
     text = render_text(close, use_rich=False)
     assert "(the prediction was 11% high)" in text and "hint:" not in text
     assert explanation(plan, hetero)["measured_vs_predicted"] is None
+    # A rescaled simulator prediction gets the hint too; a learned one does not.
+    source = plan.prediction.source
+    try:
+        plan.prediction.source = "simulator x 1.12 calibration of the learned estimator; predicted"
+        text = render_text(explanation(plan, hetero, measured={"step_time_s": 4 * predicted}),
+                           use_rich=False)
+        assert "hint: the simulator prices each layer" in text
+        plan.prediction.source = "learned estimator (ensemble, tensorflow); predicted"
+        text = render_text(explanation(plan, hetero, measured={"step_time_s": 4 * predicted}),
+                           use_rich=False)
+        assert "hint:" not in text
+    finally:
+        plan.prediction.source = source
 
 
 class _Run:
