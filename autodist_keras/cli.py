@@ -87,9 +87,8 @@ def _cmd_plan(args):
     else:
         families = [args.strategy] if args.strategy in FAMILY_NAMES else []
         # Scored as `auto` scores them, so a plan shows the same prediction either way.
-        scorer = selection.resolve_scorer("learned").prepare(cluster, list(cluster.names))
         candidates = selection.build_candidates(graph, cluster, batch_size, families=families,
-                                                scorer=scorer)
+                                                scorer=selection.resolve_scorer("learned"))
         wanted = BASELINE_FOR_NAME.get(args.strategy, args.strategy)
         chosen = [c for c in candidates if c.name == wanted and c.plan is not None]
         if not chosen:

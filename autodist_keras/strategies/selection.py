@@ -693,8 +693,9 @@ def choose_plan(
     families = available_families() if families is None else list(families)
     scorer = None
     if cost_model is None:
-        scorer = resolve_scorer(estimator, backend or options.get("backend")).prepare(
-            cluster, devices)
+        # `build_candidates` prepares it (and runs the machine-speed probe once);
+        # a plan from the cache needs neither.
+        scorer = resolve_scorer(estimator, backend or options.get("backend"))
     key = cache_key(graph, cluster, batch_size, devices, families, options,
                     scorer=scorer.identity if scorer is not None else "simulator")
     path = os.path.join(cache_dir or default_cache_dir(), f"{key}.json")
