@@ -101,7 +101,7 @@ def _cmd_plan(args):
     by_name = {c.name: c for c in candidates}
     even = by_name.get("data_parallel_even") or by_name.get("single_device")
     result = {
-        "strategy": (plan.provenance.options or {}).get("auto_chosen") or plan.provenance.planner,
+        "strategy": plan.provenance.candidate,
         "requested": args.strategy,
         "model": args.model,
         "cluster": args.cluster,

@@ -426,6 +426,7 @@ class AutoStrategy:
         Returns:
             The path.
         """
+        from autodist_keras.strategies.explain import short_scorer
         from autodist_keras.strategies.gantt import plot_timeline
 
         title = f"{self.plan.provenance.planner} plan: simulated step (predicted)"
@@ -433,7 +434,7 @@ class AutoStrategy:
         if prediction is not None and not prediction.source.startswith("simulator ("):
             # The headline figure is rescaled or learned; the timeline is the simulator's.
             title = (f"{self.plan.provenance.planner} plan, predicted {prediction.step_time_s * 1e3:.2f}"
-                     f" ms ({_scorer_name(prediction.source)}); the simulator's timeline")
+                     f" ms ({short_scorer(prediction.source)}); the simulator's timeline")
         return plot_timeline(self._simulation(), path, title=title)
 
 
@@ -446,8 +447,3 @@ def _noted_if_not_here(plan, here):
     if not here and NOT_HERE_NOTE not in plan.notes:
         plan.notes = list(plan.notes) + [NOT_HERE_NOTE]
     return plan
-
-
-def _scorer_name(source):
-    """`"learned estimator (gnn, torch; predicted)"` -> `"learned estimator"`, etc."""
-    return source.split(" (")[0].split(";")[0]

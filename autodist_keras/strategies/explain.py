@@ -81,16 +81,14 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
     if (measured and measured.get("step_time_s") and prediction is not None
             and prediction.step_time_s):
         measured_vs_predicted = round(measured["step_time_s"] / prediction.step_time_s, 3)
-    # The candidate's name (e.g. data_parallel_even_ps) where auto chose it; two
-    # candidates may share a planner.
-    chosen = (plan.provenance.options or {}).get("auto_chosen") or plan.provenance.planner
+    chosen = plan.provenance.candidate
     why = [n[len("auto: "):] for n in plan.notes if n.startswith("auto: ")]
     if not why:
         why = [f"{plan.provenance.planner} plan requested with strategy={strategy_name!r}"]
         if prediction is not None:
             why.append(f"its predicted step time is from the {prediction.source}")
-    scorer_why = (candidates.get(chosen) or {}).get("scorer_why") if isinstance(
-        candidates.get(chosen), dict) else None
+    entry = candidates.get(chosen)
+    scorer_why = entry.get("scorer_why") if isinstance(entry, dict) else None
     if scorer_why:
         why.append(f"the learned estimator did not score it: {scorer_why}")
     return {
@@ -239,11 +237,11 @@ def _cell(key, value):
     if key == "planning_time_s" and value is not None:
         return f"{value:.3f}"
     if key == "scorer" and value:
-        return _short_scorer(value)
+        return short_scorer(value)
     return _fmt(value)
 
 
-def _short_scorer(source):
+def short_scorer(source):
     """`"learned estimator (gnn, torch; predicted)"` -> `"learned (gnn)"`, etc."""
     if source.startswith("learned estimator ("):
         return f"learned ({source[len('learned estimator ('):].split(',')[0]})"

@@ -147,6 +147,12 @@ class Provenance:
     graph_fingerprint: Optional[str] = None
     cluster_fingerprint: Optional[str] = None
 
+    @property
+    def candidate(self):
+        """The candidate's name where `auto` chose it (e.g. `data_parallel_even_ps`,
+        whose planner is `data_parallel_even`), else the planner's."""
+        return (self.options or {}).get("auto_chosen") or self.planner
+
 
 @dataclasses.dataclass
 class Plan:
