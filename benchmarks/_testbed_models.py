@@ -23,4 +23,3 @@ def build_small_cnn():
 def build_mlp():
     keras.utils.set_random_seed(0)
     return _compile(zoo.mlp(input_dim=512, hidden=(1024, 1024), num_classes=10))
-
