@@ -521,11 +521,10 @@ def _ddp_rank(rank, world, port, backend, small, steps, warmup, batch, conn):
 def _ddp_step_s(devices, backend, small, steps, warmup, batch):
     """Median step of torch DDP on `len(devices)` processes (rank 0, seconds)."""
     import multiprocessing
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from autodist_keras.launch import free_port
+
+    port = free_port()
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     world = len(devices)

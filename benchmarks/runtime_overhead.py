@@ -52,7 +52,6 @@ The last line of output is one JSON object.
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -73,38 +72,25 @@ def _data(steps):
 
 
 def _fit_times(strategy, steps, warmup, env=None):
-    """One fit's step and CPU times; `env` is set in `os.environ` for the fit."""
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    try:
-        return _fit_times_in_env(strategy, steps, warmup)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    """One fit's step and CPU times (plain Keras when `strategy` is None);
+    `env` is set in `os.environ` for the fit."""
+    import contextlib
+    from unittest import mock
 
-
-def _fit_times_in_env(strategy, steps, warmup):
     import keras
 
     from autodist_keras.graph import zoo
     from autodist_keras.timing import StepTimer
 
     keras.utils.set_random_seed(0)
-    if strategy is None:
-        model = zoo.mlp(input_dim=INPUT_DIM, hidden=HIDDEN, num_classes=CLASSES)
-        model.compile(optimizer="sgd",
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    else:
-        with strategy.scope():
+    with mock.patch.dict(os.environ, env or {}):
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
             model = zoo.mlp(input_dim=INPUT_DIM, hidden=HIDDEN, num_classes=CLASSES)
             model.compile(optimizer="sgd",
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x, y = _data(steps + warmup)
-    timer = StepTimer(warmup=warmup)
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+        x, y = _data(steps + warmup)
+        timer = StepTimer(warmup=warmup)
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
     return timer.times_s, timer.cpu_times_s
 
 
@@ -208,9 +194,9 @@ class _DDPRanks:
     def __init__(self, steps, warmup):
         import multiprocessing
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        from autodist_keras.launch import free_port
+
+        port = free_port()
         ctx = multiprocessing.get_context("spawn")
         self.conns, self.procs = [], []
         for r in range(2):

@@ -53,7 +53,6 @@ import json
 import math
 import multiprocessing
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -63,6 +62,7 @@ import traceback
 from autodist_keras.devices.detect import host_cpu_name
 from autodist_keras.errors import AutodistError
 from autodist_keras.errors import EstimatorError
+from autodist_keras.launch import free_port
 
 CACHE_ENV = "AUTODIST_KERAS_CACHE"
 CACHE_VERSION = 1
@@ -1490,11 +1490,6 @@ def _first_line(error):
 
 
 # --------------------------------------------------------------- collectives
-def free_port():
-    """Returns a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fit_alpha_beta(sizes, times):
