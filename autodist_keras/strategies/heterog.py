@@ -176,19 +176,18 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     reserve = 1.5 * per_sim if seeds else budget.seconds / 4
     state, score, log = space.search(max_work, passes, budget, reserve)
     _common.tick(progress, PLANNER, f"{space.evals} evaluations")
-    found = None
+    found = found_shares = None
     if state is not None:
-        found = space.fine_plan(state, record)
+        found_shares = space.solve_shares(state)
+        found = space.fine_plan(state, record, found_shares)
         found_result = simulate(graph, cluster, found, cost_model=cost, validate=False)
-        first_shares = space.solve_shares(state)
-        if space.balance_shares(state) is not None:
+        balanced_shares = space.balance_shares(state)
+        if balanced_shares is not None:
             # Same predicted step (within 0.1%), other devices balanced: keep it.
-            balanced = space.fine_plan(state, record)
+            balanced = space.fine_plan(state, record, balanced_shares)
             balanced_result = simulate(graph, cluster, balanced, cost_model=cost, validate=False)
             if balanced_result.step_time_s <= found_result.step_time_s * 1.001:
-                found, found_result = balanced, balanced_result
-            else:
-                space.restore_shares(state, first_shares)
+                found, found_result, found_shares = balanced, balanced_result, balanced_shares
         found = (found, found_result)
 
     candidates = []
@@ -207,7 +206,7 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     _, (label, chosen, result) = ranked[0]
 
     if label == "search":
-        notes.extend(space.describe(state))
+        notes.extend(space.describe(state, found_shares))
     else:
         chosen = _as_heterog(chosen, record)
         notes.append(
@@ -514,20 +513,10 @@ class _Space:
         device getting 1). This second LP keeps the step time and then
         minimises the busiest of the other devices' times, so they share the
         rest evenly by speed. Returns the new shares, or None when they equal
-        the first ones.
+        the first ones (`solve_shares` keeps returning the first ones).
         """
-        key = _lp_key(state)
-        first = self.solve_shares(state)
         balanced = self._solve_shares(state, balance=True)
-        if balanced is None or balanced == first:
-            return None
-        self._lp_cache[key] = (balanced, self._lp_cache[key][1])
-        return balanced
-
-    def restore_shares(self, state, shares):
-        """Puts `shares` back as `state`'s solution (after `balance_shares`)."""
-        key = _lp_key(state)
-        self._lp_cache[key] = (shares, self._lp_cache[key][1])
+        return None if balanced is None or balanced == self.solve_shares(state) else balanced
 
     def _solve_shares(self, state, balance=False):
         t = self.tables
@@ -908,8 +897,8 @@ class _Space:
         return f"{where} {how}"
 
     # ------------------------------------------------------- final plan
-    def fine_plan(self, state, record):
-        shares = self.solve_shares(state)
+    def fine_plan(self, state, record, shares=None):
+        shares = shares or self.solve_shares(state)
         per_unit, sync = self.coarse_plan(state, shares)
         layer_replicas = self.coarse.expand(per_unit)
         entries = rank_order(self.fine_tables, self.batch)
@@ -928,9 +917,9 @@ class _Space:
         plan.buckets = [list(b) for b in self.buckets]
         return plan
 
-    def describe(self, state):
-        """Human-readable notes on the chosen strategies."""
-        shares = self.solve_shares(state)
+    def describe(self, state, shares=None):
+        """Human-readable notes on the chosen strategies (and `shares`, default the LP's)."""
+        shares = shares or self.solve_shares(state)
         notes = []
         distinct = []
         for i, option in enumerate(state):
