@@ -13,6 +13,7 @@ from autodist_keras.errors import PlanError
 from autodist_keras.errors import StrategyError
 from autodist_keras.estimator import AnalyticCostModel
 from autodist_keras.estimator import simulate
+from autodist_keras.estimator.cost_model import TORCH_GPU_STEP_HOST_S
 from autodist_keras.graph import ModelGraph
 from autodist_keras.strategies import fastt
 from autodist_keras.strategies._coarse import CoarseCostModel
@@ -85,12 +86,16 @@ def test_order_lists_each_devices_layers_forward_before_backward(cnn, hetero):
                 assert position[(src, "forward")] < position[(dst, "forward")]
 
 
-def test_heft_keeps_a_chain_on_one_device_when_links_are_slow(wide):
+@pytest.mark.parametrize("framework, host_s", [("tensorflow", 0.0),
+                                               ("torch", TORCH_GPU_STEP_HOST_S)])
+def test_heft_keeps_a_chain_on_one_device_when_links_are_slow(wide, framework, host_s):
     # Two identical devices over a very slow link: moving activations costs
     # more than any parallelism a chain offers, so HEFT keeps the chain on
-    # one device and the makespan is the serial sum (closed form).
+    # one device and the makespan is the serial sum (closed form). Under
+    # PyTorch a GPU replica also pays the step's fixed host time, as in the
+    # simulator, so FastT and HeteroG rank candidates by the step it predicts.
     cluster = _gpus("Slow", 2, memory_gb=16, link_gbs=0.01)
-    cost = AnalyticCostModel(cluster)
+    cost = AnalyticCostModel(cluster, framework=framework)
     tables = CostTables(wide, cluster, cost)
     schedule = list_schedule(tables, 64, "heft")
     devices = {reps[0][0] for reps in schedule.replicas}
@@ -98,14 +103,16 @@ def test_heft_keeps_a_chain_on_one_device_when_links_are_slow(wide):
     d = devices.pop()
     serial = sum(tables.layer_total(i, d, 64) for i in range(len(tables.layers)))
     update = tables.update(d, wide.param_bytes, len(wide.variables))
-    assert schedule.makespan == pytest.approx(serial + update, rel=1e-9)
+    assert tables.step_overhead(d) == host_s
+    assert schedule.makespan == pytest.approx(serial + update + host_s, rel=1e-9)
     # On one device a chain is serial: every layer is on the critical path.
     assert sorted(schedule.critical_layers) == list(range(len(tables.layers)))
 
 
 def test_heft_runs_independent_branches_in_parallel(branches):
     cluster = _gpus("Fast", 2, memory_gb=16, link_gbs=300.0)
-    tables = CostTables(branches, cluster, AnalyticCostModel(cluster))
+    # The roofline alone: the makespan is compared with the compute only.
+    tables = CostTables(branches, cluster, AnalyticCostModel(cluster, framework="tensorflow"))
     schedule = list_schedule(tables, 256, "heft")
     place = schedule.placement()
     left = {d for d, _ in place["left1"]} | {d for d, _ in place["left2"]}

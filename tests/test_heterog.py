@@ -279,3 +279,30 @@ def test_shares_of_devices_that_do_not_set_the_step_are_balanced():
     plan = heterog.plan(ModelGraph.from_keras(model), Cluster.cpu_testbed(), 48)
     shares = {r.device: r.batch_share for g in plan.groups for r in g.replicas}
     assert abs(shares["node0/cpu1"] - shares["node0/cpu2"]) <= 1, shares
+
+
+def test_lp_shares_pay_for_a_devices_fixed_step_time(wide):
+    """A device with a fixed host time per step (PyTorch on a GPU pays one)
+    gets fewer samples, as many fewer as that time is worth on it."""
+    from autodist_keras.estimator.cost_model import WrappedCostModel
+
+    cluster = Cluster.from_string("2xV100")
+    slow_host = cluster.names[0]
+    base = AnalyticCostModel(cluster, framework="tensorflow")
+    per_sample = sum(base.layer_time(n, cluster.device(slow_host), 256, phase)
+                     for n in wide.nodes.values() for phase in ("forward", "backward")) / 256
+    host_s = 100 * per_sample  # the time of 100 samples
+
+    class SlowHost(WrappedCostModel):
+        def step_overhead_time(self, device):
+            return host_s if device.name == slow_host else 0.0
+
+    shares = {}
+    for name, cost in (("even host", base), ("slow host", SlowHost(base))):
+        space = heterog._Space(wide, cluster, cost, cluster.names, 512, 4,
+                               baselines.DDP_BUCKET_BYTES)
+        state = tuple((0, ("ring", None)) for _ in space.units)
+        shares[name] = dict(space.solve_shares(state)[0])
+    assert abs(shares["even host"][0] - shares["even host"][1]) <= 1
+    # Equal finish times: per_sample * s0 + host_s = per_sample * s1.
+    assert shares["slow host"][1] - shares["slow host"][0] == pytest.approx(100, abs=10)

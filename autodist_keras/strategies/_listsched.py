@@ -128,6 +128,7 @@ class CostTables:
         self.dev_node = [node_names.index(d.node) for d in self.dev]
         self.n_nodes = len(node_names)
         self._time = {}
+        self._overhead = {}
         self._ar = {}
         self._per_sample = {}
         self._fit_links()
@@ -222,6 +223,15 @@ class CostTables:
         if nbytes <= 0 and ntensors <= 0:
             return 0.0
         return float(self.cost.update_time(nbytes, self.dev[device], ntensors))
+
+    def step_overhead(self, device):
+        """Seconds of the step's fixed host time on a device that runs part of
+        the step (`CostModel.step_overhead_time`; PyTorch on GPUs), as the
+        simulator charges it."""
+        t = self._overhead.get(device)
+        if t is None:
+            t = self._overhead[device] = float(self.cost.step_overhead_time(self.dev[device]))
+        return t
 
     # ------------------------------------------------------------- helpers
     def speed_order(self, batch, layers=None, candidates=None):
@@ -569,7 +579,8 @@ def list_schedule(tables, batch, method="heft", fixed=None, memory=True):
     for d in range(n_dev):
         if last_task[d] < 0:
             continue
-        e = max(dev_free[d], sync_end[d]) + t.update(d, upd_bytes[d], upd_tensors[d])
+        e = (max(dev_free[d], sync_end[d]) + t.update(d, upd_bytes[d], upd_tensors[d])
+             + t.step_overhead(d))
         if e > makespan:
             makespan, last_dev = e, d
 

@@ -545,6 +545,8 @@ class _Space:
                 for d in members:
                     load[d] += t.update(d, nbytes, ntensors)
         classes = sorted({s for s, _ in state})
+        for d in sorted({d for c in classes for d in self.sets[c]}):
+            load[d] += t.step_overhead(d)  # every device that runs a replica steps
         fixed_time = np.zeros(n)
         fixed_act = np.zeros(n)
         var_classes = []
