@@ -111,6 +111,42 @@ def test_scope_restores_compile():
     assert keras.Model.compile is original
 
 
+def test_a_model_built_in_scope_and_compiled_after_it_attaches_to_that_strategy():
+    """As with tf.distribute: the strategy a model was built in is the one its
+    later `compile` attaches it to, unless another strategy's scope is open."""
+    import numpy as np
+
+    class OwnCompile(keras.Model):
+        def compile(self, **kwargs):
+            self.compiled_by_user = True
+            return super().compile(**kwargs)
+
+    original_new = vars(keras.Model)["__new__"]
+    first = AutoStrategy("single_device", cluster=Cluster.cpu_testbed())
+    second = AutoStrategy("single_device", cluster=Cluster.cpu_testbed())
+    with first.scope():
+        later = zoo.mlp(input_dim=8, hidden=(16,), num_classes=3, name="later")
+        elsewhere = zoo.mlp(input_dim=8, hidden=(16,), num_classes=3, name="elsewhere")
+        inputs = keras.Input((8,))
+        custom = OwnCompile(inputs, keras.layers.Dense(3)(inputs))
+    assert vars(keras.Model)["__new__"] is original_new
+    outside = zoo.mlp(input_dim=8, hidden=(16,), num_classes=3, name="outside")
+
+    later.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    custom.compile(optimizer="sgd", loss="mse")
+    with second.scope():
+        elsewhere.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    outside.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    assert first._models == [later, custom] and custom.compiled_by_user
+    assert second._models == [elsewhere]
+    assert "compile" not in vars(outside)
+
+    x = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")
+    y = np.arange(32) % 3
+    later.fit(x, y, batch_size=8, verbose=0)
+    assert first.plan is not None and first.measured["steps"] >= 1
+
+
 def test_load_model_inside_scope_compiles_and_attaches(tmp_path):
     """A saved, compiled model loaded in scope() comes back compiled and attached."""
     import numpy as np

@@ -19,6 +19,7 @@ import contextlib
 import os
 import threading
 import time
+import types
 
 from autodist_keras.errors import StrategyError
 from autodist_keras.strategies.plan import Plan
@@ -47,6 +48,27 @@ OPTION_NAMES = (
 RUNTIME_ONLY_OPTIONS = ("timeout_s", "estimator", "op_fusion", "op_fusion_compiler")
 
 _scope_lock = threading.Lock()
+_COMPILE_AFTER_SCOPE = "_autodist_built_in_scope_of"
+
+
+def _compile_after_scope(model, *args, **kwargs):
+    """`compile` of a model built inside `AutoStrategy.scope()`.
+
+    Inside a scope (this strategy's or another's) it is the class's
+    `compile`, which the scope wraps; after the scope it compiles with the
+    strategy's variable placement and attaches the model to the strategy the
+    model was built in, so `fit` runs its plan rather than one device.
+    """
+    import keras
+
+    owner = next(c for c in keras.Model.__mro__ if "compile" in vars(c))
+    if getattr(vars(owner)["compile"], "_autodist_scope", False):
+        return type(model).compile(model, *args, **kwargs)
+    strategy = vars(model)[_COMPILE_AFTER_SCOPE]
+    with strategy.adapter.variable_scope():
+        result = type(model).compile(model, *args, **kwargs)
+    strategy._attach(model)
+    return result
 
 
 def _normalise_step_costs(value):
@@ -217,6 +239,9 @@ class AutoStrategy:
         Every `model.compile(...)` called inside attaches the model to the
         strategy, so its `fit`, `evaluate` and `predict` run the plan; so does
         `keras.models.load_model(...)` of a compiled model (it compiles it).
+        A model built inside and compiled after the block attaches to this
+        strategy too (as with `tf.distribute` strategies); compiled inside
+        another strategy's scope, it attaches to that one.
         """
         import keras
 
@@ -227,6 +252,7 @@ class AutoStrategy:
         owner = next(c for c in keras.Model.__mro__ if "compile" in vars(c))
         with _scope_lock:
             original_compile = vars(owner)["compile"]
+            original_new = vars(keras.Model)["__new__"]
             strategy = self
 
             def compile(model, *args, **kwargs):
@@ -235,14 +261,25 @@ class AutoStrategy:
                 strategy._attach(model)
                 return result
 
+            def new(cls, *args, **kwargs):
+                model = original_new.__func__(cls, *args, **kwargs)
+                if isinstance(model, keras.Model) and _COMPILE_AFTER_SCOPE not in vars(model):
+                    compile_later = types.MethodType(_compile_after_scope, model)
+                    object.__setattr__(model, "compile", compile_later)
+                    object.__setattr__(model, _COMPILE_AFTER_SCOPE, strategy)
+                return model
+
             compile.__doc__ = original_compile.__doc__
+            compile._autodist_scope = True
             owner.compile = compile
+            keras.Model.__new__ = staticmethod(new)
         try:
             with adapter.variable_scope():
                 yield self
         finally:
             with _scope_lock:
                 owner.compile = original_compile
+                keras.Model.__new__ = original_new
 
     def _attach(self, model):
         if model not in self._models:
