@@ -32,6 +32,7 @@ model.fit(x, y, batch_size=48, shuffle=False)
 
 import contextlib
 
+from autodist_keras.backends import replica_random
 from autodist_keras.backends import tf_fusion
 from autodist_keras.backends import tf_multiworker
 from autodist_keras.backends import tf_reduce
@@ -47,19 +48,21 @@ SUPPORTED_LOSS_REDUCTIONS = ("sum_over_batch_size", "mean")
 FOLDED_PREDICTIONS_MAX_ELEMENTS = 1 << 20
 
 
-def _recording_scope():
+def _recording_scope(state_mapping=None):
     """A Keras `StatelessScope` that also remembers which variables were assigned.
 
     Assignments made inside (BatchNormalization statistics, seed counters)
     are recorded instead of applied; losses added with `add_loss` (activity
     regularisers) are collected, and `_restore_losses` hands them back to
-    their layers afterwards.
+    their layers afterwards. `state_mapping` (`[(variable, value), ...]`)
+    gives variables other values inside (a replica's own seeds).
     """
     from keras.src.backend.common.stateless_scope import StatelessScope
 
     class RecordingScope(StatelessScope):
         def __init__(self):
-            super().__init__(collect_losses=True, initialize_variables=False)
+            super().__init__(state_mapping=state_mapping, collect_losses=True,
+                             initialize_variables=False)
             self.assigned = []
 
         def add_update(self, update):
@@ -679,17 +682,34 @@ class _Runtime:
         return self.fns[key](x, y, sw)
 
     # ---------------------------------------------------------- step bodies
-    def _forward(self, x, training):
-        """One replica's forward pass; assignments (BN statistics, seeds) are recorded, not applied."""
+    def _forward(self, x, training, replica_index=0):
+        """One replica's forward pass; assignments (BN statistics, seeds) are recorded, not applied.
+
+        Replica `replica_index` draws its random numbers (Dropout masks) from
+        its own seeds (`replica_random`); the seed counters it records carry
+        replica 0's seeds, so whichever replica's record is kept, the state
+        goes on as on one device.
+        """
         model = self.model
-        with _recording_scope() as scope:
+        seeds = replica_random.seed_state_variables(model) if training and replica_index else []
+        mapping = replica_random.offset_states(seeds, replica_index)
+        with _recording_scope(mapping) as scope:
             if model._call_has_training_arg:
                 y_pred = model(x, training=training)
             else:
                 y_pred = model(x)
         _restore_losses(model, scope)
-        updates = [(v, scope.get_current_value(v)) for v in scope.assigned]
+        offset = {id(v) for v in seeds}
+        updates = [
+            (v, replica_random.restore_seed(scope.get_current_value(v), replica_index, v.dtype)
+             if id(v) in offset else scope.get_current_value(v))
+            for v in scope.assigned
+        ]
         return y_pred, updates
+
+    def _index_of(self, replica):
+        """`replica`'s position in the plan (its random streams follow it)."""
+        return next(i for i, r in enumerate(self.replicas) if r is replica)
 
     def _local_replicas(self, shares):
         """(replica, share, start) of the replicas this process runs, skipping empty ones."""
@@ -723,7 +743,8 @@ class _Runtime:
                 regions = fusion.recording(index) if fusion else contextlib.nullcontext()
                 with tf.device(replica.device), regions:
                     with tf.GradientTape() as tape:
-                        y_pred, updates = self._forward(xi, training=True)
+                        y_pred, updates = self._forward(
+                            xi, training=True, replica_index=self._index_of(replica))
                         loss = model._compute_loss(
                             x=xi, y=yi, y_pred=y_pred, sample_weight=swi, training=True
                         )

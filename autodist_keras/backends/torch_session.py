@@ -34,6 +34,7 @@ import os
 import traceback
 import warnings
 
+from autodist_keras.backends import replica_random
 from autodist_keras.backends import torch_fusion
 from autodist_keras.backends import torch_transport as tt
 from autodist_keras.backends.torch_device import check_model_device
@@ -356,6 +357,8 @@ class Driver:
             "op_fusion_compiler": self.trainer.fusion.compiler if self.trainer.fusion else None,
             # Where the workers sum gradients with rank 0 (None: the process group).
             "reduce_area": area.describe() if area is not None else None,
+            # Each worker's own random streams (Dropout masks differ between replicas).
+            "random": replica_random.rank0_streams(model),
             "keras": {
                 "floatx": keras.config.floatx(),
                 "epsilon": keras.config.epsilon(),
@@ -774,6 +777,7 @@ def serve(comm, reporter, model=None, on_model=None):
         with torch.no_grad():
             for v, value in zip(variables, tt.unpack(state, metas)):
                 v.assign(value)
+            replica_random.use_rank_streams(model, setup["random"], rank)
         nodes = [d["node"] for d in setup["devices"]]
         device_ranks = {d["name"]: r for r, d in enumerate(setup["devices"])}
         trainer = ReplicaTrainer(model, comm, plan, nodes, device_ranks,
