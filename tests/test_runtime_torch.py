@@ -350,6 +350,40 @@ def test_ema_optimizer_ends_fit_with_the_replicas_in_sync(recwarn):
     _assert_same_weights(model, reference)
 
 
+class _HalveWeights(keras.callbacks.Callback):
+    """Writes rank 0's weights between epochs (as weight averaging or max-norm callbacks do)."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.set_weights([w * 0.5 for w in self.model.get_weights()])
+
+
+def test_weights_written_by_callbacks_between_steps_reach_every_worker(recwarn):
+    """Callbacks run on rank 0 only; what they write goes to the workers before the
+    next step, so training goes on from the same weights everywhere, and
+    EarlyStopping's restored weights and ReduceLROnPlateau's last rate raise no
+    'replicas differ' warning after fit."""
+    import warnings
+
+    def fit_kwargs():
+        return {"epochs": 3, "callbacks": [
+            _HalveWeights(),
+            keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0,
+                                              min_delta=10.0),
+            # "max" on a falling loss: stops after the second epoch and restores the first's.
+            keras.callbacks.EarlyStopping(monitor="loss", mode="max", patience=1,
+                                          restore_best_weights=True)]}
+
+    strategy = _strategy("even", 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model, history = _distributed("mlp", "sgd", strategy, fit_kwargs=fit_kwargs())
+    assert strategy.adapter.last_run["in_sync"] is True
+    reference, ref_history = _reference("mlp", "sgd", fit_kwargs=fit_kwargs())
+    assert history.history["learning_rate"] == pytest.approx(ref_history.history["learning_rate"])
+    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
+    _assert_same_weights(model, reference)
+
+
 class _StopAtEpoch(keras.callbacks.Callback):
     def __init__(self, epoch):
         super().__init__()
@@ -420,6 +454,21 @@ def test_input_pipelines_are_split_by_share(source):
 
 
 # ----------------------------------------------------------------- errors
+def test_steps_per_execution_above_one_is_refused_as_keras_does():
+    # Keras's torch trainer refuses it; the runtime's own train function must
+    # too, or it would train on every other batch only.
+    from autodist_keras.errors import BackendError
+
+    strategy = _strategy("even", 2)
+    with strategy.scope():
+        model = _build("mlp")
+        model.compile(optimizer="sgd", steps_per_execution=2,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data("mlp", n=48)
+    with pytest.raises(BackendError, match="Received: steps_per_execution=2"):
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+
+
 def test_unregistered_custom_layer_is_a_clear_error():
     from autodist_keras.errors import BackendError
 

@@ -169,6 +169,16 @@ class TorchAdapter(BackendAdapter):
 
     # ------------------------------------------------------------------ fit
     def _fit(self, model, *args, **kwargs):
+        steps = getattr(model, "steps_per_execution", 1)
+        if steps != 1:
+            # Keras's torch trainer refuses it in `make_train_function`, which the
+            # runtime's own train function bypasses: without this check every
+            # other batch would be dropped silently.
+            raise BackendError(
+                "`steps_per_execution` must be 1 with the PyTorch backend, as in Keras; "
+                "compile the model without it. "
+                f"Received: steps_per_execution={steps}"
+            )
         env = torchrun_env()
         if env is not None and env[0] > 0:
             return self._serve_torchrun(model, *env)

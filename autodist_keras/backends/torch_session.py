@@ -43,6 +43,7 @@ from autodist_keras.backends.torch_device import pin
 from autodist_keras.backends.torch_device import unpin
 from autodist_keras.backends.torch_shm import SharedSlots
 from autodist_keras.backends.torch_shm_reduce import ReduceArea
+from autodist_keras.backends.torch_state_watch import StateWatch
 from autodist_keras.backends.torch_step import ReplicaTrainer
 from autodist_keras.errors import BackendError
 from autodist_keras.errors import WorkerError
@@ -298,6 +299,7 @@ class Driver:
         self.session_id = next(_session_ids)
         self.devices = [device_info(cluster.device(r.device)) for r in plan.replicas]
         self.trainer = None
+        self._watch = None  # a StateWatch over the weights and optimizer variables, after SETUP
         self.in_step = False
         self.in_sync = None
         self.replica_checksums = None
@@ -399,6 +401,7 @@ class Driver:
             self.trainer.reducer.use_shared_memory(area)
             self.gradient_transport = "shared_memory"
         self.trainer.attach()
+        self._watch = StateWatch(weights + opt_vars)
 
     def _nodes(self):
         return [d["node"] for d in self.devices]
@@ -484,6 +487,7 @@ class Driver:
         self.in_step = True
         sends, recvs, done = [], {}, {}
         try:
+            self._send_changed_state()
             self.comm.broadcast_command(tt.CMD_TRAIN, n, header_len, self._learning_rate(), slot)
             if header_len:
                 self.comm.broadcast_json(header)
@@ -553,6 +557,7 @@ class Driver:
             )
         except tt.CommFailure as failure:
             self._fail(failure)
+        self._watch.mark()  # the step's own writes are the workers' too
         self.in_step = False
         self.steps += 1
         if slots is not None and not self._slots_unlinked:
@@ -563,6 +568,24 @@ class Driver:
         if "error" in done:
             raise done["error"]
         return done["logs"]
+
+    def _send_changed_state(self):
+        """Sends the workers the variables rank 0 wrote since its last step.
+
+        Callbacks run between steps on rank 0 only: `set_weights` in
+        `on_epoch_end`, `EarlyStopping(restore_best_weights=True)`, a new
+        learning rate. Without this the workers would go on from their old
+        values (`torch_state_watch`).
+        """
+        changed = self._watch.changed()
+        if not changed:
+            return
+        payload = {"indices": changed}
+        values = tt.pack([_value(self._watch.variables[i]) for i in changed])
+        self.comm.broadcast_command(tt.CMD_STATE, tt.json_length(payload))
+        self.comm.broadcast_json(payload)
+        self.comm.broadcast(values, 0)
+        self._watch.mark()
 
     def _predict_spec(self, leaves, spec):
         import torch
@@ -617,6 +640,8 @@ class Driver:
             self.trainer.profile.save({"plan_shares": [r.batch_share for r in self.plan.replicas]})
         payload = history_payload(history)
         try:
+            if self._watch is not None:
+                self._send_changed_state()  # e.g. EarlyStopping's restored best weights
             self.comm.broadcast_command(tt.CMD_END, tt.json_length(payload))
             self.comm.broadcast_json(payload)
             own = checksums(self.model)
@@ -819,6 +844,10 @@ def serve(comm, reporter, model=None, on_model=None):
                 profile.save()
                 comm.wait(comm.isend(checksums(model), 0, tag=3), peer=0)
                 return model, payload
+            if kind == tt.CMD_STATE:
+                _receive_state(comm, variables, metas, int(command[1]))
+                profile.end()
+                continue
             if kind != tt.CMD_TRAIN:
                 raise BackendError(f"Rank {rank} got an unknown command. Received: {command}")
             n, header_len, lr, slot = int(command[1]), int(command[2]), command[3], int(command[4])
@@ -868,6 +897,19 @@ def serve(comm, reporter, model=None, on_model=None):
     finally:
         trainer.detach()
         unpin(token)
+
+
+def _receive_state(comm, variables, metas, length):
+    """A worker takes the values of the variables rank 0 changed between steps."""
+    import torch
+
+    indices = comm.broadcast_json(length=length)["indices"]
+    chosen = [metas[i] for i in indices]
+    buf = torch.empty(tt.packed_size(chosen), dtype=torch.uint8)
+    comm.broadcast(buf, 0)
+    with torch.no_grad():
+        for i, value in zip(indices, tt.unpack(buf, chosen)):
+            variables[i].assign(value)
 
 
 def _set_learning_rate(model, lr):

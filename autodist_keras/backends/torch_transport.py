@@ -31,7 +31,8 @@ from autodist_keras.errors import BackendError
 CMD_SETUP = 1
 CMD_TRAIN = 2
 CMD_END = 3
-COMMAND_NAMES = {CMD_SETUP: "SETUP", CMD_TRAIN: "TRAIN", CMD_END: "END"}
+CMD_STATE = 4  # rank 0's variables changed between steps: their new values follow
+COMMAND_NAMES = {CMD_SETUP: "SETUP", CMD_TRAIN: "TRAIN", CMD_END: "END", CMD_STATE: "STATE"}
 COMMAND_LENGTH = 6
 ALIGN = 8
 # A rank waiting for the next command may wait as long as the user's program
