@@ -50,3 +50,25 @@ def test_freeze_and_recompile_in_scope_replans_and_matches_plain_keras():
     if hasattr(strategy.adapter, "close"):
         strategy.adapter.close()  # PyTorch: end the kept worker processes
 
+
+
+def test_a_fully_frozen_model_fits_like_plain_keras():
+    """No trainable weights (a frozen model kept for its metrics): Keras warns and
+    trains nothing; the distributed fit does the same instead of failing."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(96, 9)).astype("float32")
+    y = rng.integers(0, 3, size=(96,))
+    keras.utils.set_random_seed(0)
+    strategy = AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed())
+    with strategy.scope():
+        model = _model()
+        model.trainable = False
+        _compile(model)
+    before = model.get_weights()
+    history = model.fit(x, y, batch_size=48, epochs=1, shuffle=False, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    assert len(strategy.plan.replicas) == 3
+    for got, want in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(got, want)
+    if hasattr(strategy.adapter, "close"):
+        strategy.adapter.close()

@@ -824,7 +824,7 @@ class _Runtime:
                 for variable, value in floats + ints:
                     variable.assign(value)
                 global_loss = loss
-                if model.optimizer is not None:
+                if model.optimizer is not None and variables:  # Keras skips it too
                     model.optimizer.apply_gradients(zip(reduced, variables))
                 if folded is not None:
                     y_pred_global = tree.pack_sequence_as(y_preds[0], folded)
