@@ -217,3 +217,48 @@ def test_planning_for_a_gpu_cluster_that_is_not_here():
     plan = strategy.plan_for(model, 256)
     assert any("not on this machine" in note for note in plan.notes)
     assert "predicted step time" in strategy.explain()
+
+
+def test_plan_for_plans_again_for_another_batch_size_and_checks_it():
+    strategy = AutoStrategy("proportional", cluster=Cluster.cpu_testbed())
+    model = zoo.mlp(input_dim=8, hidden=(16,), name="what_if")
+    assert strategy.plan_for(model, 48).global_batch_size == 48
+    assert strategy.plan_for(model, 96).global_batch_size == 96
+    assert strategy.explain(format="json")["global_batch_size"] == 96
+    for bad in (0, -3, 2.5, "64", True, None):
+        with pytest.raises(StrategyError, match="batch_size must be a positive integer"):
+            strategy.plan_for(model, bad)
+    # A fixed plan is the plan, whatever the batch (its shares are scaled to each batch).
+    fixed = AutoStrategy(cluster=Cluster.cpu_testbed(), plan=strategy.plan)
+    assert fixed.plan_for(model, 24).global_batch_size == 96
+
+
+def test_plot_and_trace_before_any_plan_say_so(tmp_path):
+    strategy = AutoStrategy("proportional", cluster=Cluster.cpu_testbed())
+    for call in (strategy.plot, strategy.export_trace):
+        with pytest.raises(StrategyError, match="No plan yet"):
+            call(str(tmp_path / "out"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_explain_describes_the_model_fitted_last():
+    """Two models under one strategy: explain() shows the plan and the measured
+    step of the model that was fitted last, never one's plan beside the other's step."""
+    import numpy as np
+
+    strategy = AutoStrategy("single_device", cluster=Cluster.cpu_testbed())
+    with strategy.scope():
+        first = zoo.mlp(input_dim=8, hidden=(16,), num_classes=3, name="first")
+        first.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        second = zoo.mlp(input_dim=8, hidden=(24,), num_classes=3, name="second")
+        second.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    x = np.random.default_rng(0).normal(size=(72, 8)).astype("float32")
+    y = np.arange(72) % 3
+    first.fit(x, y, batch_size=9, verbose=0)
+    second.fit(x, y, batch_size=6, verbose=0)
+    first.fit(x, y, batch_size=9, verbose=0)
+    assert strategy.plan.global_batch_size == 9
+    assert strategy.plan.provenance.graph_fingerprint == strategy._plans[id(first)][2].provenance.graph_fingerprint
+    assert strategy.measured["steps"] >= 1
+    second.fit(x[:12], y[:12], batch_size=6, verbose=0)  # 2 steps: too few to measure
+    assert strategy.plan.global_batch_size == 6 and strategy.measured == {}

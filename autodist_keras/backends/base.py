@@ -8,7 +8,7 @@ class BackendAdapter:
 
     Args:
         strategy: The `AutoStrategy` this adapter serves. The adapter calls
-            `strategy.plan_for(model, batch_size)` at the first training step
+            `strategy._plan_for_training(model, batch_size)` at the first training step
             to get the plan, and `strategy.cluster` for the devices.
     """
 

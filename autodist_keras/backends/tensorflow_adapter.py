@@ -451,7 +451,7 @@ class _Runtime:
         with tf.device(self.adapter.home):
             model._symbolic_build(data_batch=data)
         strategy = self.adapter.strategy
-        plan = strategy.plan_for(model, batch_size)
+        plan = strategy._plan_for_training(model, batch_size)
         if not plan.is_data_parallel:
             self._prepare_placement(plan)
             return

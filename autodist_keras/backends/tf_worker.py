@@ -132,14 +132,14 @@ def _alternate_plans(strategy, model, model_fn, job, x, y, device_names):
     fits = []
     for r in range(int(job["alternate"]["rounds"])):
         for i in (order if r % 2 == 0 else order[::-1]):
-            # A model takes its plan at its first step (`AutoStrategy.plan_for`,
+            # A model takes its plan at its first step (`AutoStrategy._plan_for_training`,
             # cached per model), so the fixed plan only matters for new models.
             strategy._fixed_plan = plans[i]
             timer = StepTimes()
             fit_repeating(models[i], x, y, job["batch_size"], job["steps"], [timer],
                           drop_remainder=job.get("drop_remainder", False))
             # The plan this model's runtime took at its first step (cached per model).
-            ran = strategy.plan_for(models[i], job["batch_size"])
+            ran = strategy._plan_for_training(models[i], job["batch_size"])
             fits.append({"plan": i, "share": _share_in(ran, device_names),
                          "step_times_s": timer.times_s, "cpu_times_s": timer.cpu_times_s})
     return fits

@@ -333,7 +333,7 @@ class _FitRun:
         if not leaves:
             raise BackendError("fit received a batch without inputs. Received: x=None")
         batch_size = int(tt.to_torch(leaves[0]).shape[0])
-        plan = strategy.plan_for(self.model, batch_size)
+        plan = strategy._plan_for_training(self.model, batch_size)
         if not plan.is_data_parallel:
             raise BackendError(
                 "The PyTorch runtime runs data-parallel plans (one layer group replicated "

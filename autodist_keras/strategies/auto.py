@@ -16,6 +16,7 @@ first training step, when the global batch size is known.
 """
 
 import contextlib
+import numbers
 import os
 import threading
 import time
@@ -201,6 +202,7 @@ class AutoStrategy:
         self.plan = plan
         self.graph = None
         self.measured = {}
+        self._measured_model = None  # id() of the model `measured` was taken on
         self.candidates = []
         self._plans = {}
         self._adapter = None
@@ -305,11 +307,18 @@ class AutoStrategy:
             timer = StepTimer(warmup=2)
             kwargs["callbacks"] = list(kwargs.get("callbacks") or []) + [timer]
             history = original_fit(*args, **kwargs)
+            known = strategy._plans.get(id(model))
+            if known is not None and known[0] is model:
+                # explain() describes the model fitted last, beside its measured step.
+                _, strategy.graph, strategy.plan = known
             if timer.median_s is not None:
                 strategy.measured = {"step_time_s": timer.median_s, "steps": len(timer.times_s)}
                 note = strategy.adapter.measurement_note()
                 if note:
                     strategy.measured["note"] = note
+                strategy._measured_model = id(model)
+            elif strategy._measured_model != id(model):
+                strategy.measured = {}  # another model's step is no measure of this plan
             return history
 
         model.fit = fit
@@ -319,18 +328,39 @@ class AutoStrategy:
     def plan_for(self, model, batch_size):
         """Returns the plan to run `model` with global batches of `batch_size`.
 
-        The plan is made once per model (at its first training step) and
-        reused by later fits; a fixed plan given to the constructor is
-        validated and used. `strategy.plan` is the plan of the model that
-        asked last.
+        A plan is made once per model and batch size: asked again for the
+        same model with another batch size, the strategy plans again (and a
+        later `fit` uses that plan). A fixed plan given to the constructor is
+        validated and used for every batch size (its shares are scaled to each
+        batch). `strategy.plan` is the plan of the model that asked last.
 
         Args:
             model: The Keras model.
-            batch_size: Global batch size of the first training batch.
+            batch_size: Global batch size, a positive integer.
 
         Returns:
             A validated `Plan`.
+
+        Example:
+
+        ```python
+        strategy = AutoStrategy(cluster="2xV100,2xT4")
+        plan = strategy.plan_for(model, 256)
+        print(strategy.explain())
+        ```
         """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) \
+                or batch_size < 1:
+            raise StrategyError(f"batch_size must be a positive integer. Received: {batch_size!r}")
+        known = self._plans.get(id(model))
+        if (known is not None and known[0] is model and self._fixed_plan is None
+                and known[2].global_batch_size != int(batch_size)):
+            self._plans.pop(id(model))
+        return self._plan_for_training(model, int(batch_size))
+
+    def _plan_for_training(self, model, batch_size):
+        """The runtimes' `plan_for`: the model's plan, made at its first training step
+        and kept for later fits, evaluation and prediction whatever their batch size."""
         from autodist_keras.graph import ModelGraph
 
         known = self._plans.get(id(model))
@@ -466,13 +496,14 @@ class AutoStrategy:
         from autodist_keras.strategies.explain import short_scorer
         from autodist_keras.strategies.gantt import plot_timeline
 
+        simulation = self._simulation()  # says "No plan yet" before any plan
         title = f"{self.plan.provenance.planner} plan: simulated step (predicted)"
         prediction = self.plan.prediction
         if prediction is not None and not prediction.source.startswith("simulator ("):
             # The headline figure is rescaled or learned; the timeline is the simulator's.
             title = (f"{self.plan.provenance.planner} plan, predicted {prediction.step_time_s * 1e3:.2f}"
                      f" ms ({short_scorer(prediction.source)}); the simulator's timeline")
-        return plot_timeline(self._simulation(), path, title=title)
+        return plot_timeline(simulation, path, title=title)
 
 
 NOT_HERE_NOTE = ("planned for a cluster whose devices are not on this machine: every candidate "
