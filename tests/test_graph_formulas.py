@@ -119,6 +119,32 @@ def test_multi_head_attention_counts_projections_scores_softmax_and_output():
     assert node.forward_flops == 2 * (projections + products) + softmax_and_scale + biases
     assert node.output_shapes == [(t, dq)]
     assert node.input_shapes == [(t, dq), (s, dv)]
+    # Kept for backward besides the output (float32): the query, key and value
+    # projections, the H x T x S probabilities and the context.
+    saved = t * heads * key_dim + 2 * s * heads * key_dim + heads * t * s + t * heads * key_dim
+    assert node.saved_bytes == 4 * saved
+    assert node.activation_bytes == node.output_bytes + 4 * saved
+
+
+def test_attention_memory_grows_with_the_square_of_the_sequence():
+    """At long sequences attention's probabilities (H x T x T per sample) dwarf its
+    output; they count in the activation memory the simulator and planners use."""
+    from autodist_keras.devices import Cluster
+    from autodist_keras.estimator import simulate
+    from autodist_keras.strategies import baselines
+
+    heads, d, t = 4, 32, 256
+    tokens = keras.Input((t, d))
+    out = L.MultiHeadAttention(heads, d // heads, name="mha")(tokens, tokens)
+    graph = ModelGraph.from_keras(keras.Model(tokens, out))
+    node = graph.nodes["mha"]
+    assert node.saved_bytes > 8 * node.output_bytes  # 4 x 256 x 256 probabilities vs 256 x 32
+    cluster = Cluster.from_string("1xV100")
+    peaks = {}
+    for batch in (8, 16):
+        plan = baselines.single_device(graph, cluster, batch)
+        peaks[batch] = simulate(graph, cluster, plan).peak_memory_bytes["node0/gpu0"]
+    assert peaks[16] - peaks[8] >= 8 * node.activation_bytes
 
 
 def test_backward_rule():

@@ -35,7 +35,8 @@ on simulated devices and links:
   memory-bound (`cost_model.update_time`) for the variables it updates.
 - Memory: parameters, gradients and optimizer slots (Adam: 2 slots per
   parameter; PS clients keep none, the server keeps them) plus live
-  activations: each layer's output (`output_bytes x share`) from the start of
+  activations: each layer's output and what it saves for backward
+  (`activation_bytes x share`; attention keeps its probabilities) from the start of
   its forward to the end of its backward, and received activations from
   arrival until the consumer's backward ends. A device whose peak exceeds its
   memory makes the plan infeasible (the device and the shortfall are named).
@@ -609,7 +610,7 @@ class _Simulation:
                     )
                     table[(layer, ri)] = t
                     dev_compute[di].append(t)
-                act = node.output_bytes * r.batch_share
+                act = node.activation_bytes * r.batch_share
                 if act:
                     T.alloc[F[(layer, ri)]] = [(di, act)]
                     T.free[B[(layer, ri)]] = [(di, act)]

@@ -73,6 +73,9 @@ class Cost:
         backward_flops: Backward FLOPs when the layer departs from the
             general rule (see `backward_flops`); None to use the rule.
         note: Why the figure is an estimate, for `graph.warnings`.
+        saved_elements: Elements per sample the layer keeps for its backward
+            pass besides its outputs (attention's projections and
+            probabilities); they count in activation memory.
     """
 
     multiply_adds: float = 0.0
@@ -80,6 +83,7 @@ class Cost:
     estimated: bool = False
     backward_flops: float = None
     note: str = None
+    saved_elements: float = 0.0
 
 
 @dataclasses.dataclass
@@ -559,7 +563,14 @@ def _multi_head_attention(layer, call):
     if getattr(layer, "_use_bias", False):
         # Bias adds of the query, key, value and output projections.
         flops += t * heads * key_dim + s * heads * (key_dim + value_dim) + elements(_out(call))
-    return Cost(multiply_adds=macs, flops=flops)
+    # Kept for backward: the scaled query, key and value projections, the
+    # attention probabilities (and their dropout output) and the context
+    # before the output projection; at long sequences the H x T x S
+    # probabilities dwarf the layer's output.
+    probabilities = heads * t * s * (2 if getattr(layer, "_dropout", 0.0) else 1)
+    saved = t * heads * key_dim + s * heads * (key_dim + value_dim) + probabilities \
+        + t * heads * value_dim
+    return Cost(multiply_adds=macs, flops=flops, saved_elements=float(saved))
 
 
 @register_formula("Attention")
@@ -571,7 +582,8 @@ def _attention(layer, call):
     d = query[-1] if query else 1
     dv = value[-1] if value else 1
     macs = float(t * s * d + t * s * dv)
-    return Cost(multiply_adds=macs, flops=2 * macs + (SOFTMAX_FLOPS + 1) * t * s)
+    return Cost(multiply_adds=macs, flops=2 * macs + (SOFTMAX_FLOPS + 1) * t * s,
+                saved_elements=float(t * s))  # the attention probabilities
 
 
 @register_formula("AdditiveAttention")

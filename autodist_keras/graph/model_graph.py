@@ -97,6 +97,8 @@ class LayerNode:
         multiply_adds: Multiply-accumulates of matrix products per sample.
         non_trainable_params: Number of non-trainable scalars owned.
         output_dtypes: Dtypes of the outputs.
+        saved_bytes: Bytes per sample the layer keeps for its backward pass
+            besides its outputs (attention: projections and probabilities).
     """
 
     name: str
@@ -114,6 +116,13 @@ class LayerNode:
     multiply_adds: float = 0.0
     non_trainable_params: int = 0
     output_dtypes: list = dataclasses.field(default_factory=list)
+    saved_bytes: int = 0
+
+    @property
+    def activation_bytes(self):
+        """Bytes per sample held from the forward to the backward pass: the
+        outputs and what the layer saves inside (`saved_bytes`)."""
+        return self.output_bytes + self.saved_bytes
 
     @property
     def trainable_params(self):
@@ -141,6 +150,7 @@ class LayerNode:
             "non_trainable_bytes": self.non_trainable_bytes,
             "non_trainable_params": self.non_trainable_params,
             "output_bytes": self.output_bytes,
+            "saved_bytes": self.saved_bytes,
             "estimated": self.estimated,
         }
 
@@ -161,6 +171,7 @@ class LayerNode:
             non_trainable_bytes=int(data["non_trainable_bytes"]),
             non_trainable_params=int(data.get("non_trainable_params", 0)),
             output_bytes=int(data["output_bytes"]),
+            saved_bytes=int(data.get("saved_bytes", 0)),
             estimated=bool(data["estimated"]),
         )
 
@@ -187,7 +198,8 @@ class ModelGraph:
         param_bytes: Bytes of the trainable tensors.
         non_trainable_bytes: Bytes of the non-trainable weights.
         forward_flops, backward_flops, multiply_adds: Per-sample totals.
-        activation_bytes: Sum of every node's output bytes per sample.
+        activation_bytes: Sum of every node's `activation_bytes` per sample
+            (outputs, and what attention layers keep for backward).
         calls: For a graph made by `from_keras`, a dict from node name to
             `(operation, keras_node)`: the Keras layer (or op, or the
             subclassed model) and the `keras.src.ops.node.Node` of that call
@@ -244,7 +256,7 @@ class ModelGraph:
 
     @property
     def activation_bytes(self):
-        return sum(n.output_bytes for n in self.nodes.values())
+        return sum(n.activation_bytes for n in self.nodes.values())
 
     @functools.cached_property
     def variable_owner(self):
@@ -498,6 +510,11 @@ def _tensor_bytes(tensor):
     return flops_lib.elements(_per_sample(tensor.shape)) * flops_lib.dtype_bytes(tensor.dtype)
 
 
+def _element_bytes(outputs):
+    """Bytes of one element of a layer's (first) output: its compute dtype."""
+    return flops_lib.dtype_bytes(outputs[0].dtype) if outputs else 4
+
+
 def _si(value):
     """Compact number: 950, 12.3k, 4.56M, 7.89G, 1.23T."""
     for factor, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
@@ -744,6 +761,7 @@ class _Builder:
             non_trainable_bytes=nt_bytes,
             non_trainable_params=nt_params,
             output_bytes=sum(_tensor_bytes(t) for t in outputs),
+            saved_bytes=int(cost.saved_elements * _element_bytes(outputs)),
             estimated=estimated,
         )
         self.calls[name] = (op, node)

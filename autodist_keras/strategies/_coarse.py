@@ -239,6 +239,7 @@ class CoarseGraph:
                 variables=[v for n in fine for v in n.variables],
                 non_trainable_bytes=int(sum(n.non_trainable_bytes or 0 for n in fine)),
                 output_bytes=int(sum(n.output_bytes for n in fine)),
+                saved_bytes=int(sum(n.saved_bytes for n in fine)),
                 estimated=any(n.estimated for n in fine),
                 kind="layer",
             )

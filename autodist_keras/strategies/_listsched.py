@@ -116,7 +116,7 @@ class CostTables:
             self.succs[s].append((d, int(nbytes)))
         self.outputs = [self.index[o] for o in graph.outputs if o in self.index]
         self.static = [static_bytes(n) for n in self.nodes]
-        self.act = [int(n.output_bytes) for n in self.nodes]
+        self.act = [int(n.activation_bytes) for n in self.nodes]
         self.param_bytes = [int(n.param_bytes) for n in self.nodes]
         self.n_tensors = [len(n.variables) for n in self.nodes]
         self.capacity = [int(d.memory_bytes * MEMORY_MARGIN) for d in self.dev]

@@ -107,7 +107,7 @@ def memory_capacity_samples(graph, cluster, device_name, optimizer_slots=2):
     static = graph.param_bytes * (2 + optimizer_slots) + sum(
         n.non_trainable_bytes for n in graph.nodes.values()
     )
-    per_sample = sum(n.output_bytes for n in graph.nodes.values())
+    per_sample = sum(n.activation_bytes for n in graph.nodes.values())
     per_sample += max((n.output_bytes for n in graph.nodes.values()), default=0)
     free = device.memory_bytes - static
     if free <= 0:

@@ -446,6 +446,6 @@ def _units(graph, cluster, cost, names, batch):
         cost_of=lambda n: n.forward_flops + n.backward_flops,
         max_cost=max(total / UNITS_PER_MODEL, 1.0),
         max_bytes=smallest / 8.0,
-        bytes_of=lambda n: static_bytes(n) + n.output_bytes * batch,
+        bytes_of=lambda n: static_bytes(n) + n.activation_bytes * batch,
     )
     return CoarseGraph(graph, units)

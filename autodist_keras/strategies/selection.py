@@ -60,9 +60,10 @@ from autodist_keras.strategies.plan import write_text_atomic
 FAMILIES = ("fastt", "heterog", "disco")
 FAMILY_BUDGET_S = {"fastt": 3.0, "heterog": 4.0, "disco": 2.0}
 # Bumped when planners or the simulator change what they would plan (3: session 14's
-# parameter-server host time and HeteroG share balancing); the package version is in
-# the key too, so an upgrade never reuses an older release's plans.
-CACHE_VERSION = 3
+# parameter-server host time and HeteroG share balancing; 4: session 15's attention
+# memory, FastT's data-parallel seed and the planners' step host time); the package
+# version is in the key too, so an upgrade never reuses an older release's plans.
+CACHE_VERSION = 4
 ESTIMATOR_CHOICES = ("learned", "simulator")
 TIE_RTOL = 1e-6
 SCORER_SIMULATOR = "simulator (predicted)"
