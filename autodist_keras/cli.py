@@ -277,6 +277,11 @@ def main(argv=None):
     except AutodistError as e:
         print(f"autodist-keras {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`... | head`): stop quietly, as Python's docs advise.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except OSError as e:
         where = f" {e.filename!r}" if e.filename else ""
         print(f"autodist-keras {args.command}: error: cannot use the file{where}: "

@@ -173,6 +173,10 @@ def test_domain_rule(testbed, wide, torch_estimator):
     assert "node0/gpu0, node0/gpu1: GPU V100" in why and "TFLOP/s" in why
     assert "trained on: CPU testbed device on core(s)" in why
     assert "cores=" not in why
+    # Every kind is accounted for: three in words, the rest counted.
+    mixed = Cluster.from_string("node0:1xV100;node1:1xT4;node2:1xP100;node3:1x1080Ti")
+    ok, why = torch_estimator.cluster_in_domain(mixed, backend="torch")
+    assert not ok and "and 1 more kind(s)" in why
     # A saved estimator keeps its domain.
     again = learned.LearnedEstimator.from_dict(json.loads(json.dumps(torch_estimator.to_dict())))
     assert again.domain == torch_estimator.domain

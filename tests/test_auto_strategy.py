@@ -200,7 +200,7 @@ def test_explain_says_why_candidates_were_left_out():
     # Even data parallelism puts a replica on cpu0 too: no speedup over a plan that cannot run.
     even = next(c for c in data["candidates"] if c["name"] == "data_parallel_even")
     assert even["feasible"] is False and data["speedup_vs_even_predicted"] is None
-    assert "no speedup over data_parallel_even is given: it does not fit in memory" in text
+    assert "no speedup over data_parallel_even is given: it does not fit in memory (predicted)" in text
 
 
 def test_planning_for_a_gpu_cluster_that_is_not_here():

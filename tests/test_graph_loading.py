@@ -86,3 +86,25 @@ def test_bad_specs_raise_graph_error_with_options(spec, message):
 def test_model_passes_through():
     model = zoo.mlp()
     assert load_model(model) is model
+
+
+def test_module_function_spec_from_the_working_directory_and_failing_builders(
+        tmp_path, monkeypatch):
+    """An installed console script does not search the working directory; a
+    'module:function' spec finds a module there, as `python -m` would. A builder
+    that raises gives a GraphError naming the spec."""
+    import sys
+
+    (tmp_path / "models_in_cwd_for_test.py").write_text(
+        "from autodist_keras.graph import zoo\n"
+        "def build():\n"
+        "    return zoo.mlp(input_dim=3, hidden=(4,), name='from_cwd')\n"
+        "def broken():\n"
+        "    raise RuntimeError('no GPU config here')\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert load_model("models_in_cwd_for_test:build").name == "from_cwd"
+    with pytest.raises(GraphError, match="'models_in_cwd_for_test:broken'.*RuntimeError: "
+                                         "no GPU config here"):
+        load_model("models_in_cwd_for_test:broken")

@@ -249,3 +249,34 @@ def test_cli_scores_a_plan_the_same_whatever_the_strategy_and_simulate_flags_a_m
     other = "node0:2xT4;node1:2xT4;node2:2xT4;node3:2xT4"
     run = cli("simulate", "--model", "mlp", "--cluster", other, "--plan", str(out))
     assert "was made for another cluster" in run.stderr
+
+
+def test_cli_output_piped_into_a_reader_that_stops_early_ends_quietly(tmp_path):
+    """`autodist-keras devices --json | head` closes the pipe early: no traceback
+    and no 'cannot use the file' error on stderr."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, AUTODIST_KERAS_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autodist_keras.cli", "devices", "--cluster", "1024xV100",
+         "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout.read(100)
+        proc.stdout.close()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = err.decode()
+    assert "Traceback" not in err and "cannot use the file" not in err, err[-2000:]
+    assert proc.returncode == 1
+
+
+def test_a_batch_smaller_than_the_devices_is_the_reason_given_for_no_speedup(cli):
+    run = cli("plan", "--model", "mlp", "--cluster", "4xV100", "--batch-size", "2", "--json")
+    assert run.returncode == 0, run.stderr
+    notes = " ".join(json.loads(run.stdout)["notes"])
+    assert "no speedup over data_parallel_even is given: batch_size 2 is smaller" in notes, notes
+    assert "does not fit in memory" not in notes

@@ -1270,9 +1270,12 @@ class LearnedEstimator:
             if signature not in known:
                 unknown.setdefault(signature, []).append(d)
         if unknown:
+            kinds = sorted(unknown.items())
             listed = "; ".join(f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}: "
                                f"{describe_signature(sig)}"
-                               for sig, names in sorted(unknown.items())[:3])
+                               for sig, names in kinds[:3])
+            if len(kinds) > 3:
+                listed += f"; and {len(kinds) - 3} more kind(s)"
             trained = "; ".join(describe_signature(sig) for sig in sorted(known))
             return False, (f"these devices are of kinds not in its training measurements "
                            f"({listed}); it was trained on: {trained}")

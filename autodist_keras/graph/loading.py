@@ -27,6 +27,7 @@ model = load_model("my_package.models:build")
 import difflib
 import importlib
 import os
+import sys
 
 from autodist_keras.errors import GraphError
 
@@ -128,12 +129,30 @@ def load_model(spec, **kwargs):
 def _call(fn, spec, kwargs):
     try:
         model = fn(**kwargs)
-    except TypeError as e:
+    except Exception as e:  # noqa: BLE001 - the user's builder may fail in any way
+        what = f"with options {sorted(kwargs)}" if kwargs else "(no options)"
         raise GraphError(
-            f"Cannot build model {spec!r} with options {sorted(kwargs)}: {e}. "
+            f"Building model {spec!r} {what} raised {type(e).__name__}: {e}. "
             f"Received: {kwargs!r}"
-        ) from None
+        ) from e
     return model
+
+
+def _import_here_or_on_path(module_name):
+    """Imports `module_name`, also from the working directory (as `python -m` does),
+    which an installed console script does not search."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        here = os.getcwd()
+        if e.name != module_name.split(".")[0] or here in sys.path or "" in sys.path:
+            raise
+        sys.path.insert(0, here)
+        try:
+            return importlib.import_module(module_name)
+        except ImportError:
+            sys.path.remove(here)
+            raise
 
 
 def _load_file(path, kwargs):
@@ -167,7 +186,7 @@ def _load_factory(spec, kwargs):
             f"A factory spec is 'module:function', e.g. 'my_models:build'. Received: {spec!r}"
         )
     try:
-        module = importlib.import_module(module_name)
+        module = _import_here_or_on_path(module_name)
     except ImportError as e:
         raise GraphError(
             f"Cannot import module {module_name!r} of model spec {spec!r}: {e}. Make the "

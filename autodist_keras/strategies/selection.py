@@ -611,7 +611,9 @@ def _explain_choice(best, candidates, scorer=None):
             f"predicted speedup over {even.name}: {even.step_time_s / best.step_time_s:.2f}x"
         )
     elif even is not None and not even.feasible:
-        lines.append(f"no speedup over {even.name} is given: it does not fit in memory")
+        why = ("it does not fit in memory (predicted)" if even.plan is not None
+               else str(even.reason or "it could not be built").rstrip("."))
+        lines.append(f"no speedup over {even.name} is given: {why}")
     for c in candidates:
         if c is best:
             continue
