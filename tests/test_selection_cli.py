@@ -1,6 +1,7 @@
 """Plan selection, explain() rendering and the command line, on real graphs and clusters."""
 
 import json
+import re
 import os
 
 import keras
@@ -280,3 +281,16 @@ def test_a_batch_smaller_than_the_devices_is_the_reason_given_for_no_speedup(cli
     notes = " ".join(json.loads(run.stdout)["notes"])
     assert "no speedup over data_parallel_even is given: batch_size 2 is smaller" in notes, notes
     assert "does not fit in memory" not in notes
+
+
+def test_a_batch_that_fits_nowhere_gets_a_short_error_naming_one_that_fits(cli):
+    run = cli("plan", "--model", "bert_large", "--cluster", "node0:4xV100;node1:4xT4")
+    assert run.returncode == 2
+    assert "No candidate plan fits" in run.stderr
+    match = re.search(r"try batch_size=(\d+) or less", run.stderr)
+    assert match, run.stderr[:600]
+    assert len(run.stderr.splitlines()[-1]) < 4000
+    fits = cli("plan", "--model", "bert_large", "--cluster", "node0:4xV100;node1:4xT4",
+               "--batch-size", match.group(1), "--json")
+    assert fits.returncode == 0, fits.stderr[-600:]
+    assert json.loads(fits.stdout)["feasible"] is True

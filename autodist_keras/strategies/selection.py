@@ -563,15 +563,19 @@ def _usable(candidate):
             and candidate.executable is not False)
 
 
-def pick(candidates):
+def pick(candidates, fits_hint=""):
     """Returns the fastest feasible (and executable, where known) candidate.
+
+    Args:
+        candidates: The scored `Candidate`s.
+        fits_hint: A sentence on what would fit, for the error (`_fits_hint`).
 
     Raises:
         StrategyError: If no candidate is feasible.
     """
     usable = [c for c in candidates if _usable(c)]
     if not usable:
-        reasons = "; ".join(f"{c.name}: {c.reason}" for c in candidates if c.reason)
+        reasons = "; ".join(f"{c.name}: {_short(c.reason)}" for c in candidates if c.reason)
         if any(c.feasible and c.executable is False for c in candidates):
             raise StrategyError(
                 "No candidate plan can run here: those that fit cannot be executed by this "
@@ -580,13 +584,39 @@ def pick(candidates):
             )
         raise StrategyError(
             "No candidate plan fits this model on this cluster (predicted). Use more or "
-            f"larger devices, or a smaller batch. Received: {reasons}"
+            f"larger devices, or a smaller batch.{fits_hint} Received: {reasons}"
         )
     # Ties go to the simpler plan: baselines come first in the list. Times within
     # TIE_RTOL of the fastest count as ties (float noise, or a family returning a
     # baseline's plan with other buckets).
     fastest = min(c.step_time_s for c in usable)
     return next(c for c in usable if c.step_time_s <= fastest * (1.0 + TIE_RTOL))
+
+
+def _short(reason, limit=300):
+    """A candidate's reason, cut at a word boundary for a one-screen error."""
+    text = str(reason)
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+def _fits_hint(graph, cluster, devices, batch_size):
+    """' Data parallelism fits about N samples ...' or '' (predicted capacity)."""
+    from autodist_keras.strategies import baselines
+
+    names = list(devices or cluster.names)
+    try:
+        capacity = sum(baselines.memory_capacity_samples(graph, cluster, d) for d in names)
+    except Exception:  # noqa: BLE001 - a hint only; the error stands without it
+        return ""
+    if capacity >= batch_size:
+        return ""
+    if capacity <= 0:
+        return (" Data parallelism fits no sample on these devices (predicted): the weights, "
+                "gradients and optimizer slots alone exceed a device's memory.")
+    return (f" Data parallelism fits about {capacity} samples per step on these "
+            f"{len(names)} devices (predicted): try batch_size={capacity} or less.")
 
 
 def record_candidates(plan, candidates):
@@ -730,6 +760,8 @@ def choose_plan(
     finally:
         if bar is not None:
             bar.close()
+    if not any(_usable(c) for c in candidates):
+        pick(candidates, _fits_hint(graph, cluster, devices, batch_size))
     best = pick(candidates)
     plan = best.plan
     record_candidates(plan, candidates)
