@@ -469,6 +469,31 @@ def test_steps_per_execution_above_one_is_refused_as_keras_does():
         model.fit(x, y, batch_size=BATCH, verbose=0)
 
 
+_LAMBDA_SCALE = 3.0
+
+
+def test_lambda_layers_using_outside_names_are_refused_before_the_workers_start():
+    """Keras saves a lambda's bytecode without its globals: the workers would fail
+    with a misleading shape error. A lambda that needs nothing outside trains."""
+    from autodist_keras.errors import BackendError
+
+    x, y = _data("mlp", n=48)
+    for function, ok in ((lambda t: t * 3.0, True),
+                         (lambda t: keras.ops.square(t), False),
+                         (lambda t: t * _LAMBDA_SCALE, False)):
+        strategy = _strategy("even", 2)
+        with strategy.scope():
+            inputs = keras.Input((16,))
+            model = keras.Model(inputs, keras.layers.Dense(4)(keras.layers.Lambda(function)(inputs)))
+            _compile(model, "sgd")
+        if ok:
+            model.fit(x, y, batch_size=BATCH, verbose=0)
+            assert strategy.adapter.last_run["in_sync"] is True
+        else:
+            with pytest.raises(BackendError, match="Lambda layer .* uses names from its surroundings"):
+                model.fit(x, y, batch_size=BATCH, verbose=0)
+
+
 def test_unregistered_custom_layer_is_a_clear_error():
     from autodist_keras.errors import BackendError
 

@@ -132,6 +132,13 @@ def check_serializable(model):
         objects += [(f"loss {i}", v) for i, v in enumerate(losses)]
     else:
         objects.append(("loss", losses))
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if isinstance(layer, keras.layers.Lambda):
+            function = getattr(layer, "function", None)
+            if getattr(function, "__name__", "") == "<lambda>":
+                _check_lambda(layer.name, function)
+            else:
+                objects.append((f"function of Lambda layer {layer.name!r}", function))
     main = sys.modules.get("__main__")
     for where, obj in objects:
         if obj is None or isinstance(obj, str):
@@ -165,6 +172,29 @@ def check_serializable(model):
                 "and import it from there. "
                 f"Received: __main__.{name}"
             )
+
+
+def _check_lambda(layer_name, function):
+    """A `Lambda` layer's lambda reaches the workers as bytecode, without the
+    script's globals or its closure: one that uses them (`ops.square`) would
+    fail there, with an error about output shapes."""
+    import inspect
+
+    try:
+        names = inspect.getclosurevars(function)
+    except (TypeError, ValueError):
+        return
+    outside = sorted(set(names.globals) | set(names.nonlocals))
+    if outside:
+        raise BackendError(
+            f"The Lambda layer {layer_name!r} runs a lambda that uses names from its "
+            f"surroundings ({', '.join(outside)}); Keras saves a lambda's code without them, "
+            "so the PyTorch runtime's worker processes cannot run it. Write the lambda's "
+            "body as a named function (or a custom layer) decorated with "
+            "@keras.saving.register_keras_serializable() at the top level of your script "
+            "or module. "
+            f"Received: {function!r} using {outside}"
+        )
 
 
 def _json_default(o):
