@@ -341,6 +341,33 @@ def test_dataset_inputs_are_split_by_share(kind):
     _assert_weights_match(paths, expected, model.get_weights(), "sgd")
 
 
+def test_sparse_inputs_are_split_by_rows():
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    dense = rng.normal(size=(60, 8)).astype("float32")
+    x = tf.sparse.from_dense(dense * (dense > 0.5))
+    y = rng.integers(0, 3, size=(60,))
+
+    def build():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((8,), sparse=True)
+        model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(inputs))
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        return model
+
+    reference = build()
+    ref_history = reference.fit(x, y, batch_size=12, shuffle=False, verbose=0)
+    strategy = _strategy("prop3")
+    with strategy.scope():
+        model = build()
+    history = model.fit(x, y, batch_size=12, shuffle=False, verbose=0)
+    assert len(strategy.plan.replicas) == 3
+    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
 # ------------------------------------------------------------------ errors
 def test_too_few_logical_devices_is_a_backend_error():
     import tensorflow as tf

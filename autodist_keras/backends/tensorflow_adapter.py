@@ -1064,11 +1064,16 @@ def _split_extras(values, floats, folded):
 
 
 def _slice(structures, start, size):
+    import tensorflow as tf
     from keras.src import tree
 
     def cut(t):
         if t is None:
             return None
+        if isinstance(t, tf.SparseTensor):  # rows of a sparse batch (sparse Keras inputs)
+            rest = t.dense_shape[1:]
+            return tf.sparse.slice(
+                t, tf.concat([[start], tf.zeros_like(rest)], 0), tf.concat([[size], rest], 0))
         return t[start:start + size]
 
     return tuple(tree.map_structure(cut, s) if s is not None else None for s in structures)
