@@ -809,7 +809,7 @@ def _notes(timeline, state, bounds, bucket_algorithm, plan, sim, bound, start_ti
     if bound.step_time_s > 0:
         text += (
             f"; fully-overlapped bound {bound.step_time_s * 1e3:.3f} ms ({bound.binding}-bound)"
-            f", Disco {(step / bound.step_time_s - 1) * 100:.1f}% above it"
+            f", Disco {max(step / bound.step_time_s - 1, 0.0) * 100:.1f}% above it"
         )
     notes.append(text + ".")
     return notes
