@@ -302,6 +302,13 @@ def closest_gpu_names(name, n=3):
     """Catalog keys whose names are closest to `name` (difflib), best first."""
     norm = normalise_gpu_name(name)
     matches = difflib.get_close_matches(norm, list(_ALIASES), n=n * 3, cutoff=0.5)
+    # "T4 16GB": the type with a memory size the catalog does not spell that way.
+    size = re.search(r"\d+gb$", norm)
+    for cut in range(1, len(size.group(0)) - 1) if size else ():
+        bare = norm[:-(cut + 2)]  # "t416gb" -> "t41", "t4", "t"
+        if bare in _ALIASES:
+            matches.insert(0, bare)
+            break
     keys = []
     for match in matches:
         key = _ALIASES[match]
@@ -348,6 +355,9 @@ def lookup_gpu(name, source=None, field=None):
         hint = (
             f"Did you mean {' or '.join(repr(k) for k in close)}? " if close else ""
         )
+        if "cpu" in normalise_gpu_name(name):
+            hint += ("For devices made of this machine's CPU cores use the cluster "
+                     "'cpu_testbed' (Cluster.cpu_testbed()). ")
         raise ClusterSpecError(
             f"Unknown GPU type {name!r}. {hint}Known types: {', '.join(GPU_CATALOG)}. "
             "For a GPU not in the catalog give its figures explicitly: "

@@ -243,10 +243,10 @@ def _catalog_figures(spec):
 def _explicit_gpu(item, source, field):
     for key in ("memory_gb", "fp32_tflops", "bandwidth_gbps"):
         if key not in item:
+            others = [k for k in ("memory_gb", "fp32_tflops", "bandwidth_gbps") if k != key]
             raise _fail(
-                f"A GPU with explicit figures needs `{key}` (also `memory_gb`, "
-                "`fp32_tflops`, `bandwidth_gbps`; optional `fp16_tflops`, `nvlink_gbps`, "
-                "`pcie_gen`, `count`).",
+                f"A GPU with explicit figures needs `{key}` (and `{others[0]}`, `{others[1]}`; "
+                "optional `fp16_tflops`, `nvlink_gbps`, `pcie_gen`, `count`).",
                 source, _child(field, key), None,
             )
     name = _string(item["name"], source, _child(field, "name"), "The GPU name")
@@ -354,19 +354,25 @@ def _parse_node(node, i, source, state, cpus_field=None):
     _check_mapping(node, source, field, "A node", "{name: node0, gpus: [V100, V100]}")
     _check_keys(node, NODE_KEYS, source, field)
     name = node.get("name", f"node{i}")
-    if not isinstance(name, str) or not NAME_PATTERN.match(name):
+    if not isinstance(name, str):
+        raise _fail(
+            f"A node name must be a string; YAML read this one as {type(name).__name__} {name!r}. "
+            f"Quote it (name: \"{name}\") or start it with a letter (name: node{name}).",
+            source, _child(field, "name"), name,
+        )
+    if not NAME_PATTERN.match(name):
         raise _fail(
             "A node name uses letters, digits, '_', '.' and '-' only (it becomes part of "
             "device names such as 'node0/gpu1').",
             source, _child(field, "name"), name,
         )
-    if name in state["names"]:
+    if name.lower() in state["names"]:
         raise _fail(
-            f"Node names must be unique; {name!r} is also nodes[{state['names'][name]}]. "
-            "Rename one.",
+            f"Node names must be unique, ignoring case; {name!r} is also "
+            f"nodes[{state['names'][name.lower()]}]. Rename one.",
             source, _child(field, "name"), name,
         )
-    state["names"][name] = i
+    state["names"][name.lower()] = i
     address = node.get("address")
     if address is not None:
         address = _string(address, source, _child(field, "address"), "address").strip()
