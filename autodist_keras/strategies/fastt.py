@@ -148,24 +148,24 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
         # (ResNet50 on 96 GPUs: 8.6 s against 0.17 s), so it is a candidate too,
         # twice: with shares balancing the cost model's per-sample times, and with
         # the proportional baseline's (so FastT is never predicted slower than it).
-        devices = list(range(tables.n_dev))
-        everywhere = list(zip(devices, tables.speed_shares(devices, batch_size)))
-        balanced = list_schedule(tables, batch_size, methods[0],
-                                 {i: everywhere for i in range(len(tables.layers))}, memory_aware)
-        proportional = balanced
+        # Only where the baseline fits: a full replica per device is what a model
+        # too large for the devices cannot have.
         try:
             dp = baselines.proportional(graph, cluster, batch_size, devices=names)
         except PlanError:
             dp = None  # the batch does not fit in the devices' memory
         if dp is not None:
+            devices = list(range(tables.n_dev))
+            seeds = []
             share = {r.device: r.batch_share for r in dp.replicas}
-            reps = [(d, share[tables.devices[d]]) for d in devices
-                    if share.get(tables.devices[d], 0) > 0]
-            proportional = list_schedule(tables, batch_size, methods[0],
-                                         {i: reps for i in range(len(tables.layers))},
-                                         memory_aware)
-        searched.append((DP_SEED, balanced, proportional,
-                         [f"every layer over all {tables.n_dev} devices"]))
+            for reps in (list(zip(devices, tables.speed_shares(devices, batch_size))),
+                         [(d, share[tables.devices[d]]) for d in devices
+                          if share.get(tables.devices[d], 0) > 0]):
+                seeds.append(list_schedule(tables, batch_size, methods[0],
+                                           {i: reps for i in range(len(tables.layers))},
+                                           memory_aware))
+            searched.append((DP_SEED, seeds[0], seeds[1],
+                             [f"every layer over all {tables.n_dev} devices"]))
 
     # Score the candidates with the simulator: every schedule whose makespan
     # is within PROXY_SCORE_RANGE of the best one, best schedules first.
