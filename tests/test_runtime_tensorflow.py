@@ -368,6 +368,34 @@ def test_sparse_inputs_are_split_by_rows():
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
 
 
+def test_per_output_losses_of_evaluate_before_fit_weigh_batches_by_size():
+    """Before a plan exists evaluate runs one device; a short last batch counts by its
+    size in the per-output loss metrics, as in the planned steps and eager Keras
+    (a trace with a relaxed batch dimension used to count it as a full batch)."""
+    rng = np.random.default_rng(0)
+    x = {"a": rng.normal(size=(40, 5)).astype("float32")}
+    y = {"cls": rng.integers(0, 3, size=(40,)), "reg": rng.normal(size=(40, 1)).astype("float32")}
+
+    def build(run_eagerly=False):
+        keras.utils.set_random_seed(3)
+        a = keras.Input((5,), name="a")
+        h = keras.layers.Dense(8, activation="relu")(a)
+        model = keras.Model({"a": a}, {"cls": keras.layers.Dense(3, activation="softmax",
+                                                                 name="cls")(h),
+                                       "reg": keras.layers.Dense(1, name="reg")(h)})
+        model.compile(optimizer="sgd", run_eagerly=run_eagerly,
+                      loss={"cls": "sparse_categorical_crossentropy", "reg": "mse"})
+        return model
+
+    truth = build(run_eagerly=True).evaluate(x, y, batch_size=9, verbose=0, return_dict=True)
+    strategy = _strategy("prop3")
+    with strategy.scope():
+        model = build()
+    got = model.evaluate(x, y, batch_size=9, verbose=0, return_dict=True)
+    for key in ("loss", "cls_loss", "reg_loss"):
+        assert got[key] == pytest.approx(truth[key], rel=1e-5), key
+
+
 # ------------------------------------------------------------------ errors
 def test_too_few_logical_devices_is_a_backend_error():
     import tensorflow as tf

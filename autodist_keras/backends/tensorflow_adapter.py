@@ -638,7 +638,7 @@ class _Runtime:
         if self.plan is None:
             if kind != "train":
                 # The plan is made at the first training step; until then, one device.
-                return self._single_device_step(kind, x, y, sw)
+                return self._single_device_step(kind, x, y, sw, batch_size)
             self.prepare((x, y, sw), batch_size)
         placement = self.placement
         if placement is not None:
@@ -662,11 +662,17 @@ class _Runtime:
             return fn(x)
         return fn(x, y, sw)
 
-    def _single_device_step(self, kind, x, y, sw):
-        """Evaluate/predict before any plan exists: Keras' own step on the home device."""
+    def _single_device_step(self, kind, x, y, sw, batch_size):
+        """Evaluate/predict before any plan exists: Keras' own step on the home device.
+
+        One function per batch size, as the planned steps have: with one
+        function whose trace relaxes the batch dimension, Keras would weigh
+        the per-output loss metrics of the relaxed batches as 1 and of the
+        others by their size.
+        """
         import tensorflow as tf
 
-        key = ("single", kind)
+        key = ("single", kind, batch_size)
         if key not in self.fns:
             model = self.model
 
@@ -676,9 +682,7 @@ class _Runtime:
                         return model.predict_step((x,))
                     return model.test_step((x, y, sw))
 
-            self.fns[key] = step if model.run_eagerly else tf.function(
-                step, reduce_retracing=True, autograph=False
-            )
+            self.fns[key] = step if model.run_eagerly else tf.function(step, autograph=False)
         return self.fns[key](x, y, sw)
 
     # ---------------------------------------------------------- step bodies
