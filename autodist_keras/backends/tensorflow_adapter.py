@@ -32,6 +32,7 @@ model.fit(x, y, batch_size=48, shuffle=False)
 
 import contextlib
 
+from autodist_keras.backends import batchnorm_stats
 from autodist_keras.backends import replica_random
 from autodist_keras.backends import tf_fusion
 from autodist_keras.backends import tf_multiworker
@@ -825,7 +826,7 @@ class _Runtime:
                             reduced[i] = g
                 if carrier is None and collective is not None:
                     loss, floats, folded = self._all_reduce_loss_and_state(loss, floats, folded)
-                for variable, value in floats + ints:
+                for variable, value in _with_variance_corrections(floats) + ints:
                     variable.assign(value)
                 global_loss = loss
                 if model.optimizer is not None and variables:  # Keras skips it too
@@ -1001,8 +1002,9 @@ class _Runtime:
         Non-trainable state assigned during the forward pass (batch
         normalisation moving statistics) becomes the share-weighted mean of
         the replicas' new values, so the moving mean follows the global
-        batch mean exactly; integer state (seed counters) takes the first
-        replica's value. With several workers the loss and the float values
+        batch mean exactly; `_SecondMoment` entries let
+        `_with_variance_corrections` make the moving variance exact too;
+        integer state (seed counters) takes the first replica's value. With several workers the loss and the float values
         are partial sums still to be all-reduced (the train step carries them
         in a gradient bucket's all-reduce, else `_all_reduce_loss_and_state`)
         before the caller assigns them.
@@ -1031,7 +1033,28 @@ class _Runtime:
                 floats.append((variable, tf.add_n(parts) if len(parts) > 1 else parts[0]))
             else:
                 ints.append((variable, entries[0][1]))
+        floats += self._second_moments(values, total)
         return self._sum_scalar(weighted_losses), floats, ints
+
+    def _second_moments(self, values, total):
+        """`(_SecondMoment, sum_r w_r d_r^2)` entries for the float state, one per
+        BatchNormalization layer whose moving mean this process updated
+        (`batchnorm_stats`): summed over the workers with the other float
+        state, they make the moving variance that of the global batch."""
+        import tensorflow as tf
+
+        if len(self.replicas or ()) < 2:
+            return []
+        out = []
+        for mean, variance, momentum in batchnorm_stats.moving_pairs(self.model):
+            entries = values.get(id(mean), [])
+            if not entries or id(variance) not in values:
+                continue
+            old = tf.cast(mean.value, tf.float32)
+            out.append((_SecondMoment(mean, variance, momentum), tf.add_n(
+                [tf.cast(s / total, tf.float32) * tf.square(tf.cast(v, tf.float32) - old)
+                 for s, v in entries])))
+        return out
 
     def _all_reduce_loss_and_state(self, loss, floats, folded=None):
         """Sums the loss, float state and folded predictions over the workers in one
@@ -1057,6 +1080,32 @@ def _standardise(data):
     if isinstance(data, list):
         data = tuple(data)
     return tree.map_structure(convert, data)
+
+
+class _SecondMoment:
+    """A float-state entry that is no variable: `sum_r w_r d_r^2` of a
+    BatchNormalization layer's moving-mean changes (`batchnorm_stats`)."""
+
+    def __init__(self, mean, variance, momentum):
+        self.mean, self.variance, self.momentum = mean, variance, momentum
+
+
+def _with_variance_corrections(floats):
+    """The summed float state to assign: `_SecondMoment` entries removed, their
+    corrections added to the moving variances (`batchnorm_stats`)."""
+    import tensorflow as tf
+
+    summed = {id(v): value for v, value in floats if not isinstance(v, _SecondMoment)}
+    corrections = {}
+    for entry, second in floats:
+        if isinstance(entry, _SecondMoment):
+            first = tf.cast(summed[id(entry.mean)], tf.float32) - tf.cast(entry.mean.value,
+                                                                          tf.float32)
+            corrections[id(entry.variance)] = batchnorm_stats.variance_correction(
+                first, second, entry.momentum)
+    return [(v, value + tf.cast(corrections[id(v)], value.dtype) if id(v) in corrections
+             else value)
+            for v, value in floats if not isinstance(v, _SecondMoment)]
 
 
 def _split_extras(values, floats, folded):

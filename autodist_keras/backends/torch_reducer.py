@@ -46,6 +46,7 @@ grads = reducer.finish()
 ```
 """
 
+from autodist_keras.backends import batchnorm_stats
 from autodist_keras.backends import torch_shm_reduce
 from autodist_keras.backends.torch_transport import CommFailure
 from autodist_keras.errors import BackendError
@@ -392,11 +393,18 @@ class StateSync:
     Args:
         comm: The rank's `Comm`.
         variables: The model's non-trainable Keras variables.
+        moving_pairs: `batchnorm_stats.moving_pairs(model)`: for each, the
+            same all-reduce also sums `w d^2` of the moving mean's change `d`,
+            and the moving variance gets `batchnorm_stats.variance_correction`,
+            so it follows the global batch's variance.
     """
 
-    def __init__(self, comm, variables):
+    def __init__(self, comm, variables, moving_pairs=()):
         self.comm = comm
         self.variables = [v for v in variables if "float" in str(v.dtype)]
+        index = {id(v): i for i, v in enumerate(self.variables)}
+        self.pairs = [(index[id(m)], index[id(v)], momentum) for m, v, momentum in moving_pairs
+                      if id(m) in index and id(v) in index]
         self._old = None
         self._buffer = None
         self._work = None
@@ -415,10 +423,10 @@ class StateSync:
         if not self.variables:
             return
         with torch.no_grad():
-            deltas = [
-                ((v.value.detach() - old) * weight).reshape(-1).to(torch.float64)
-                for v, old in zip(self.variables, self._old)
-            ]
+            changes = [(v.value.detach() - old).reshape(-1).to(torch.float64)
+                       for v, old in zip(self.variables, self._old)]
+            deltas = [change * weight for change in changes]
+            deltas += [changes[mean] * changes[mean] * weight for mean, _, _ in self.pairs]
             self._buffer = torch.cat(deltas)
         if self.comm.grad_backend == "nccl":
             self._buffer = self._buffer.to(self._old[0].device)
@@ -434,11 +442,18 @@ class StateSync:
             return
         self.comm.wait(self._work)
         offset = 0
+        summed = []
+        for old in self._old:
+            summed.append(self._buffer[offset:offset + old.numel()])
+            offset += old.numel()
+        for mean, variance, momentum in self.pairs:
+            squares = self._buffer[offset:offset + self._old[mean].numel()]
+            offset += self._old[mean].numel()
+            summed[variance] = summed[variance] + batchnorm_stats.variance_correction(
+                summed[mean], squares, momentum)
         with torch.no_grad():
-            for v, old in zip(self.variables, self._old):
-                n = old.numel()
-                delta = self._buffer[offset:offset + n].reshape(old.shape)
-                offset += n
+            for v, old, delta in zip(self.variables, self._old, summed):
+                delta = delta.reshape(old.shape)
                 if torch.any(delta != 0):
                     v.assign((old.to(torch.float64) + delta).to(old.dtype))
                 else:

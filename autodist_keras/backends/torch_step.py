@@ -22,6 +22,7 @@ import json
 import os
 import time
 
+from autodist_keras.backends import batchnorm_stats
 from autodist_keras.backends.torch_reducer import GradientReducer
 from autodist_keras.backends.torch_reducer import StateSync
 from autodist_keras.errors import BackendError
@@ -176,7 +177,8 @@ class ReplicaTrainer:
         self.comm = comm
         self.reducer = GradientReducer(comm, model.trainable_weights, plan, rank_nodes, device_ranks,
                                        paths=paths)
-        self.state_sync = StateSync(comm, model.non_trainable_weights)
+        self.state_sync = StateSync(comm, model.non_trainable_weights,
+                                    batchnorm_stats.moving_pairs(model))
         self.profile = StepProfile(comm.rank)
         # Optional `torch_fusion.TorchFusionRegions`, installed while attached.
         self.fusion = None
