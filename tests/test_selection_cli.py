@@ -94,6 +94,16 @@ def test_explain_labels_predictions(graph, hetero):
     assert "predicted step time" in plain and "measured step time: 10.000 ms" in plain
     fancy = render_text(data, use_rich=True)
     assert "Candidates (predicted)" in fancy
+    assert data["predicted"]["breakdown_source"] == "simulator"
+
+
+def test_explain_of_a_one_device_plan_lists_no_gradient_sync(graph, hetero):
+    from autodist_keras.strategies import baselines
+
+    plan = baselines.single_device(graph, hetero, 64)
+    data = explanation(plan, hetero)
+    assert data["sync"] == {}
+    assert "sync: none (one device)" in render_text(data, use_rich=False)
 
 
 def test_explain_compares_measured_with_predicted(graph, hetero):

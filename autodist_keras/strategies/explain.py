@@ -68,7 +68,8 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
             }
         )
     sync = {}
-    for spec in plan.sync.values():
+    one_device = len({r.device for g in plan.groups for r in g.replicas}) == 1
+    for spec in ([] if one_device else plan.sync.values()):  # one device reduces nothing
         key = f"ps@{spec.server}" if spec.method == "ps" else f"allreduce/{spec.algorithm}"
         sync[key] = sync.get(key, 0) + 1
     even = candidates.get("data_parallel_even") or candidates.get("single_device")
@@ -106,6 +107,8 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
             "infeasible_reason": prediction.infeasible_reason,
             "source": prediction.source,
             "simulated_step_time_ms": _ms(getattr(prediction, "simulated_step_time_s", None)),
+            # compute / exposed comm / idle come from the simulator whatever `source` is.
+            "breakdown_source": "simulator",
         },
         "measured": dict(measured or {}),
         "measured_vs_predicted": measured_vs_predicted,
@@ -203,8 +206,9 @@ def _header_lines(data):
     if data["speedup_vs_even_predicted"] is not None:
         lines.append(f"  predicted speedup over even data parallelism: "
                      f"{data['speedup_vs_even_predicted']}x")
+    sync = ", ".join(f"{k} x{v}" for k, v in data["sync"].items()) or "none (one device)"
     lines.append(
-        f"  sync: {', '.join(f'{k} x{v}' for k, v in data['sync'].items())}; "
+        f"  sync: {sync}; "
         f"{data['buckets']['count']} gradient bucket(s); "
         f"{data['op_fusion_regions']} op-fusion region(s)"
     )
