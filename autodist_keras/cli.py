@@ -188,9 +188,20 @@ def _cmd_profile(args):
 
 
 def _cmd_launch(args):
+    import signal
+
     from autodist_keras.launch import launch
 
-    result = launch(args.script, args.nprocs, args=args.args, timeout_s=args.timeout_s)
+    def stop(signum, frame):
+        # `launch` stops every rank on its way out (a job scheduler's SIGTERM
+        # would otherwise leave the ranks running without their launcher).
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        result = launch(args.script, args.nprocs, args=args.args, timeout_s=args.timeout_s)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if result.ok:
         return 0
     codes = ", ".join(f"rank {r}: {c}" for r, c in enumerate(result.returncodes))

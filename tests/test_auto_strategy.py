@@ -262,3 +262,11 @@ def test_explain_describes_the_model_fitted_last():
     assert strategy.measured["steps"] >= 1
     second.fit(x[:12], y[:12], batch_size=6, verbose=0)  # 2 steps: too few to measure
     assert strategy.plan.global_batch_size == 6 and strategy.measured == {}
+
+
+def test_data_parallel_on_one_device_says_why_and_what_to_use():
+    strategy = AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed(
+        [{"cores": [0], "threads": 1}]))
+    with pytest.raises(StrategyError, match="the cluster has one device .*needs two or more.*"
+                                            "Cluster.cpu_testbed"):
+        strategy.plan_for(zoo.mlp(input_dim=8, hidden=(16,), name="lonely"), 32)

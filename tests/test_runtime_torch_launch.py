@@ -85,3 +85,112 @@ def test_two_ranks_launched_like_torchrun_match_single_device(tmp_path):
         np.testing.assert_allclose(info["history"]["loss"], ref_history.history["loss"], rtol=1e-5)
     with open(tmp_path / "rank0.json") as f:
         assert json.load(f)["run"]["in_sync"] is True
+
+
+FAILING = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    import keras
+    from autodist_keras import AutoStrategy
+    from autodist_keras.devices import Cluster
+
+    class Boom(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise ValueError("rank 0's callback failed")
+
+    if __name__ == "__main__":
+        out, mode, rank = sys.argv[1], sys.argv[2], int(os.environ["RANK"])
+        with open(os.path.join(out, f"pid{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+        if mode == "sleep":
+            time.sleep(120)
+        if mode == "skip" and rank == 1:
+            sys.exit(0)  # never calls fit
+        cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
+        strategy = AutoStrategy(strategy="data_parallel", cluster=cluster, timeout_s=15)
+        with strategy.scope():
+            inputs = keras.Input((4,))
+            model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+            model.compile(optimizer="sgd", loss="mse")
+        rng = np.random.default_rng(0)
+        x, y = rng.normal(size=(64, 4)), rng.normal(size=(64, 2))
+        callbacks = [Boom()] if rank == 0 else []
+        try:
+            model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=callbacks)
+            outcome = "completed"
+        except Exception as e:
+            outcome = f"{type(e).__name__}: {e}"
+        with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+            f.write(outcome)
+""")
+
+
+def _run_failing(tmp_path, mode):
+    from autodist_keras.launch import launch
+
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    env = {"KERAS_BACKEND": "torch",
+           "PYTHONPATH": os.pathsep.join([os.getcwd()] + [p for p in sys.path if p])}
+    return launch(str(script), nprocs=2, args=[str(tmp_path), mode], env=env, timeout_s=200)
+
+
+def test_when_rank_0s_fit_fails_the_other_ranks_fit_raises_too(tmp_path):
+    _run_failing(tmp_path, "callback")
+    assert (tmp_path / "rank0.txt").read_text().startswith("ValueError: rank 0's callback failed")
+    other = (tmp_path / "rank1.txt").read_text()
+    assert other.startswith("WorkerError") and "stopped with an error" in other, other
+
+
+def test_a_rank_that_never_calls_fit_is_reported_after_timeout_s(tmp_path):
+    import time
+
+    started = time.monotonic()
+    _run_failing(tmp_path, "skip")
+    waited = time.monotonic() - started
+    message = (tmp_path / "rank0.txt").read_text()
+    assert message.startswith("BackendError") and "waited 15 s" in message, message
+    assert "Every rank must run the script to its fit" in message
+    assert waited < 150
+
+
+def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    env = dict(os.environ, KERAS_BACKEND="torch")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "autodist_keras.cli", "launch", "--nprocs", "2", str(script),
+         str(tmp_path), "sleep"], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"pid{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline and launcher.poll() is None
+            time.sleep(0.2)
+        pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while _alive(pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(pids), "rank processes outlived their launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in _alive([int(p.read_text()) for p in tmp_path.glob("pid*")]):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pids):
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive

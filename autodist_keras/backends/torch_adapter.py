@@ -87,12 +87,27 @@ def _get_torchrun_comm(rank, world, timeout_s):
                     "torchrun, or set MASTER_ADDR and MASTER_PORT to rank 0's address "
                     f"and a free port. Received: {var} unset"
                 )
-        store, _, _ = next(dist.rendezvous(
-            "env://", rank=rank, world_size=world,
-            timeout=datetime.timedelta(seconds=max(timeout_s, 300.0)),
-        ))
-    _torchrun_comm = Comm(store, rank, world, timeout_s, prefix="autodist_keras/torchrun")
+        try:
+            store, _, _ = next(dist.rendezvous(
+                "env://", rank=rank, world_size=world,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            ))
+        except (RuntimeError, TimeoutError) as e:
+            raise _not_joined(rank, world, timeout_s, e) from None
+    try:
+        _torchrun_comm = Comm(store, rank, world, timeout_s, prefix="autodist_keras/torchrun")
+    except (RuntimeError, TimeoutError) as e:
+        raise _not_joined(rank, world, timeout_s, e) from None
     return _torchrun_comm
+
+
+def _not_joined(rank, world, timeout_s, error):
+    return BackendError(
+        f"Rank {rank} waited {timeout_s:g} s (the strategy's timeout_s) for the other ranks of "
+        f"this {world}-rank job and not all of them arrived. Every rank must run the script "
+        "to its fit with the same model and data; a rank that exits or fails before fit "
+        "leaves the others waiting. Received: " + str(error).splitlines()[0][:300]
+    )
 
 
 class TorchAdapter(BackendAdapter):
@@ -229,6 +244,11 @@ class TorchAdapter(BackendAdapter):
             raise BackendError(
                 f"Rank {rank}: the session's setup failed on some rank; rank 0 raised the "
                 "error. Received: setup status 1"
+            )
+        if payload.get("completed") is False:
+            raise WorkerError(
+                0, "its fit stopped with an error before the end (rank 0's output shows it), "
+                f"so rank {rank}'s fit stops too and its model is not fully trained"
             )
         history = keras.callbacks.History()
         history.set_model(model)

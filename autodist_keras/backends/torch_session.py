@@ -213,8 +213,9 @@ def _json_default(o):
 
 
 def history_payload(history):
+    """The END payload: rank 0's History, or `completed: False` when its fit failed."""
     if history is None:
-        return {"history": {}, "epoch": [], "params": {}}
+        return {"history": {}, "epoch": [], "params": {}, "completed": False}
     return json.loads(json.dumps(
         {"history": history.history, "epoch": list(history.epoch), "params": dict(history.params or {})},
         default=_json_default,
@@ -280,6 +281,8 @@ class StoreReporter(Reporter):
             r = min(found)
             return WorkerError(r, found[r]["message"])
         peer = getattr(failure, "peer", None)
+        if peer is None and self.world_size == 2:
+            peer = 1  # rank 0's only peer
         return WorkerError(
             peer if peer is not None else "unknown",
             f"a peer stopped answering ({failure}); no rank reported an error (a process "

@@ -417,7 +417,15 @@ class AutoStrategy:
         else:
             chosen = [c for c in self.candidates if c.name == wanted]
             if not chosen or chosen[0].plan is None:
-                reason = str(chosen[0].reason if chosen else "not built").rstrip(".")
+                names = list(self.devices or self.cluster.names)
+                if chosen:
+                    reason = str(chosen[0].reason).rstrip(".")
+                elif len(names) < 2:
+                    reason = (f"the cluster has one device ({names[0]}), and a "
+                              f"{self.name} plan needs two or more. On a machine without "
+                              "GPUs, cluster=Cluster.cpu_testbed() gives several CPU devices")
+                else:
+                    reason = f"no {wanted} candidate was built for {len(names)} devices"
                 message = (f"The {self.name!r} plan could not be made for this model and "
                            f"cluster: {reason}. Try strategy='auto'.")
                 if "Received:" not in reason:  # the reason usually names what it received
