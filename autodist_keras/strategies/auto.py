@@ -307,8 +307,8 @@ class AutoStrategy:
             timer = StepTimer(warmup=2)
             kwargs["callbacks"] = list(kwargs.get("callbacks") or []) + [timer]
             history = original_fit(*args, **kwargs)
-            known = strategy._plans.get(id(model))
-            if known is not None and known[0] is model:
+            known = strategy._known(model)
+            if known is not None:
                 # explain() describes the model fitted last, beside its measured step.
                 _, strategy.graph, strategy.plan = known
             if timer.median_s is not None:
@@ -352,19 +352,25 @@ class AutoStrategy:
         if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) \
                 or batch_size < 1:
             raise StrategyError(f"batch_size must be a positive integer. Received: {batch_size!r}")
-        known = self._plans.get(id(model))
-        if (known is not None and known[0] is model and self._fixed_plan is None
+        known = self._known(model)
+        if (known is not None and self._fixed_plan is None
                 and known[2].global_batch_size != int(batch_size)):
             self._plans.pop(id(model))
         return self._plan_for_training(model, int(batch_size))
+
+    def _known(self, model):
+        """`(model, graph, plan)` made for this very model, or None (an `id` may be reused
+        by a later model once the first is gone)."""
+        known = self._plans.get(id(model))
+        return known if known is not None and known[0] is model else None
 
     def _plan_for_training(self, model, batch_size):
         """The runtimes' `plan_for`: the model's plan, made at its first training step
         and kept for later fits, evaluation and prediction whatever their batch size."""
         from autodist_keras.graph import ModelGraph
 
-        known = self._plans.get(id(model))
-        if known is not None and known[0] is model:
+        known = self._known(model)
+        if known is not None:
             _, self.graph, self.plan = known
             return self.plan
         started = time.perf_counter()
