@@ -760,9 +760,10 @@ def choose_plan(
     finally:
         if bar is not None:
             bar.close()
-    if not any(_usable(c) for c in candidates):
-        pick(candidates, _fits_hint(graph, cluster, devices, batch_size))
-    best = pick(candidates)
+    # What batch would fit is worked out only for the error that needs it.
+    hint = "" if any(_usable(c) for c in candidates) else _fits_hint(
+        graph, cluster, devices, batch_size)
+    best = pick(candidates, hint)
     plan = best.plan
     record_candidates(plan, candidates)
     plan.notes = [n for n in plan.notes if not n.startswith("auto:")]
