@@ -57,6 +57,13 @@ def seed_offset(replica, dtype):
     return wrap_seed(int(replica) * SEED_STRIDE, dtype)
 
 
+def _offset_tensor(replica, dtype):
+    """`[seed_offset(replica), 0]` as a tensor of the state's dtype (the counter untouched)."""
+    from keras import ops
+
+    return ops.convert_to_tensor([seed_offset(replica, dtype), 0], dtype=dtype)
+
+
 def offset_states(states, replica):
     """`[(variable, value), ...]` giving replica `replica` its own seeds.
 
@@ -70,20 +77,14 @@ def offset_states(states, replica):
     """
     from keras import ops
 
-    pairs = []
-    for variable in states:
-        delta = ops.convert_to_tensor([seed_offset(replica, variable.dtype), 0],
-                                      dtype=variable.dtype)
-        pairs.append((variable, ops.add(variable.value, delta)))
-    return pairs
+    return [(v, ops.add(v.value, _offset_tensor(replica, v.dtype))) for v in states]
 
 
 def restore_seed(value, replica, dtype):
     """A replica's state after its draws, with replica 0's seed back (the counter kept)."""
     from keras import ops
 
-    delta = ops.convert_to_tensor([seed_offset(replica, dtype), 0], dtype=dtype)
-    return ops.subtract(value, delta)
+    return ops.subtract(value, _offset_tensor(replica, dtype))
 
 
 def generator_digest(generator_state):
@@ -109,10 +110,7 @@ def torch_rank_seed(digest, rank):
     Returns:
         An int in `[0, 2**63)`, different for every rank.
     """
-    import hashlib
-
-    data = int(digest).to_bytes(8, "little") + int(rank).to_bytes(4, "little")
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+    return generator_digest(int(digest).to_bytes(8, "little") + int(rank).to_bytes(4, "little"))
 
 
 def rank0_streams(model):
