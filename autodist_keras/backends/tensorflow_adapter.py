@@ -1004,10 +1004,11 @@ class _Runtime:
         the replicas' new values, so the moving mean follows the global
         batch mean exactly; `_SecondMoment` entries let
         `_with_variance_corrections` make the moving variance exact too;
-        integer state (seed counters) takes the first replica's value. With several workers the loss and the float values
-        are partial sums still to be all-reduced (the train step carries them
-        in a gradient bucket's all-reduce, else `_all_reduce_loss_and_state`)
-        before the caller assigns them.
+        integer state (seed counters) takes the first replica's value. With
+        several workers the loss and the float values are partial sums still
+        to be all-reduced (the train step carries them in a gradient bucket's
+        all-reduce, else `_all_reduce_loss_and_state`) before the caller
+        assigns them.
 
         Returns:
             `(loss, floats, ints)`: the loss, and `(variable, value)` pairs
