@@ -343,7 +343,7 @@ def main(argv=None):
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--clusters", default=",".join(CLUSTERS))
     parser.add_argument("--batch-per-device", type=int, default=None,
-                        help="samples per device for every model (default 32; BERT-large 8)")
+                        help="samples per device for every model (default 32; BERT-large 2)")
     parser.add_argument("--no-auto", action="store_true", help="skip the auto search column")
     parser.add_argument(
         "--no-budget", action="store_true",

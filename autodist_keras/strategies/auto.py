@@ -42,7 +42,7 @@ OPTION_NAMES = (
     "step_costs",  # measured per-replica step costs: the proportional plan balances them
     "timeout_s",  # how long the runtime waits for a worker before failing
     "estimator",  # "learned" (default), "simulator", or a saved LearnedEstimator JSON path
-    "op_fusion",  # realise plan.op_fusion regions: "auto" (on GPUs), "on", "off"
+    "op_fusion",  # realise plan.op_fusion regions: "auto" (TensorFlow on GPUs), "on", "off"
     "op_fusion_compiler",  # PyTorch: the torch.compile backend of the regions ("inductor")
 )
 # Not passed to planners.
@@ -99,8 +99,9 @@ class AutoStrategy:
             device speed), or the planner families `"fastt"`, `"heterog"`,
             `"disco"`.
         cluster: The devices: `None` (detect the local ones), a `Cluster`,
-            a path to a YAML resource spec, or a string such as
-            `"2xV100,4x1080Ti"`.
+            a path to a YAML resource spec, its content as a dict, a string
+            such as `"2xV100,4x1080Ti"`, or `"cpu_testbed"` (the same as
+            `Cluster.cpu_testbed()`).
         devices: Optional subset of device names to use.
         plan: A ready `Plan` (or a path to its JSON) to run instead of planning.
         **options: Planner and runtime options: `sync` (`"allreduce"` or
@@ -117,7 +118,8 @@ class AutoStrategy:
             `op_fusion`: whether the runtime compiles the plan's op-fusion
             regions (Disco), as XLA clusters on TensorFlow and as
             `torch.compile`d functions on PyTorch, `"auto"` (default: on
-            GPUs), `"on"` or `"off"`; `op_fusion_compiler`: the
+            TensorFlow when every replica is a GPU, never on PyTorch),
+            `"on"` or `"off"`; `op_fusion_compiler`: the
             `torch.compile` backend for them (default `"inductor"`).
 
     Example:
@@ -160,8 +162,8 @@ class AutoStrategy:
 
             if options["op_fusion"] not in OP_FUSION_POLICIES:
                 raise StrategyError(
-                    "op_fusion must be 'auto' (realise the plan's op-fusion regions on GPUs), "
-                    f"'on' or 'off'. Received: op_fusion={options['op_fusion']!r}"
+                    "op_fusion must be 'auto' (realise the plan's op-fusion regions on "
+                    "TensorFlow when every replica is a GPU), 'on' or 'off'. Received: op_fusion={options['op_fusion']!r}"
                 )
         if "op_fusion_compiler" in options and (
                 not isinstance(options["op_fusion_compiler"], str)
