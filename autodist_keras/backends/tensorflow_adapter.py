@@ -33,6 +33,7 @@ model.fit(x, y, batch_size=48, shuffle=False)
 import contextlib
 
 from autodist_keras.backends import batchnorm_stats
+from autodist_keras.backends import loss_checks
 from autodist_keras.backends import replica_random
 from autodist_keras.backends import tf_fusion
 from autodist_keras.backends import tf_multiworker
@@ -40,7 +41,6 @@ from autodist_keras.backends import tf_reduce
 from autodist_keras.backends.base import BackendAdapter
 from autodist_keras.errors import BackendError
 
-SUPPORTED_LOSS_REDUCTIONS = ("sum_over_batch_size", "mean")
 # With several workers, the predictions a metric needs ride in the train step's
 # fused all-reduce (each worker's rows in place, zeros elsewhere) instead of an
 # all-gather of their own, while the global batch's predictions are at most this
@@ -451,6 +451,8 @@ class _Runtime:
         model = self.model
         with tf.device(self.adapter.home):
             model._symbolic_build(data_batch=data)
+            loss_checks.check_summed_losses(model, data[0], data[1])
+        loss_checks.warn_masked_outputs(model)
         strategy = self.adapter.strategy
         plan = strategy._plan_for_training(model, batch_size)
         if not plan.is_data_parallel:
@@ -487,7 +489,7 @@ class _Runtime:
             [v.path for v in variables],
             [_dtype_name(v) for v in variables],
         )
-        _check_loss_reductions(model)
+        loss_checks.check_loss_reductions(model)
         if model.optimizer is not None and not model.optimizer.built:
             with tf.device(self.adapter.home):
                 model.optimizer.build(variables)
@@ -529,7 +531,7 @@ class _Runtime:
                 f"that runs. Received: groups {[g.name for g in plan.groups]}"
             )
         model = self.model
-        _check_loss_reductions(model)
+        loss_checks.check_loss_reductions(model)
         self.placement = tf_placement.PlacementRuntime(adapter, model, plan, adapter.strategy.graph)
         self.layout = self.placement.layout
         if model.optimizer is not None and not model.optimizer.built:
@@ -1155,22 +1157,6 @@ def _dtype_name(variable):
 
 def _is_float(variable):
     return _dtype_name(variable).startswith(("float", "bfloat"))
-
-
-def _check_loss_reductions(model):
-    """Per-replica losses must be means over the replica's samples."""
-    compile_loss = getattr(model, "_compile_loss", None)
-    for entry in getattr(compile_loss, "_flat_losses", None) or []:
-        loss_fn = entry[1]
-        reduction = getattr(loss_fn, "reduction", "sum_over_batch_size")
-        if reduction not in SUPPORTED_LOSS_REDUCTIONS:
-            raise BackendError(
-                f"Loss {getattr(loss_fn, 'name', loss_fn)!r} uses reduction {reduction!r}. The "
-                "TensorFlow adapter weights each replica's loss by its share of the global "
-                "batch, which reproduces single-device gradients only for losses averaged "
-                "over the batch. Use reduction='sum_over_batch_size' (the Keras default). "
-                f"Received: reduction={reduction!r}"
-            )
 
 
 # ---------------------------------------------------------------- benchmarks

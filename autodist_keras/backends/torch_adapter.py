@@ -32,6 +32,7 @@ model.fit(x, y, batch_size=48, epochs=2)   # 3 processes, uneven shares
 import os
 import types
 
+from autodist_keras.backends import loss_checks
 from autodist_keras.backends import torch_fusion
 from autodist_keras.backends.base import BackendAdapter
 from autodist_keras.backends.torch_fusion import DEFAULT_COMPILER
@@ -348,11 +349,14 @@ class _FitRun:
         from autodist_keras.backends.torch_session import StoreReporter
 
         strategy = self.adapter.strategy
-        x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data[0])
+        x, y, _ = data_adapter_utils.unpack_x_y_sample_weight(data[0])
         _, leaves = tt.flatten_tree(x)
         if not leaves:
             raise BackendError("fit received a batch without inputs. Received: x=None")
         batch_size = int(tt.to_torch(leaves[0]).shape[0])
+        loss_checks.check_loss_reductions(self.model)
+        loss_checks.check_summed_losses(self.model, x, y)
+        loss_checks.warn_masked_outputs(self.model)
         plan = strategy._plan_for_training(self.model, batch_size)
         if not plan.is_data_parallel:
             raise BackendError(

@@ -23,11 +23,11 @@ import os
 import time
 
 from autodist_keras.backends import batchnorm_stats
+from autodist_keras.backends import loss_checks
 from autodist_keras.backends.torch_reducer import GradientReducer
 from autodist_keras.backends.torch_reducer import StateSync
 from autodist_keras.errors import BackendError
 
-SUPPORTED_REDUCTIONS = ("sum_over_batch_size", "mean")
 PROFILE_ENV = "AUTODIST_KERAS_TORCH_PROFILE"
 
 
@@ -123,33 +123,6 @@ class StepProfile:
         return path
 
 
-def check_loss_reductions(model):
-    """Raises `BackendError` if a compiled loss cannot be split by batch share.
-
-    Losses that divide by the number of elements (Keras's default
-    `"sum_over_batch_size"`, and `"mean"`) split exactly; `"sum"` and
-    `"mean_with_sample_weight"` would need another weighting.
-    """
-    import keras
-
-    losses = model.loss
-    if isinstance(losses, dict):
-        items = list(losses.items())
-    elif isinstance(losses, (list, tuple)):
-        items = list(enumerate(losses))
-    else:
-        items = [("loss", losses)]
-    for key, loss in items:
-        reduction = getattr(loss, "reduction", None)
-        if isinstance(loss, keras.losses.Loss) and reduction not in SUPPORTED_REDUCTIONS:
-            raise BackendError(
-                f"Loss {key!r} ({type(loss).__name__}) uses reduction={reduction!r}. "
-                "The PyTorch runtime weights each replica's loss by its share of the "
-                "global batch, which is exact for losses averaged over the batch. "
-                f"Use reduction='sum_over_batch_size' (the default). Received: {reduction!r}"
-            )
-
-
 class ReplicaTrainer:
     """Runs training steps of one replica with planned gradient reduction.
 
@@ -172,7 +145,7 @@ class ReplicaTrainer:
                 "distribute a custom one. Override compute_loss instead of train_step, "
                 f"or train it without AutoStrategy. Received: {type(model).__name__}.train_step"
             )
-        check_loss_reductions(model)
+        loss_checks.check_loss_reductions(model)
         self.model = model
         self.comm = comm
         self.reducer = GradientReducer(comm, model.trainable_weights, plan, rank_nodes, device_ranks,

@@ -163,7 +163,8 @@ class AutoStrategy:
             if options["op_fusion"] not in OP_FUSION_POLICIES:
                 raise StrategyError(
                     "op_fusion must be 'auto' (realise the plan's op-fusion regions on "
-                    "TensorFlow when every replica is a GPU), 'on' or 'off'. Received: op_fusion={options['op_fusion']!r}"
+                    "TensorFlow when every replica is a GPU), 'on' or 'off'. "
+                    f"Received: op_fusion={options['op_fusion']!r}"
                 )
         if "op_fusion_compiler" in options and (
                 not isinstance(options["op_fusion_compiler"], str)

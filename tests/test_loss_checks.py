@@ -1,0 +1,109 @@
+"""Losses that cannot be split by batch share are refused or flagged (both backends).
+
+Each replica's loss is weighted by its share of the batch, which is exact for
+batch means. A term that sums over the batch would train silently wrong, so
+`fit` refuses it before the first step; masked outputs get a warning. The
+probe must leave ordinary models alone and their metric states untouched.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+from autodist_keras import AutoStrategy
+from autodist_keras import Cluster
+from autodist_keras.backends import loss_checks
+from autodist_keras.errors import BackendError
+
+
+def _data(n=24):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 6)).astype("float32"), rng.normal(size=(n, 2)).astype("float32")
+
+
+def _mlp():
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="relu",
+                                activity_regularizer=keras.regularizers.L1(0.01),
+                                kernel_regularizer=keras.regularizers.L2(0.01))(inputs)
+    return keras.Model(inputs, keras.layers.Dense(2)(hidden))
+
+
+def summed_squares(y_true, y_pred):
+    return keras.ops.sum(keras.ops.square(y_true - y_pred))
+
+
+def mean_squares(y_true, y_pred):
+    return keras.ops.mean(keras.ops.square(y_true - y_pred))
+
+
+def in_batch_logsumexp(y_true, y_pred):
+    # Compares samples within the batch (like in-batch negatives): not a sum.
+    return keras.ops.logsumexp(keras.ops.sum(y_pred * y_true, axis=-1))
+
+
+class SumPenalty(keras.layers.Layer):
+    def call(self, inputs):
+        self.add_loss(0.1 * keras.ops.sum(keras.ops.square(inputs)))
+        return inputs
+
+
+def _close(strategy):
+    if hasattr(strategy.adapter, "close"):
+        strategy.adapter.close()
+
+
+@pytest.mark.parametrize("case", ["loss_function", "add_loss"])
+def test_fit_refuses_a_loss_that_sums_over_the_batch(case):
+    x, y = _data()
+    strategy = AutoStrategy("proportional", cluster=Cluster.cpu_testbed())
+    with strategy.scope():
+        model = _mlp()
+        if case == "add_loss":
+            model = keras.Sequential([model, SumPenalty()])
+        model.compile(optimizer="sgd", loss=summed_squares if case == "loss_function" else "mse")
+    before = [w.copy() for w in model.get_weights()]
+    try:
+        with pytest.raises(BackendError, match="grows with the batch size") as info:
+            model.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+    finally:
+        _close(strategy)
+    assert "Received: total losses" in str(info.value)
+    for got, want in zip(model.get_weights(), before):  # nothing was trained
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("loss", [mean_squares, in_batch_logsumexp, "mse"])
+def test_probe_leaves_means_and_in_batch_losses_alone_and_metrics_untouched(loss):
+    x, y = _data()
+    model = _mlp()
+    model.compile(optimizer="sgd", loss=loss, metrics=["mae"])
+    model.evaluate(x[:12], y[:12], verbose=0)  # builds the model and fills the metric states
+    states = [keras.ops.convert_to_numpy(v).copy() for v in model.metrics_variables]
+    loss_checks.check_summed_losses(model, x, y)
+    for variable, state in zip(model.metrics_variables, states):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), state)
+
+
+def test_sum_reduction_is_refused_inside_a_loss_dict():
+    inputs = keras.Input((6,))
+    model = keras.Model(inputs, {"a": keras.layers.Dense(2, name="a")(inputs),
+                                 "b": keras.layers.Dense(2, name="b")(inputs)})
+    model.compile(optimizer="sgd", loss={"a": "mse", "b": keras.losses.MeanSquaredError(
+        reduction="sum")})
+    with pytest.raises(BackendError, match="reduction='sum'"):
+        loss_checks.check_loss_reductions(model)
+
+
+def test_masked_output_warns():
+    inputs = keras.Input((5,), dtype="int32")
+    hidden = keras.layers.Embedding(10, 4, mask_zero=True)(inputs)
+    hidden = keras.layers.GRU(3, return_sequences=True)(hidden)
+    masked = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    with pytest.warns(UserWarning, match="carry a Keras mask"):
+        loss_checks.warn_masked_outputs(masked)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss_checks.warn_masked_outputs(_mlp())
