@@ -270,3 +270,38 @@ def test_data_parallel_on_one_device_says_why_and_what_to_use():
     with pytest.raises(StrategyError, match="the cluster has one device .*needs two or more.*"
                                             "Cluster.cpu_testbed"):
         strategy.plan_for(zoo.mlp(input_dim=8, hidden=(16,), name="lonely"), 32)
+
+
+def test_a_fixed_plan_must_suit_the_cluster_devices_and_model(tmp_path):
+    from autodist_keras.errors import PlanError
+
+    testbed = Cluster.cpu_testbed()
+    model = zoo.mlp(input_dim=8, hidden=(16,), name="made_for")
+    plan = AutoStrategy("proportional", cluster=testbed).plan_for(model, 48)
+    with pytest.raises(StrategyError, match=r"runs on devices \[.*\] that this cluster lacks "
+                                            r"\(it was made for cluster .*Pass the cluster"):
+        AutoStrategy(cluster="2xV100", plan=plan)
+    with pytest.raises(StrategyError, match=r"outside devices=\['node0/cpu0'\]"):
+        AutoStrategy(cluster=testbed, plan=plan, devices=["node0/cpu0"])
+    with pytest.warns(UserWarning, match="strategy='fastt' is not used: .*proportional plan"):
+        labelled = AutoStrategy("fastt", cluster=testbed, plan=plan)
+    assert labelled.plan_for(model, 48) is plan
+    assert "runs as it is; no planning ran and strategy='fastt' was not used" in labelled.explain()
+    # Another model: layer names that do not match say why and what to do.
+    other = zoo.mlp(input_dim=8, hidden=(16, 16), name="another")
+    with pytest.raises(PlanError, match="made for another model .*name the layers"):
+        AutoStrategy(cluster=testbed, plan=plan).plan_for(other, 48)
+    # Same layer names, other sizes: it runs, with a warning that its predictions are stale.
+    wider = zoo.mlp(input_dim=8, hidden=(32,), name="made_for")
+    with pytest.warns(UserWarning, match="different model graph"):
+        AutoStrategy(cluster=testbed, plan=plan).plan_for(wider, 48)
+
+
+def test_a_forced_plan_predicted_not_to_fit_in_memory_is_refused():
+    tiny = Cluster.from_dict({"nodes": [{"name": "node0", "cpus": [
+        {"cores": [0], "threads": 1, "memory_gb": 0.001, "count": 2}]}]})
+    model = zoo.mlp(input_dim=64, hidden=(512, 512), name="too_big")
+    for name in ("data_parallel", "heterog"):
+        with pytest.raises(StrategyError, match=f"The '{name}' plan (is predicted not to fit in "
+                                                "memory|could not be made)"):
+            AutoStrategy(name, cluster=tiny).plan_for(model, 16)

@@ -133,6 +133,28 @@ def test_memory_aware_when_the_model_does_not_fit_on_the_smallest_gpu(wide):
     assert any(not small <= set(g.devices) for g in plan.groups)
 
 
+def test_places_groups_on_single_devices_when_no_device_holds_a_replica():
+    # Four 1024x1024 layers with Adam need about 51 MB; each device holds 32 MB,
+    # so neither replication nor one device fits: only placement does.
+    inputs = keras.Input((64,))
+    hidden = inputs
+    for _ in range(4):
+        hidden = keras.layers.Dense(1024, activation="relu")(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(4)(hidden))
+    model.compile(optimizer="adam", loss="mse")
+    graph = ModelGraph.from_keras(model)
+    cluster = Cluster.from_dict({"nodes": [{"name": "node0", "gpus": [
+        {"name": "Tiny", "memory_gb": 0.03, "fp32_tflops": 10, "bandwidth_gbps": 500,
+         "count": 3}], "intra_link": 20}]})
+    assert not simulate(graph, cluster, baselines.data_parallel_even(graph, cluster, 16)).feasible
+    plan = heterog.plan(graph, cluster, 16, time_budget_s=BIG)
+    assert plan.prediction.feasible, plan.prediction.infeasible_reason
+    assert plan.validate(graph, cluster) == []
+    assert len({d for g in plan.groups for d in g.devices}) >= 2
+    for device, peak in plan.prediction.peak_memory_bytes.items():
+        assert peak <= cluster.device(device).memory_bytes
+
+
 def test_groups_hold_about_equal_compute(cnn):
     runs = contiguous_partition(cnn, 4, lambda n: n.forward_flops + n.backward_flops)
     assert [layer for run in runs for layer in run] == list(cnn.nodes)

@@ -21,6 +21,7 @@ import os
 import threading
 import time
 import types
+import warnings
 
 from autodist_keras.errors import StrategyError
 from autodist_keras.strategies.plan import Plan
@@ -200,6 +201,8 @@ class AutoStrategy:
                     f"JSON file. Received: {type(plan).__name__}"
                 )
             plan = Plan.from_json(plan)
+        if plan is not None:
+            self._check_fixed_plan(plan, strategy, devices)
         self._fixed_plan = plan
         self.options = dict(options)
         self.plan = plan
@@ -218,6 +221,36 @@ class AutoStrategy:
             from autodist_keras.backends.tensorflow_adapter import configure_logical_cpus
 
             configure_logical_cpus(self.cluster)
+
+    def _check_fixed_plan(self, plan, strategy, devices):
+        """A plan given with `plan=` must run on this cluster and the devices asked for."""
+        missing = sorted(set(plan.devices) - set(self.cluster.names))
+        made_for = plan.provenance.cluster_fingerprint
+        if missing:
+            other = (f" (it was made for cluster {made_for[:12]}, this one is "
+                     f"{self.cluster.fingerprint()[:12]})"
+                     if made_for and made_for != self.cluster.fingerprint() else "")
+            raise StrategyError(
+                f"The plan given with plan= runs on devices {missing} that this cluster lacks"
+                f"{other}; the cluster has {self.cluster.names}. Pass the cluster the plan was "
+                "made for with cluster=..., or leave plan= out to plan for this cluster. "
+                f"Received: plan devices {plan.devices}"
+            )
+        if devices is not None and not set(plan.devices) <= set(devices):
+            raise StrategyError(
+                f"The plan given with plan= runs on {plan.devices}, outside devices={devices}. "
+                "Leave devices= out (the plan names its devices), or leave plan= out to plan "
+                f"for those devices. Received: devices={devices}"
+            )
+        wanted = BASELINE_FOR_NAME.get(strategy, strategy)
+        planner = plan.provenance.planner or ""
+        if strategy != "auto" and not planner.startswith(wanted):
+            warnings.warn(
+                f"strategy={strategy!r} is not used: plan= gives the plan to run, and it is a "
+                f"{planner or 'hand-made'} plan. Leave strategy out (or pass the plan's own "
+                "strategy) to silence this warning.",
+                stacklevel=3,
+            )
 
     # ----------------------------------------------------------- properties
     @property
@@ -380,12 +413,35 @@ class AutoStrategy:
         self.graph = ModelGraph.from_keras(model)
         if self._fixed_plan is not None:
             self.plan = self._fixed_plan
-            self.plan.validate(self.graph, self.cluster)
+            self._validate_fixed_plan(model)
         else:
             self.plan = self._build_plan(self.graph, batch_size)
             self.plan.provenance.planning_time_s = time.perf_counter() - started
         self._plans[id(model)] = (model, self.graph, self.plan)
         return self.plan
+
+    def _validate_fixed_plan(self, model):
+        """Checks the plan given with `plan=` against `model`; says so when it was made
+        for another model or cluster."""
+        from autodist_keras.errors import PlanError
+
+        made_for = self.plan.provenance.graph_fingerprint
+        other_model = bool(made_for) and made_for != self.graph.fingerprint()
+        try:
+            notes = self.plan.validate(self.graph, self.cluster)
+        except PlanError as e:
+            if not other_model:
+                raise
+            raise PlanError(
+                f"The plan given with plan= was made for another model (graph {made_for[:12]}, "
+                f"model {model.name!r} is {self.graph.fingerprint()[:12]}), and it does not fit "
+                f"this one: {e} Plans name layers, and Keras numbers unnamed layers per "
+                "process (dense_3 in one script can be dense in another): name the layers, or "
+                "leave plan= out to plan this model."
+            ) from None
+        for note in notes:
+            warnings.warn(f"plan=: {note} The plan still runs as given; its predictions "
+                          "describe the model and cluster it was made for.", stacklevel=4)
 
     def _build_plan(self, graph, batch_size):
         from autodist_keras.strategies import selection
@@ -447,6 +503,21 @@ class AutoStrategy:
                     f"backend: {chosen[0].reason}. Use strategy='auto' to pick a plan that "
                     f"runs, or plan with the CLI. Received: strategy={self.name!r}"
                 )
+        prediction = plan.prediction
+        if here and prediction is not None and prediction.feasible is False:
+            # The runtime would start and run out of memory (on GPUs); auto refuses
+            # such plans too ("No plan fits").
+            placement = ("strategy='auto' or 'fastt', which place layers on several devices "
+                         "when a whole replica does not fit")
+            if self.adapter.name == "torch":
+                placement = ("KERAS_BACKEND=tensorflow with " + placement + " (the PyTorch "
+                             "runtime runs data parallelism only)")
+            raise StrategyError(
+                f"The {self.name!r} plan is predicted not to fit in memory: "
+                f"{prediction.infeasible_reason}. Use {placement}, a smaller batch size, or "
+                "devices with more memory. "
+                f"Received: strategy={self.name!r}, batch_size={batch_size}"
+            )
         selection.record_candidates(plan, self.candidates)
         return _noted_if_not_here(plan, here)
 
@@ -475,7 +546,8 @@ class AutoStrategy:
                 "compiled inside strategy.scope()."
             )
             return {"plan": None, "message": message} if format == "json" else message
-        data = explanation(self.plan, self.cluster, measured=self.measured, strategy_name=self.name)
+        data = explanation(self.plan, self.cluster, measured=self.measured, strategy_name=self.name,
+                           fixed=self._fixed_plan is not None)
         if format == "json":
             data["plan"] = self.plan.to_dict()
             return data

@@ -23,7 +23,8 @@ def _mib(nbytes):
     return None if nbytes is None else round(nbytes / 2**20, 1)
 
 
-def explanation(plan, cluster, candidates=None, measured=None, strategy_name="auto"):
+def explanation(plan, cluster, candidates=None, measured=None, strategy_name="auto",
+                fixed=False):
     """Builds the machine-readable explanation of a plan.
 
     Args:
@@ -32,6 +33,7 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
         candidates: Candidate dicts by name (default: `plan.prediction.baselines`).
         measured: Dict of measured figures (e.g. `step_time_s`, `steps`).
         strategy_name: The strategy name the user asked for.
+        fixed: Whether the plan was given with `plan=` (no planning ran).
 
     Returns:
         A JSON-ready dict.
@@ -84,7 +86,15 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
         measured_vs_predicted = round(measured["step_time_s"] / prediction.step_time_s, 3)
     chosen = plan.provenance.candidate
     why = [n[len("auto: "):] for n in plan.notes if n.startswith("auto: ")]
-    if not why:
+    if fixed:
+        why = [f"the plan given with plan= (a {plan.provenance.planner or 'hand-made'} plan) "
+               "runs as it is; no planning ran"
+               + (f" and strategy={strategy_name!r} was not used"
+                  if strategy_name != "auto" else "")]
+        if prediction is not None:
+            why.append(f"its predicted step time is from the {prediction.source}, as recorded "
+                       "in the plan")
+    elif not why:
         why = [f"{plan.provenance.planner} plan requested with strategy={strategy_name!r}"]
         if prediction is not None:
             why.append(f"its predicted step time is from the {prediction.source}")

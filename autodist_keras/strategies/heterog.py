@@ -862,7 +862,36 @@ class _Space:
         return best_state, best_score, line
 
     def memory_state(self):
-        """Groups on the largest candidate set whose devices still have room."""
+        """Groups on the largest candidate set whose devices still have room.
+
+        When that leaves some group without room, every device becomes a set
+        of its own as well and the groups are placed in order, each on the
+        current device while it has room, then on the next (a pipeline-like
+        placement, as FastT makes when no replica fits); the local search
+        then keeps those sets too.
+        """
+        state = self._greedy_memory_state()
+        if state is None:
+            self.sets.extend((d,) for d in range(self.n) if (d,) not in self.sets)
+            state = self._placement_memory_state()
+        return state
+
+    def _placement_memory_state(self):
+        room = list(self.capacity)
+        order = sorted(range(self.n), key=lambda d: self.speed_rank[d])
+        position, state = 0, []
+        for i in range(len(self.units)):
+            need = self.static[i] + self.act[i] * self.batch
+            while position < len(order) and room[order[position]] < need:
+                position += 1
+            if position == len(order):
+                return None
+            d = order[position]
+            room[d] -= need
+            state.append((self.sets.index((d,)), ("ring", None)))
+        return tuple(state)
+
+    def _greedy_memory_state(self):
         room = list(self.capacity)
         state = []
         for i in range(len(self.units)):
