@@ -307,3 +307,18 @@ def test_balanced_shares_beat_speed_proportional_ones_on_memory_bound_layers(clu
     given = disco.plan(graph, cluster, 128, op_fusion=False, speeds=speeds)
     assert given.provenance.options["shares"] == "proportional"
     assert [r.batch_share for r in given.replicas] == [r.batch_share for r in prop.replicas]
+
+
+def test_autostrategy_op_fusion_on_makes_disco_search_fusion_on_cpus():
+    # On CPU devices Disco plans no regions by default (the runtimes do not compile
+    # them there); op_fusion="on" asks for them, so the search must run.
+    from autodist_keras import AutoStrategy
+    from autodist_keras.graph import zoo
+
+    default = AutoStrategy("disco", cluster=Cluster.cpu_testbed())
+    forced = AutoStrategy("disco", cluster=Cluster.cpu_testbed(), op_fusion="on")
+    model = zoo.small_cnn(name="fusion_on_cpu")
+    assert default.plan_for(model, 48).op_fusion == []
+    plan = forced.plan_for(model, 48)
+    assert plan.op_fusion, plan.notes
+    assert any(note.startswith("Op fusion:") and "region(s)" in note for note in plan.notes)

@@ -146,6 +146,7 @@ def test_one_device_fused_fit_matches_plain_keras_and_restores_call():
     # Every training step ran each region compiled (Keras's own train function
     # from step 2 on calls the model's replaced `call` too).
     assert min(fusion.calls) >= SAMPLES // BATCH
+    assert run["op_fusion"]["calls"] == fusion.calls  # last_run reports the counts after fit
     assert "call" not in model.__dict__  # Keras's own call again after fit
     _assert_same_weights(model, reference)
     np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
@@ -156,6 +157,7 @@ def test_three_devices_fused_fit_matches_unfused():
     run = strategy.adapter.last_run
     assert run["op_fusion_regions"] == 3
     assert min(strategy.adapter._run.driver.trainer.fusion.calls) >= SAMPLES // BATCH
+    assert min(run["op_fusion"]["calls"]) >= SAMPLES // BATCH
     assert run["in_sync"] is True  # the workers' fused replicas stayed identical to rank 0
     plain, plain_history, off = _fit(3, op_fusion="off")
     assert off.adapter.last_run["op_fusion_regions"] == 0

@@ -29,6 +29,7 @@ model.fit(x, y, batch_size=48, epochs=2)   # 3 processes, uneven shares
 ```
 """
 
+import atexit
 import os
 import types
 
@@ -99,7 +100,16 @@ def _get_torchrun_comm(rank, world, timeout_s):
         _torchrun_comm = Comm(store, rank, world, timeout_s, prefix="autodist_keras/torchrun")
     except (RuntimeError, TimeoutError) as e:
         raise _not_joined(rank, world, timeout_s, e) from None
+    atexit.register(_shutdown_torchrun_comm)
     return _torchrun_comm
+
+
+def _shutdown_torchrun_comm():
+    """At exit: ends the torchrun job's process groups while the peers are still up."""
+    global _torchrun_comm
+    comm, _torchrun_comm = _torchrun_comm, None
+    if comm is not None:
+        comm.shutdown()
 
 
 def _not_joined(rank, world, timeout_s, error):
@@ -433,6 +443,9 @@ class _FitRun:
             self.driver.end(history)
             self.adapter.last_run["in_sync"] = self.driver.in_sync
             self.adapter.last_run["steps"] = self.driver.steps
+        fusion = self.driver.trainer.fusion if self.driver is not None else self.fusion
+        if fusion is not None:  # rank 0's region call counts, now that fit is done
+            self.adapter.last_run.update(torch_fusion.run_info(fusion))
 
     def abort(self):
         """fit raised: end the session cleanly if possible, else stop the workers."""

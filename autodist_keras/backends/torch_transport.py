@@ -117,6 +117,38 @@ class Comm:
             except Exception:  # noqa: BLE001  (best effort: the group is dropped anyway)
                 pass
 
+    def shutdown(self, grace_s=10.0):
+        """Ends this rank's process groups in order, before the interpreter exits.
+
+        Each rank shuts its groups down (joining their threads) and says so in
+        the store; rank 0, whose process may host the store and is every
+        rank's peer, then waits up to `grace_s` for the others before it goes.
+        Left to interpreter teardown, a rank whose peers had already exited
+        sometimes aborted ("terminate called without an active exception").
+        Best effort: a rank that is gone is not waited for longer.
+        """
+        if self._aborted:
+            return
+        healthy = not self.broken  # after a failure, nobody is waited for
+        self._aborted = True
+        self.broken = True
+        groups = [*self._subgroups.values(), self.grad_pg]
+        if self.pg is not self.grad_pg:
+            groups.append(self.pg)
+        for pg in groups:
+            try:
+                pg.shutdown()
+            except Exception:  # noqa: BLE001  (best effort at exit)
+                pass
+        key = f"{self._prefix}/shutdown"
+        try:
+            self.store.set(f"{key}/{self.rank}", b"1")
+            if healthy and self.rank == 0 and self.world_size > 1:
+                self.store.set_timeout(_timedelta(grace_s))
+                self.store.wait([f"{key}/{r}" for r in range(1, self.world_size)])
+        except Exception:  # noqa: BLE001  (a peer already gone; nothing left to wait for)
+            pass
+
     # ------------------------------------------------------------ groups
     def subgroup(self, ranks):
         """A process group over `ranks` (sorted); this rank must be one of them.

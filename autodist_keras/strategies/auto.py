@@ -448,6 +448,9 @@ class AutoStrategy:
 
         opts = {k: v for k, v in self.options.items() if k not in RUNTIME_ONLY_OPTIONS}
         estimator = self.options.get("estimator", "learned")
+        # op_fusion="on" / "off" also decides whether Disco searches fusion regions.
+        fusion = ({"op_fusion": self.options["op_fusion"]}
+                  if self.options.get("op_fusion") in ("on", "off") else {})
         # On the machine the cluster describes, only plans this backend can run here
         # count; for a cluster that is not here (planning only, as the CLI does) all do.
         here = self.adapter.cluster_is_here()
@@ -455,7 +458,7 @@ class AutoStrategy:
         if self.name == "auto":
             plan, self.candidates = selection.choose_plan(
                 graph, self.cluster, batch_size, devices=self.devices,
-                options=dict(opts, backend=self.adapter.name),
+                options=dict(opts, backend=self.adapter.name, **fusion),
                 show_progress=True, executable=executable, estimator=estimator,
             )
             return _noted_if_not_here(plan, here)
@@ -463,7 +466,7 @@ class AutoStrategy:
         sync_opts = {k: opts[k] for k in ("algorithm", "bucket_bytes", "step_costs") if k in opts}
         self.candidates = selection.build_candidates(
             graph, self.cluster, batch_size, devices=self.devices, families=families,
-            options=dict(sync_opts, backend=self.adapter.name), executable=executable,
+            options=dict(sync_opts, backend=self.adapter.name, **fusion), executable=executable,
             scorer=selection.resolve_scorer(estimator, self.adapter.name),
         )
         wanted = BASELINE_FOR_NAME.get(self.name, self.name)

@@ -656,8 +656,8 @@ def plan(
         notes.append(
             "Op fusion: not searched; the runtimes compile op-fusion regions by default "
             "only on GPUs under TensorFlow (XLA). torch.compile regions were measured "
-            "slower than eager Keras on the CPU and on an NVIDIA H200 (op_fusion=True "
-            "forces the search)."
+            "slower than eager Keras on the CPU and on an NVIDIA H200 (AutoStrategy's "
+            "op_fusion='on', or disco.plan(..., op_fusion=True), forces the search)."
         )
     if not sim.feasible:
         notes.append(

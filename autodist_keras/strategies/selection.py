@@ -518,7 +518,11 @@ def build_candidates(
     # Disco plans op-fusion regions where the backend's runtime compiles them by
     # default (every device a GPU, TensorFlow's XLA; not torch.compile, which
     # measured slower than eager Keras).
-    family_options = {"disco": {"backend": options["backend"]}} if options.get("backend") else {}
+    # op_fusion="on" / "off" (AutoStrategy's runtime option) forces the search either way.
+    disco_options = {"backend": options["backend"]} if options.get("backend") else {}
+    if options.get("op_fusion") in ("on", "off"):
+        disco_options["op_fusion"] = options["op_fusion"] == "on"
+    family_options = {"disco": disco_options}
     for family in families:
         started = time.perf_counter()
         candidate = Candidate(name=family, family=family)
