@@ -201,13 +201,21 @@ def baseline_results(graph, cluster, batch_size, devices, cost_model, which, pro
     return out
 
 
+def shorten(text, limit=300):
+    """`text` cut at a word boundary (with " ...") when longer than `limit` characters."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
 def comparison_note(step_time_s, figures):
     """One sentence comparing a predicted step time with baseline figures."""
     parts = []
     for name, fig in figures.items():
         other = fig.get("step_time_s")
         if other is None:
-            parts.append(f"{name} cannot be built ({fig.get('error', 'does not fit')[:80]})")
+            parts.append(f"{name} cannot be built ({shorten(fig.get('error', 'does not fit'), 80)})")
             continue
         speedup = other / step_time_s if step_time_s > 0 else float("inf")
         fits = "" if fig.get("feasible", True) else ", does not fit in memory"

@@ -53,6 +53,7 @@ import time
 
 from autodist_keras.errors import AutodistError
 from autodist_keras.errors import StrategyError
+from autodist_keras.strategies import _common
 from autodist_keras.strategies import baselines
 from autodist_keras.strategies.plan import Plan
 from autodist_keras.strategies.plan import write_text_atomic
@@ -579,7 +580,8 @@ def pick(candidates, fits_hint=""):
     """
     usable = [c for c in candidates if _usable(c)]
     if not usable:
-        reasons = "; ".join(f"{c.name}: {_short(c.reason)}" for c in candidates if c.reason)
+        reasons = "; ".join(f"{c.name}: {_common.shorten(c.reason)}" for c in candidates
+                            if c.reason)
         if any(c.feasible and c.executable is False for c in candidates):
             raise StrategyError(
                 "No candidate plan can run here: those that fit cannot be executed by this "
@@ -595,14 +597,6 @@ def pick(candidates, fits_hint=""):
     # baseline's plan with other buckets).
     fastest = min(c.step_time_s for c in usable)
     return next(c for c in usable if c.step_time_s <= fastest * (1.0 + TIE_RTOL))
-
-
-def _short(reason, limit=300):
-    """A candidate's reason, cut at a word boundary for a one-screen error."""
-    text = str(reason)
-    if len(text) <= limit:
-        return text
-    return text[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def _fits_hint(graph, cluster, devices, batch_size):
