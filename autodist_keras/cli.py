@@ -2,9 +2,9 @@
 
 ```
 autodist-keras devices [--cluster SPEC] [--json]
-autodist-keras graph --model MODEL [--json]
-autodist-keras plan --model MODEL --cluster SPEC [--strategy NAME] [--batch-size N] [--json] [--out plan.json]
-autodist-keras simulate --model MODEL --cluster SPEC --plan PLAN.json [--trace out.json] [--json]
+autodist-keras graph --model MODEL [--import MODULE] [--json]
+autodist-keras plan --model MODEL --cluster SPEC [--strategy NAME] [--batch-size N] [--json] [--out plan.json] [--import MODULE]
+autodist-keras simulate --model MODEL --cluster SPEC --plan PLAN.json [--trace out.json] [--json] [--import MODULE]
 autodist-keras profile --model MODEL [--cluster cpu_testbed] [--batch-sizes 8,32] [--budget-s 60]
 autodist-keras launch --nprocs N script.py [args...]
 ```
@@ -13,7 +13,8 @@ Every step time these commands print is predicted by the simulator, not measured
 
 MODEL is a keras.applications name (e.g. `ResNet50`, built without weights),
 a built-in zoo name (`mlp`, `small_cnn`, `transformer_encoder`, `bert_large`),
-a `.keras` file, or `module:function` returning a model. SPEC is a YAML
+a `.keras` file (`--import MODULE` first imports a module that registers its
+custom layers), or `module:function` returning a model. SPEC is a YAML
 resource spec, a string such as `2xV100,4x1080Ti`, or `cpu_testbed`.
 """
 
@@ -33,11 +34,14 @@ def _cluster(spec):
     return Cluster.resolve(spec)
 
 
-def _load_graph(spec):
+def _load_graph(spec, imports=()):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from autodist_keras.graph import ModelGraph
     from autodist_keras.graph import load_model
+    from autodist_keras.graph.loading import import_user_module
 
+    for module in imports or ():
+        import_user_module(module)
     return ModelGraph.from_keras(load_model(spec))
 
 
@@ -59,7 +63,7 @@ def _cmd_devices(args):
 
 
 def _cmd_graph(args):
-    return _show(_load_graph(args.model), args.json)
+    return _show(_load_graph(args.model, args.imports), args.json)
 
 
 def _cmd_plan(args):
@@ -77,7 +81,7 @@ def _cmd_plan(args):
             f"Received: {args.strategy!r}"
         )
     cluster = _cluster(args.cluster)
-    graph = _load_graph(args.model)
+    graph = _load_graph(args.model, args.imports)
     batch_size = args.batch_size or 32 * len(cluster)
     started = time.perf_counter()
     if args.strategy == "auto":
@@ -147,7 +151,7 @@ def _cmd_simulate(args):
 
     plan = Plan.from_json(args.plan)  # first: a bad plan file fails before the model loads
     cluster = _cluster(args.cluster)
-    graph = _load_graph(args.model)
+    graph = _load_graph(args.model, args.imports)
     for what, made_for, here in (
             ("model", plan.provenance.graph_fingerprint, graph.fingerprint()),
             ("cluster", plan.provenance.cluster_fingerprint, cluster.fingerprint())):
@@ -225,6 +229,13 @@ def _positive_int(text):
 
 _MODEL_HELP = "ResNet50, mlp, a .keras file or module:function"
 _CLUSTER_HELP = "YAML spec, '2xV100,4x1080Ti' or 'cpu_testbed'"
+_IMPORT_HELP = ("import this module first (repeatable), e.g. one that registers the custom "
+                "layers of a .keras file")
+
+
+def _add_import(parser):
+    parser.add_argument("--import", dest="imports", action="append", default=[],
+                        metavar="MODULE", help=_IMPORT_HELP)
 
 
 def build_parser():
@@ -242,6 +253,7 @@ def build_parser():
 
     p = sub.add_parser("graph", help="show the layer graph of a model")
     p.add_argument("--model", required=True, help=_MODEL_HELP)
+    _add_import(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_graph)
 
@@ -254,6 +266,7 @@ def build_parser():
                    help="global batch (default 32 x devices)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--out", default=None, help="write the plan as JSON to this file")
+    _add_import(p)
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("simulate", help="predict one training step of a plan")
@@ -262,6 +275,7 @@ def build_parser():
     p.add_argument("--plan", required=True, help="plan JSON file (from `plan --out`)")
     p.add_argument("--trace", default=None, help="write a Chrome trace JSON here")
     p.add_argument("--json", action="store_true", help="print JSON")
+    _add_import(p)
     p.set_defaults(func=_cmd_simulate)
 
     from autodist_keras.estimator.profiler import add_profile_arguments

@@ -304,3 +304,44 @@ def test_a_batch_that_fits_nowhere_gets_a_short_error_naming_one_that_fits(cli):
                "--batch-size", match.group(1), "--json")
     assert fits.returncode == 0, fits.stderr[-600:]
     assert json.loads(fits.stdout)["feasible"] is True
+
+
+def test_cli_import_registers_the_custom_layers_of_a_keras_file(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    (tmp_path / "my_layers.py").write_text(textwrap.dedent("""
+        import keras
+
+        @keras.saving.register_keras_serializable(package="cli_test")
+        class Doubler(keras.layers.Layer):
+            def call(self, inputs):
+                return inputs * 2.0
+    """))
+    (tmp_path / "save.py").write_text(textwrap.dedent("""
+        import keras
+        from my_layers import Doubler
+        inputs = keras.Input((8,))
+        outputs = keras.layers.Dense(4)(Doubler()(keras.layers.Dense(16)(inputs)))
+        keras.Model(inputs, outputs).save("custom.keras")
+    """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get(
+        "PYTHONPATH", "")]), TF_CPP_MIN_LOG_LEVEL="3")
+
+    def run(*args):
+        return subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, text=True,
+                              capture_output=True, timeout=240)
+
+    saved = run("save.py")
+    assert saved.returncode == 0, saved.stderr
+    without = run("-m", "autodist_keras.cli", "graph", "--model", "custom.keras")
+    assert without.returncode == 2
+    assert "--import MODULE" in without.stderr and "Traceback" not in without.stderr
+    with_import = run("-m", "autodist_keras.cli", "graph", "--model", "custom.keras",
+                      "--import", "my_layers", "--json")
+    assert with_import.returncode == 0, with_import.stderr
+    assert json.loads(with_import.stdout)["params"] == 8 * 16 + 16 + 16 * 4 + 4
+    missing = run("-m", "autodist_keras.cli", "graph", "--model", "custom.keras",
+                  "--import", "no_such_module_here")
+    assert missing.returncode == 2 and "Cannot import module 'no_such_module_here'" in missing.stderr

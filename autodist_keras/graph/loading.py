@@ -155,6 +155,26 @@ def _import_here_or_on_path(module_name):
             raise
 
 
+def import_user_module(module_name):
+    """Imports a module the user names (e.g. one registering custom layers).
+
+    Args:
+        module_name: A dotted module name, importable from `sys.path` or the
+            working directory.
+
+    Raises:
+        GraphError: If it cannot be imported.
+    """
+    try:
+        return _import_here_or_on_path(module_name)
+    except ImportError as e:
+        raise GraphError(
+            f"Cannot import module {module_name!r}: {e}. Make it importable (install it, run "
+            "from its folder, or add the folder to PYTHONPATH). "
+            f"Received: {module_name!r}"
+        ) from None
+
+
 def _load_file(path, kwargs):
     import keras
 
@@ -172,7 +192,8 @@ def _load_file(path, kwargs):
         raise GraphError(
             f"Cannot load model file {path!r}: {type(e).__name__}: {e}. It must be a "
             "model saved by Keras 3 (`model.save('model.keras')`); custom layers must be "
-            "registered with keras.saving.register_keras_serializable before loading. "
+            "registered with keras.saving.register_keras_serializable before loading (on the "
+            "command line, `--import MODULE` imports the module that registers them). "
             f"Received: {path!r}"
         ) from None
 
