@@ -511,6 +511,40 @@ def test_unregistered_custom_layer_is_a_clear_error():
         model.fit(x, y, batch_size=BATCH, verbose=0)
 
 
+def test_an_adapted_lookup_layer_reaches_the_workers():
+    # IntegerLookup keeps what adapt() learned in a table, neither config nor
+    # variables: the workers get it as Keras's asset files (layer_assets).
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 20, size=(96, 4)).astype("int64")
+    y = (x[:, 0] % 2).astype("float32")
+
+    def build():
+        lookup = keras.layers.IntegerLookup(output_mode="multi_hot", name="lookup")
+        lookup.adapt(x)
+        inputs = keras.Input((4,), dtype="int64")
+        hidden = keras.layers.Dense(4, activation="relu", name="hidden")(lookup(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(1, name="out")(hidden))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    keras.utils.set_random_seed(5)
+    reference = build()
+    initial = reference.get_weights()
+    ref_history = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    strategy = _strategy("proportional", 3)
+    with strategy.scope():
+        model = build()
+    model.set_weights(initial)
+    try:
+        history = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        assert strategy.adapter.last_run["in_sync"] is True
+    finally:
+        strategy.adapter.close()
+    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=RTOL)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
 def test_sum_reduction_loss_is_rejected():
     from autodist_keras.errors import BackendError
 

@@ -33,7 +33,7 @@ model.fit(x, y, batch_size=48, shuffle=False)
 import contextlib
 
 from autodist_keras.backends import batchnorm_stats
-from autodist_keras.backends import loss_checks
+from autodist_keras.backends import model_checks
 from autodist_keras.backends import replica_random
 from autodist_keras.backends import tf_fusion
 from autodist_keras.backends import tf_multiworker
@@ -451,8 +451,9 @@ class _Runtime:
         model = self.model
         with tf.device(self.adapter.home):
             model._symbolic_build(data_batch=data)
-            loss_checks.check_summed_losses(model, data[0], data[1])
-        loss_checks.warn_masked_outputs(model)
+            model_checks.check_stateful_layers(model)
+            model_checks.check_summed_losses(model, data[0], data[1])
+        model_checks.warn_masked_outputs(model)
         strategy = self.adapter.strategy
         plan = strategy._plan_for_training(model, batch_size)
         if not plan.is_data_parallel:
@@ -489,7 +490,7 @@ class _Runtime:
             [v.path for v in variables],
             [_dtype_name(v) for v in variables],
         )
-        loss_checks.check_loss_reductions(model)
+        model_checks.check_loss_reductions(model)
         if model.optimizer is not None and not model.optimizer.built:
             with tf.device(self.adapter.home):
                 model.optimizer.build(variables)
@@ -531,7 +532,7 @@ class _Runtime:
                 f"that runs. Received: groups {[g.name for g in plan.groups]}"
             )
         model = self.model
-        loss_checks.check_loss_reductions(model)
+        model_checks.check_loss_reductions(model)
         self.placement = tf_placement.PlacementRuntime(adapter, model, plan, adapter.strategy.graph)
         self.layout = self.placement.layout
         if model.optimizer is not None and not model.optimizer.built:

@@ -33,7 +33,7 @@ import atexit
 import os
 import types
 
-from autodist_keras.backends import loss_checks
+from autodist_keras.backends import model_checks
 from autodist_keras.backends import torch_fusion
 from autodist_keras.backends.base import BackendAdapter
 from autodist_keras.backends.torch_fusion import DEFAULT_COMPILER
@@ -364,9 +364,10 @@ class _FitRun:
         if not leaves:
             raise BackendError("fit received a batch without inputs. Received: x=None")
         batch_size = int(tt.to_torch(leaves[0]).shape[0])
-        loss_checks.check_loss_reductions(self.model)
-        loss_checks.check_summed_losses(self.model, x, y)
-        loss_checks.warn_masked_outputs(self.model)
+        model_checks.check_loss_reductions(self.model)
+        model_checks.check_stateful_layers(self.model)
+        model_checks.check_summed_losses(self.model, x, y)
+        model_checks.warn_masked_outputs(self.model)
         plan = strategy._plan_for_training(self.model, batch_size)
         if not plan.is_data_parallel:
             raise BackendError(

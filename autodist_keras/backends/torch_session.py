@@ -414,6 +414,8 @@ class Driver:
             payload["model"] = json.loads(json.dumps(model_config, default=_json_default))
             payload["compile"] = json.loads(json.dumps(compile_config, default=_json_default))
             payload["modules"] = custom_modules(model)
+            # State that is neither config nor variables (adapted lookup tables).
+            payload["assets"] = layer_assets(model)
         if self.wake is not None:
             self.wake()
         try:
@@ -752,6 +754,7 @@ def _rebuild_model(setup, rank):
             "@keras.saving.register_keras_serializable() in a module the workers import. "
             f"Received: model class {setup['model'].get('class_name')!r}"
         ) from None
+    load_layer_assets(model, setup.get("assets") or {}, rank)
     model.compile(**compile_config)
     if not model.built:
         raise BackendError(
@@ -761,6 +764,59 @@ def _rebuild_model(setup, rank):
         )
     model.optimizer.build(model.trainable_variables)
     return model
+
+
+def layer_assets(model):
+    """The files each layer writes with Keras's `save_assets` (adapted vocabularies).
+
+    Layers such as `IntegerLookup`, `StringLookup` and `TextVectorization` keep
+    what `adapt()` learned in a table that is neither in their config nor a
+    variable; Keras's saving writes it as asset files, and so does this.
+
+    Returns:
+        A JSON-ready dict: layer index (in `model._flatten_layers()` order) ->
+        {file name: base64 content}.
+    """
+    import base64
+    import tempfile
+
+    out = {}
+    for index, layer in enumerate(model._flatten_layers(include_self=False)):
+        if not hasattr(layer, "save_assets"):
+            continue
+        with tempfile.TemporaryDirectory(prefix="autodist_keras_assets_") as folder:
+            layer.save_assets(folder)
+            files = {}
+            for name in sorted(os.listdir(folder)):
+                with open(os.path.join(folder, name), "rb") as f:
+                    files[name] = base64.b64encode(f.read()).decode("ascii")
+        if files:
+            out[str(index)] = {"layer": layer.name, "files": files}
+    return out
+
+
+def load_layer_assets(model, assets, rank):
+    """Gives a rebuilt replica's layers the asset files of rank 0's (`layer_assets`)."""
+    import base64
+    import tempfile
+
+    if not assets:
+        return
+    layers = list(model._flatten_layers(include_self=False))
+    for index, entry in assets.items():
+        layer = layers[int(index)] if int(index) < len(layers) else None
+        if layer is None or layer.name != entry["layer"] or not hasattr(layer, "load_assets"):
+            raise BackendError(
+                f"Worker rank {rank} rebuilt the model, but its layer #{index} is not rank "
+                f"0's {entry['layer']!r}, whose adapted state (assets) it must load. Every "
+                "rank must build the same model. "
+                f"Received: {getattr(layer, 'name', None)!r}"
+            )
+        with tempfile.TemporaryDirectory(prefix="autodist_keras_assets_") as folder:
+            for name, content in entry["files"].items():
+                with open(os.path.join(folder, os.path.basename(name)), "wb") as f:
+                    f.write(base64.b64decode(content))
+            layer.load_assets(folder)
 
 
 def _check_metas(model, setup, rank):

@@ -23,7 +23,7 @@ import os
 import time
 
 from autodist_keras.backends import batchnorm_stats
-from autodist_keras.backends import loss_checks
+from autodist_keras.backends import model_checks
 from autodist_keras.backends.torch_reducer import GradientReducer
 from autodist_keras.backends.torch_reducer import StateSync
 from autodist_keras.errors import BackendError
@@ -145,7 +145,7 @@ class ReplicaTrainer:
                 "distribute a custom one. Override compute_loss instead of train_step, "
                 f"or train it without AutoStrategy. Received: {type(model).__name__}.train_step"
             )
-        loss_checks.check_loss_reductions(model)
+        model_checks.check_loss_reductions(model)
         self.model = model
         self.comm = comm
         self.reducer = GradientReducer(comm, model.trainable_weights, plan, rank_nodes, device_ranks,

@@ -1,4 +1,4 @@
-"""Losses that cannot be split by batch share are refused or flagged (both backends).
+"""Models that cannot be split by batch share are refused or flagged (both backends).
 
 Each replica's loss is weighted by its share of the batch, which is exact for
 batch means. A term that sums over the batch would train silently wrong, so
@@ -12,7 +12,7 @@ import pytest
 
 from autodist_keras import AutoStrategy
 from autodist_keras import Cluster
-from autodist_keras.backends import loss_checks
+from autodist_keras.backends import model_checks
 from autodist_keras.errors import BackendError
 
 
@@ -80,7 +80,7 @@ def test_probe_leaves_means_and_in_batch_losses_alone_and_metrics_untouched(loss
     model.compile(optimizer="sgd", loss=loss, metrics=["mae"])
     model.evaluate(x[:12], y[:12], verbose=0)  # builds the model and fills the metric states
     states = [keras.ops.convert_to_numpy(v).copy() for v in model.metrics_variables]
-    loss_checks.check_summed_losses(model, x, y)
+    model_checks.check_summed_losses(model, x, y)
     for variable, state in zip(model.metrics_variables, states):
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), state)
 
@@ -92,7 +92,7 @@ def test_sum_reduction_is_refused_inside_a_loss_dict():
     model.compile(optimizer="sgd", loss={"a": "mse", "b": keras.losses.MeanSquaredError(
         reduction="sum")})
     with pytest.raises(BackendError, match="reduction='sum'"):
-        loss_checks.check_loss_reductions(model)
+        model_checks.check_loss_reductions(model)
 
 
 def test_masked_output_warns():
@@ -101,9 +101,26 @@ def test_masked_output_warns():
     hidden = keras.layers.GRU(3, return_sequences=True)(hidden)
     masked = keras.Model(inputs, keras.layers.Dense(1)(hidden))
     with pytest.warns(UserWarning, match="carry a Keras mask"):
-        loss_checks.warn_masked_outputs(masked)
+        model_checks.warn_masked_outputs(masked)
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        loss_checks.warn_masked_outputs(_mlp())
+        model_checks.warn_masked_outputs(_mlp())
+
+
+def test_fit_refuses_stateful_layers():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(24, 5, 3)).astype("float32")
+    y = rng.normal(size=(24, 1)).astype("float32")
+    strategy = AutoStrategy("proportional", cluster=Cluster.cpu_testbed())
+    with strategy.scope():
+        inputs = keras.Input((5, 3), batch_size=12)
+        model = keras.Model(inputs, keras.layers.Dense(1)(
+            keras.layers.GRU(4, stateful=True, name="memory")(inputs)))
+        model.compile(optimizer="sgd", loss="mse")
+    try:
+        with pytest.raises(BackendError, match=r"\['memory'\] are stateful .*stateful=False"):
+            model.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+    finally:
+        _close(strategy)

@@ -1,4 +1,7 @@
-"""Checks that a compiled model's loss can be split by batch share (both backends).
+"""Checks, before the first step, that a compiled model can be split by batch share.
+
+Both backends run them. A model that cannot be split is refused with what to
+change; one that splits inexactly gets a warning.
 
 Both runtimes weight each replica's total loss by its share of the global
 batch (`s_r / B`), which gives single-device gradients when the loss is a
@@ -11,7 +14,8 @@ step, with what to change.
 Masked outputs (Keras masks, e.g. from `Embedding(mask_zero=True)`) are a
 mean over each replica's valid entries, which differs slightly from the
 global batch's when the shards hold different amounts of padding; they get a
-warning, not a refusal.
+warning, not a refusal. Stateful layers (`stateful=True` RNNs) carry each
+sample's state from one batch to the next and are refused.
 """
 
 import logging
@@ -54,6 +58,28 @@ def check_loss_reductions(model):
                 "sum's step size, multiply the learning rate by the batch size. "
                 f"Received: reduction={reduction!r}"
             )
+
+
+def check_stateful_layers(model):
+    """Raises `BackendError` if a layer carries per-sample state across batches.
+
+    A `stateful=True` RNN keeps row `i`'s final state as row `i`'s initial
+    state in the next batch, with a state tensor of the full batch size;
+    data parallelism gives each replica a slice of every batch.
+
+    Args:
+        model: A Keras model.
+    """
+    stateful = [layer.name for layer in model._flatten_layers(include_self=False)
+                if getattr(layer, "stateful", False)]
+    if stateful:
+        raise BackendError(
+            f"Layer(s) {stateful} are stateful (stateful=True): they carry each sample's state "
+            "from one batch to the next, with a state as large as the whole batch, while data "
+            "parallelism gives each replica a slice of every batch. Use stateful=False (the "
+            "state then starts afresh in each batch), or train this model without "
+            f"AutoStrategy. Received: stateful layers {stateful}"
+        )
 
 
 def check_summed_losses(model, x, y):
