@@ -111,7 +111,8 @@ class GradientReducer:
             raise BackendError(
                 "The plan's gradient buckets do not match the model's trainable "
                 "variables (did layers change `trainable` after the plan was made?). "
-                "Make a new AutoStrategy, or a plan for this model. "
+                "Compile the model again inside strategy.scope() or leave plan= out, so "
+                "that it is planned for its current trainable variables. "
                 f"Received: not in any bucket {missing[:5]}, unknown {unknown[:5]}"
             )
         self.rank_nodes = list(rank_nodes)

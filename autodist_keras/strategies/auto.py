@@ -402,13 +402,21 @@ class AutoStrategy:
 
     def _plan_for_training(self, model, batch_size):
         """The runtimes' `plan_for`: the model's plan, made at its first training step
-        and kept for later fits, evaluation and prediction whatever their batch size."""
+        and kept for later fits, evaluation and prediction whatever their batch size.
+
+        A model whose trainable variables changed since its plan was made (a
+        layer frozen or unfrozen between fits without compiling again) is
+        planned again: the plan's gradient buckets list the trainable ones."""
         from autodist_keras.graph import ModelGraph
 
         known = self._known(model)
         if known is not None:
-            _, self.graph, self.plan = known
-            return self.plan
+            planned = {name for bucket in known[2].buckets for name in bucket}
+            if self._fixed_plan is not None or planned == {v.path for v in
+                                                           model.trainable_weights}:
+                _, self.graph, self.plan = known
+                return self.plan
+            self._plans.pop(id(model))
         started = time.perf_counter()
         self.graph = ModelGraph.from_keras(model)
         if self._fixed_plan is not None:
