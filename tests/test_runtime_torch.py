@@ -651,3 +651,33 @@ def test_one_replica_plan_runs_keras_own_train_function():
         np.testing.assert_array_equal(wa, we)
     model.fit(*_data("mlp", n=48), batch_size=BATCH, epochs=1, verbose=0)
     assert strategy.adapter.last_run["mode"] == "local"
+
+
+@keras.saving.register_keras_serializable(package="test_runtime_torch")
+class RowCounter(keras.layers.Layer):
+    """Counts the rows it has seen while training, in an int32 variable."""
+
+    def build(self, input_shape):
+        self.rows = self.add_weight(shape=(), dtype="int32", initializer="zeros",
+                                    trainable=False, name="rows")
+
+    def call(self, inputs, training=False):
+        if training:
+            self.rows.assign_add(keras.ops.cast(keras.ops.shape(inputs)[0], "int32"))
+        return inputs
+
+
+def test_replicas_that_differ_are_named_with_the_reason():
+    strategy = _strategy("proportional", 3)
+    with strategy.scope():
+        inputs = keras.Input((16,))
+        model = keras.Model(inputs, keras.layers.Dense(4)(RowCounter(name="counter")(inputs)))
+        _compile(model, "sgd")
+    x, y = _data("mlp", n=48)
+    try:
+        with pytest.warns(UserWarning, match=r"values of \['counter/rows'\] differ\. These are "
+                                             "non-trainable variables"):
+            model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False)
+    finally:
+        strategy.adapter.close()
+    assert strategy.adapter.last_run["in_sync"] is False

@@ -692,12 +692,33 @@ class Driver:
         self.replica_checksums.update({r: buf.tolist() for r, (_, buf) in received.items()})
         self.in_sync = all(bool(torch.equal(own, buf)) for _, buf in received.values())
         if history is not None and not self.in_sync:
-            warnings.warn(
-                "autodist_keras: after fit, the replicas' weights differ (something changed "
-                "rank 0's weights during fit outside the training step, e.g. a callback). "
-                "Rank 0's weights, which you hold, are the ones fit trained.",
-                stacklevel=3,
-            )
+            warnings.warn(_differ_message(self.model, own, [buf for _, buf in
+                                                            received.values()]),
+                          stacklevel=3)
+
+
+def _differ_message(model, own, others):
+    """The warning for replicas whose weights differ after fit, naming the variables."""
+    weights, opt_vars = state_variables(model)
+    variables = weights + opt_vars
+    differ = [v for i, v in enumerate(variables)
+              if any(not bool((own[16 * i:16 * i + 16] == other[16 * i:16 * i + 16]).all())
+                     for other in others)]
+    names = [getattr(v, "path", v.name) for v in differ]
+    shown = f"{names[:5]}" + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    message = f"autodist_keras: after fit, the replicas' values of {shown} differ. "
+    kept_by_fit = {id(v) for v in model.trainable_weights} | {id(v) for v in opt_vars}
+    if differ and not any(id(v) in kept_by_fit for v in differ):
+        return message + (
+            "These are non-trainable variables that the model's layers assign during the "
+            "training step: float ones are combined after each step as a batch-share-weighted "
+            "mean (exact for moving averages such as BatchNormalization's), integer ones are "
+            "not synchronised and must advance the same on every rank (a step counter does; "
+            "a count of rows does not). Rank 0's values, which you hold, are those of its "
+            "own shards.")
+    return message + (
+        "Something changed rank 0's weights during fit outside the training step (a "
+        "callback, say). Rank 0's weights, which you hold, are the ones fit trained.")
 
 
 # ---------------------------------------------------------------- ranks > 0
