@@ -451,6 +451,7 @@ class _Runtime:
         model = self.model
         with tf.device(self.adapter.home):
             model._symbolic_build(data_batch=data)
+            model_checks.check_loss_reductions(model)  # the specific message first
             model_checks.check_stateful_layers(model)
             model_checks.check_summed_losses(model, data[0], data[1])
         model_checks.warn_masked_outputs(model)
