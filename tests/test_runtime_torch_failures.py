@@ -150,3 +150,77 @@ def test_failure_drill_layer_checks_its_mode():
 
     with pytest.raises(BackendError, match="mode must be one of.*Received: mode='explode'"):
         FailOnWorker(mode="explode")
+
+
+def _listening_socket_inodes():
+    """Inodes of this process's TCP sockets in the LISTEN state (from /proc)."""
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            mine.add(target[len("socket:["):-1])
+    listening = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.readlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in mine:  # 0A: LISTEN
+                listening.add(fields[9])
+    return listening
+
+
+def test_close_releases_sockets_and_threads_while_the_model_still_exists():
+    """`adapter.close()` frees the store's socket and the groups' threads at once,
+    although the model (and through it the last fit's driver) is still alive."""
+    import threading
+
+    from autodist_keras.backends.torch_pool import shutdown_pools
+
+    shutdown_pools()  # so that this fit starts its own workers and store
+    before_sockets = _listening_socket_inodes()
+    before_threads = threading.active_count()
+    strategy = _strategy(3)
+    with strategy.scope():
+        model = _model()
+    x, y = _data()
+    model.fit(x, y, batch_size=BATCH, verbose=0, epochs=1)
+    assert _listening_socket_inodes() - before_sockets, "a fit on 3 ranks listens on a store"
+    strategy.adapter.close()
+    assert not _listening_socket_inodes() - before_sockets
+    assert threading.active_count() <= before_threads
+    # The same model trains again afterwards, on fresh workers.
+    model.fit(x, y, batch_size=BATCH, verbose=0, epochs=1)
+    assert strategy.adapter.last_run["in_sync"] is True
+
+
+def test_worker_that_died_between_fits_gives_a_worker_error_not_a_broken_pipe():
+    """A pooled worker killed while idle: if the next fit reaches it before the
+    pool notices, the failure is a `WorkerError` naming the rank; once noticed,
+    the pool is replaced and fit trains."""
+    from autodist_keras.backends import torch_pool
+    from autodist_keras.backends.torch_transport import CommFailure
+
+    strategy = _strategy(2)
+    with strategy.scope():
+        model = _model()
+    x, y = _data()
+    model.fit(x, y, batch_size=BATCH, verbose=0, epochs=1)
+    pool = torch_pool.get_pool(2, strategy.adapter.timeout_s)
+    pid = pool.pids[1]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # Dead (a zombie not yet reaped by the pool): waking it fails as a comm failure.
+    with pytest.raises(CommFailure, match="cannot reach worker 1"):
+        pool.wake()
+    model.fit(x, y, batch_size=BATCH, verbose=0, epochs=1)
+    assert strategy.adapter.last_run["in_sync"] is True
+    assert strategy.adapter.worker_pids()[1] != pid

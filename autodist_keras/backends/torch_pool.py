@@ -347,9 +347,20 @@ class WorkerPool(Reporter):
 
     # ------------------------------------------------------------- control
     def wake(self):
-        """Tells every worker a session (one fit) starts."""
-        for conn in self._ctl.values():
-            conn.send("session")
+        """Tells every worker a session (one fit) starts.
+
+        Raises:
+            CommFailure: A worker's pipe is closed (it died since the last fit
+                and the pool has not noticed yet); the caller reports it as a
+                `WorkerError`.
+        """
+        from autodist_keras.backends.torch_transport import CommFailure
+
+        for rank, conn in self._ctl.items():
+            try:
+                conn.send("session")
+            except OSError as e:
+                raise CommFailure(f"cannot reach worker {rank}: {e}", peer=rank) from None
 
     @property
     def pids(self):
@@ -394,5 +405,7 @@ class WorkerPool(Reporter):
                 pass
         if not graceful:
             self._abort_gradient_groups()
+        if self.comm is not None:
+            self.comm.release()
         self.comm = None
         self.store = None

@@ -416,9 +416,9 @@ class Driver:
             payload["modules"] = custom_modules(model)
             # State that is neither config nor variables (adapted lookup tables).
             payload["assets"] = layer_assets(model)
-        if self.wake is not None:
-            self.wake()
         try:
+            if self.wake is not None:
+                self.wake()
             self.comm.broadcast_command(tt.CMD_SETUP, tt.json_length(payload))
             self.comm.broadcast_json(payload)
             state = tt.pack([_value(v) for v in weights + opt_vars])

@@ -117,7 +117,7 @@ class Comm:
             except Exception:  # noqa: BLE001  (best effort: the group is dropped anyway)
                 pass
 
-    def shutdown(self, grace_s=10.0):
+    def shutdown(self, grace_s=10.0, wait=True):
         """Ends this rank's process groups in order, before the interpreter exits.
 
         Each rank shuts its groups down (joining their threads) and says so in
@@ -126,10 +126,16 @@ class Comm:
         Left to interpreter teardown, a rank whose peers had already exited
         sometimes aborted ("terminate called without an active exception").
         Best effort: a rank that is gone is not waited for longer.
+
+        Args:
+            grace_s: How long rank 0 waits for the other ranks (seconds).
+            wait: False when the caller knows the peers are gone (a pool whose
+                workers have exited): the groups are shut down and nobody is
+                waited for.
         """
         if self._aborted:
             return
-        healthy = not self.broken  # after a failure, nobody is waited for
+        healthy = wait and not self.broken  # after a failure, nobody is waited for
         self._aborted = True
         self.broken = True
         groups = [*self._subgroups.values(), self.grad_pg]
@@ -148,6 +154,19 @@ class Comm:
                 self.store.wait([f"{key}/{r}" for r in range(1, self.world_size)])
         except Exception:  # noqa: BLE001  (a peer already gone; nothing left to wait for)
             pass
+
+    def release(self):
+        """Shuts the groups down (without waiting) and drops them and the store.
+
+        For a pool being closed: a driver of an earlier fit may keep this
+        object referenced until the garbage collector runs, and the store's
+        socket and the groups' connections and threads should not wait for it.
+        The object cannot be used afterwards.
+        """
+        self.shutdown(wait=False)
+        self.store = None
+        self.pg = self.grad_pg = None
+        self._subgroups = {}
 
     # ------------------------------------------------------------ groups
     def subgroup(self, ranks):
