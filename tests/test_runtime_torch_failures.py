@@ -201,9 +201,9 @@ def test_close_releases_sockets_and_threads_while_the_model_still_exists():
 
 
 def test_worker_that_died_between_fits_gives_a_worker_error_not_a_broken_pipe():
-    """A pooled worker killed while idle: if the next fit reaches it before the
-    pool notices, the failure is a `WorkerError` naming the rank; once noticed,
-    the pool is replaced and fit trains."""
+    """A pooled worker killed while idle: waking it fails as a comm failure,
+    which a fit reports as a `WorkerError` naming the rank (it was a
+    BrokenPipeError); the next fit replaces the pool and trains."""
     from autodist_keras.backends import torch_pool
     from autodist_keras.backends.torch_transport import CommFailure
 
@@ -216,9 +216,10 @@ def test_worker_that_died_between_fits_gives_a_worker_error_not_a_broken_pipe():
     pid = pool.pids[1]
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while _alive(pid) and time.monotonic() < deadline:
+    while pool.processes[1].is_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
-    # Dead (a zombie not yet reaped by the pool): waking it fails as a comm failure.
+    # Waking a dead worker is a comm failure (reported as a WorkerError), never
+    # a BrokenPipeError from its control pipe.
     with pytest.raises(CommFailure, match="cannot reach worker 1"):
         pool.wake()
     model.fit(x, y, batch_size=BATCH, verbose=0, epochs=1)

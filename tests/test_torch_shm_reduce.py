@@ -64,3 +64,49 @@ def test_no_usable_directory_means_no_area(tmp_path):
     assert sr.ReduceArea.create([(8, "torch.float32")], 2, directory=str(tmp_path / "none")) is None
     assert sr.ReduceArea.create([], 2, directory=str(tmp_path)) is None
     assert os.listdir(tmp_path) == []
+
+
+_KILLED_OWNER = """
+import sys, time
+from autodist_keras.backends.torch_shm import SharedSlots
+from autodist_keras.backends.torch_shm_reduce import ReduceArea
+slots = SharedSlots.create(1 << 16)
+area = ReduceArea.create([(1024, "float32")], 2)
+print(slots.path, area.path, flush=True)
+if sys.argv[1] == "exit":
+    sys.exit(0)  # owners unlink at exit
+time.sleep(600)  # killed here, before any worker mapped the files
+"""
+
+
+@pytest.mark.parametrize("end", ["sigkill", "exit"])
+def test_shared_files_are_removed_even_if_their_owner_is_killed(end):
+    """Rank 0 unlinks its files once every worker has mapped them; if it is
+    killed before that, Python's resource tracker removes them."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_OWNER, end], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        paths = proc.stdout.readline().split()
+        assert len(paths) == 2 and all(p.startswith("/dev/shm/autodist_keras_") for p in paths)
+        if end == "sigkill":
+            assert all(os.path.exists(p) for p in paths)
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 20
+        while any(os.path.exists(p) for p in paths) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in paths if os.path.exists(p)]
+        if end == "exit":
+            assert proc.returncode == 0
+            assert "leaked" not in proc.stderr.read()  # nothing left for the tracker
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

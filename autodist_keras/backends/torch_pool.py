@@ -357,6 +357,8 @@ class WorkerPool(Reporter):
         from autodist_keras.backends.torch_transport import CommFailure
 
         for rank, conn in self._ctl.items():
+            if not self.processes[rank].is_alive():
+                raise CommFailure(f"cannot reach worker {rank}: it has exited", peer=rank)
             try:
                 conn.send("session")
             except OSError as e:

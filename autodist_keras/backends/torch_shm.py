@@ -9,7 +9,8 @@ every worker joins only after it has finished step `k - 1`, the last step that
 read the other slot.
 
 The file is unlinked as soon as every worker has mapped it (the mappings stay
-valid), so nothing is left in `/dev/shm` even if a process is killed later.
+valid), so nothing is left in `/dev/shm` even if a process is killed later; if
+rank 0 is killed before that, Python's resource tracker removes it.
 When `/dev/shm` is missing or too small, `SharedSlots.create` returns None and
 the runtime sends shards as messages (as it does under torchrun, whose ranks may
 be on other machines).
@@ -38,12 +39,40 @@ def unlink_quietly(path):
         pass
 
 
+def _tracker_name(path):
+    """The name under which Python's resource tracker can unlink `path`
+    (`shm_unlink` names are relative to `/dev/shm`), or None elsewhere."""
+    if os.path.dirname(os.path.abspath(path)) != SHM_DIR:
+        return None
+    return "/" + os.path.basename(path)
+
+
+def _tell_tracker(action, path):
+    name = _tracker_name(path)
+    if name is None:
+        return
+    try:
+        from multiprocessing import resource_tracker
+
+        getattr(resource_tracker, action)(name, "shared_memory")
+    except Exception:  # noqa: BLE001  (no tracker: the file is still unlinked by its owner)
+        pass
+
+
+def remove_owned(path):
+    """Unlinks a file that `create_mapped` made and stops tracking it."""
+    unlink_quietly(path)
+    _tell_tracker("unregister", path)
+
+
 def create_mapped(prefix, size, open_fn, directory=SHM_DIR):
     """Makes a file of `size` bytes in `directory` and maps it with `open_fn(path)`.
 
     The file's space is reserved up front (`posix_fallocate`), so a full
-    `/dev/shm` is found here rather than as a crash on the first write. Also
-    used by `torch_shm_reduce`.
+    `/dev/shm` is found here rather than as a crash on the first write. The
+    file is registered with Python's resource tracker, so it is removed even if
+    this process is killed before its owner unlinks it; owners unlink it with
+    `remove_owned`. Also used by `torch_shm_reduce`.
 
     Args:
         prefix: Start of the file's name.
@@ -66,9 +95,13 @@ def create_mapped(prefix, size, open_fn, directory=SHM_DIR):
             os.posix_fallocate(fd, 0, size)
         finally:
             os.close(fd)
+        # If this process is killed before its owner unlinks the file (the
+        # short window until every worker has mapped it), Python's resource
+        # tracker, a separate process, unlinks it when this one is gone.
+        _tell_tracker("register", path)
         return open_fn(path)
     except (OSError, RuntimeError):
-        unlink_quietly(path)
+        remove_owned(path)
         return None
 
 
@@ -88,7 +121,7 @@ class SharedSlots:
         self.slot_bytes = int(slot_bytes)
         size = self.slot_bytes * NUM_SLOTS
         self.buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        self._finalizer = weakref.finalize(self, unlink_quietly, path) if owner else None
+        self._finalizer = weakref.finalize(self, remove_owned, path) if owner else None
 
     @classmethod
     def create(cls, slot_bytes, directory=SHM_DIR):

@@ -46,7 +46,7 @@ import weakref
 
 from autodist_keras.backends import torch_transport as tt
 from autodist_keras.backends.torch_shm import SHM_DIR
-from autodist_keras.backends.torch_shm import unlink_quietly
+from autodist_keras.backends.torch_shm import remove_owned
 from autodist_keras.backends.torch_shm import create_mapped
 from autodist_keras.errors import BackendError
 
@@ -101,7 +101,7 @@ class ReduceArea:
         self.buckets = [(int(n), str(d)) for n, d in buckets]
         self.world = int(world)
         size = area_bytes(self.buckets, self.world)
-        self._finalizer = weakref.finalize(self, unlink_quietly, path) if owner else None
+        self._finalizer = weakref.finalize(self, remove_owned, path) if owner else None
         self.buffer = torch.from_file(path, shared=True, size=max(size, 1), dtype=torch.uint8)
         self._views = []
         offset = 0
