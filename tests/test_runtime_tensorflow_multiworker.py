@@ -7,6 +7,8 @@ training on the same batches. The launcher picks free ports, kills every
 worker on failure or timeout, and raises `WorkerError` with the log tail.
 """
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -328,3 +330,101 @@ def test_workers_that_claim_one_device_twice_fail_at_the_first_step():
             worker_model, Cluster.cpu_testbed(), x, y, BATCH, steps=2, strategy="data_parallel",
             groups=[["node0/cpu0", "node0/cpu1"], ["node0/cpu1", "node0/cpu2"]], timeout_s=300,
         )
+
+
+_PARENT_SCRIPT = """
+import os, sys
+import numpy as np
+from autodist_keras.backends import tf_multiworker
+from autodist_keras.devices import Cluster
+
+if __name__ == "__main__":
+    cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
+    x = np.zeros((48, 8), "float32")
+    y = np.zeros((48,), "int32")
+    tf_multiworker.launch_local_workers("mw_model:build", cluster, x, y, 24, steps=1_000_000,
+                                        strategy="data_parallel", timeout_s=600)
+"""
+
+_MODEL_MODULE = """
+import keras
+
+def build():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+"""
+
+
+def _children(pid):
+    kids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            kids.append(int(entry))
+    return kids
+
+
+def _running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc (Linux)")
+def test_workers_end_when_the_process_that_started_them_is_killed(tmp_path):
+    """A launcher killed outright runs no cleanup: its workers must end with it,
+    and its work directory is removed by the next launch."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "mw_model.py").write_text(_MODEL_MODULE)
+    (tmp_path / "parent.py").write_text(_PARENT_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(tmp_path)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    parent = subprocess.Popen([sys.executable, str(tmp_path / "parent.py")], cwd=tmp_path,
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers) < 2 and time.monotonic() < deadline and parent.poll() is None:
+            time.sleep(0.2)
+            workers = _children(parent.pid)
+        assert len(workers) == 2, f"the workers did not start: {workers}"
+        time.sleep(3)  # let them get into TensorFlow's start-up
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=30)
+        # Left alone, orphaned workers went on for 20-40 s, until TensorFlow aborted them.
+        deadline = time.monotonic() + 10
+        while any(_running(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [w for w in workers if _running(w)]
+        # The killed launcher's work directory (job, data copy, logs) is
+        # removed by the next launch.
+        import tempfile
+
+        from autodist_keras.backends import tf_multiworker
+
+        prefix = f"{tf_multiworker.WORKDIR_PREFIX}{parent.pid}_"
+        left = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(prefix)]
+        assert len(left) == 1
+        removed = tf_multiworker.remove_stale_workdirs()
+        assert os.path.join(tempfile.gettempdir(), left[0]) in removed
+        assert not os.path.exists(os.path.join(tempfile.gettempdir(), left[0]))
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        for w in workers:
+            if _running(w):
+                os.kill(w, signal.SIGKILL)

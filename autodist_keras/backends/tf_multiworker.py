@@ -491,6 +491,53 @@ def resolve_callable(spec):
     return obj
 
 
+WORKDIR_PREFIX = "autodist_tf_workers_"
+
+
+def remove_stale_workdirs(directory=None):
+    """Removes work directories left by launchers that were killed outright.
+
+    `launch_local_workers` removes its directory (the job, a copy of the
+    data, the logs) when it returns or fails, but a launcher killed with
+    SIGKILL runs no cleanup (its workers end with it: see
+    `tf_worker.die_with_parent`). Each directory's name carries its
+    launcher's pid; a directory whose launcher is no longer running is removed
+    by the next launch.
+
+    Args:
+        directory: Where to look (default: the temporary directory).
+
+    Returns:
+        The paths removed.
+    """
+    directory = directory or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(WORKDIR_PREFIX):
+            continue
+        pid = name[len(WORKDIR_PREFIX):].split("_", 1)[0]
+        if not pid.isdigit() or _process_exists(int(pid)):
+            continue
+        path = os.path.join(directory, name)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _process_exists(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
 def launch_local_workers(
     model_fn,
     cluster,
@@ -568,7 +615,8 @@ def launch_local_workers(
     """
     import numpy as np
 
-    workdir = tempfile.mkdtemp(prefix="autodist_tf_workers_")
+    remove_stale_workdirs()
+    workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}_")
     procs, logs = [], []
     try:
         np.save(os.path.join(workdir, "x.npy"), np.asarray(x), allow_pickle=False)
@@ -631,6 +679,7 @@ def launch_local_workers(
             env["KERAS_BACKEND"] = "tensorflow"
             env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
             env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+            env["AUTODIST_KERAS_PARENT_PID"] = str(os.getpid())  # tf_worker.die_with_parent
             log_path = os.path.join(workdir, f"worker{rank}.log")
             log = open(log_path, "w", encoding="utf-8")
             logs.append((log, log_path))

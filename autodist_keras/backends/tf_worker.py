@@ -18,12 +18,46 @@ share, and its step wall and CPU times.
 
 import json
 import os
+import signal
 import sys
 import time
+
+PARENT_PID_ENV = "AUTODIST_KERAS_PARENT_PID"
+
+
+def die_with_parent(environ=None):
+    """Ends this worker when the process that started it dies (Linux).
+
+    `launch_local_workers` kills its workers when it fails or is interrupted,
+    but a parent killed outright (SIGKILL, or SIGTERM without a handler) runs
+    no cleanup: its workers would go on training, or wait for each other,
+    with nobody to read their results. The kernel sends this process SIGKILL
+    when its parent exits (`PR_SET_PDEATHSIG`); a parent already gone before
+    the request is caught by comparing `getppid()` with the pid it passed in
+    `PARENT_PID_ENV`. Elsewhere this does nothing.
+
+    Args:
+        environ: Environment to read (default `os.environ`).
+    """
+    environ = os.environ if environ is None else environ
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    expected = environ.get(PARENT_PID_ENV)
+    if expected and os.getppid() != int(expected):
+        os._exit(1)
 
 
 def main(argv=None):
     """Runs the job described by the JSON file `argv[0]`."""
+    die_with_parent()
     argv = sys.argv[1:] if argv is None else argv
     started = time.perf_counter()
     phases = {}
