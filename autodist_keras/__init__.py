@@ -9,6 +9,7 @@ from autodist_keras.errors import BackendError
 from autodist_keras.errors import ClusterSpecError
 from autodist_keras.errors import EstimatorError
 from autodist_keras.errors import GraphError
+from autodist_keras.errors import OutputError
 from autodist_keras.errors import PlanError
 from autodist_keras.errors import StrategyError
 from autodist_keras.errors import WorkerError

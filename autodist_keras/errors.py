@@ -67,3 +67,11 @@ class WorkerError(BackendError):
     def __init__(self, rank, message):
         self.rank = rank
         super().__init__(f"Worker rank {rank} failed: {message}")
+
+
+class OutputError(AutodistError, OSError):
+    """A file autodist_keras was asked to write (plan, trace, chart) cannot be written.
+
+    Nothing is left at the path: files are written to a temporary file and
+    renamed into place only when complete.
+    """

@@ -305,3 +305,34 @@ def test_a_forced_plan_predicted_not_to_fit_in_memory_is_refused():
         with pytest.raises(StrategyError, match=f"The '{name}' plan (is predicted not to fit in "
                                                 "memory|could not be made)"):
             AutoStrategy(name, cluster=tiny).plan_for(model, 16)
+
+
+def test_plot_and_trace_refuse_paths_they_cannot_write_and_leave_nothing(tmp_path):
+    from autodist_keras.errors import OutputError
+
+    strategy = AutoStrategy("proportional", cluster=Cluster.cpu_testbed())
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    model.compile(optimizer="sgd", loss="mse")
+    strategy.plan_for(model, 24)
+    folder = tmp_path / "charts"
+    folder.mkdir()
+    for call in (strategy.plot, strategy.export_trace):
+        with pytest.raises(OutputError, match="it is a directory"):
+            call(folder)
+    with pytest.raises(OutputError, match="'json' is not a format matplotlib writes"):
+        strategy.plot(tmp_path / "timeline.json")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for call in (strategy.plot, strategy.export_trace):
+        with pytest.raises(OutputError, match="Cannot write"):
+            call(blocker / "inside" / "out.png")  # its directory cannot be made
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "charts"]
+    assert list(folder.iterdir()) == []
+    # Missing directories are made; without an extension the chart is a PNG.
+    png = strategy.plot(tmp_path / "new" / "timeline")
+    assert png == tmp_path / "new" / "timeline.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = strategy.plot(str(tmp_path / "timeline.svg"))
+    assert isinstance(svg, str) and open(svg).read().lstrip().startswith("<?xml")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "charts", "new",
+                                                          "timeline.svg"]

@@ -1,5 +1,9 @@
 """Gantt charts of simulated step timelines (matplotlib PNG)."""
 
+import os
+import pathlib
+
+from autodist_keras.errors import OutputError
 from autodist_keras.errors import StrategyError
 
 KIND_COLORS = {
@@ -19,14 +23,18 @@ def plot_timeline(result, path, title="Simulated step (predicted)"):
 
     Args:
         result: The simulator's `SimResult`.
-        path: PNG file to write.
+        path: Image file to write: PNG, or another format matplotlib writes,
+            chosen by the extension (`.svg`, `.pdf`, ...); without an
+            extension, `.png` is added.
         title: Chart title; keep the word "predicted" in it.
 
     Returns:
-        The path.
+        The path written.
 
     Raises:
         StrategyError: If matplotlib is not installed.
+        OutputError: If the extension is not an image format matplotlib
+            writes, or the file cannot be written (nothing is left behind).
     """
     try:
         import matplotlib
@@ -38,6 +46,22 @@ def plot_timeline(result, path, title="Simulated step (predicted)"):
         raise StrategyError(
             "plot() needs matplotlib: pip install 'autodist-keras[plot]'. Received: no matplotlib"
         ) from None
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from autodist_keras.strategies.plan import write_atomic
+
+    given = path
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise OutputError(f"Cannot write {path!r}: it is a directory. Give a file name, such "
+                          f"as {os.path.join(path, 'timeline.png')!r}. Received: {path!r}")
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    if not ext:
+        ext, path = "png", path + ".png"
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    if ext not in formats:
+        raise OutputError(f"plot() writes an image; {ext!r} is not a format matplotlib writes. "
+                          f"Use .png (or one of {', '.join(sorted(formats))}). Received: {path!r}")
     rows = []
     for event in result.timeline:
         key = (event.device, event.stream)
@@ -59,6 +83,8 @@ def plot_timeline(result, path, title="Simulated step (predicted)"):
     ax.legend(handles=[Patch(color=KIND_COLORS.get(k, "#999999"), label=k) for k in kinds],
               loc="upper right", fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    try:
+        write_atomic(path, lambda f: fig.savefig(f, dpi=100, format=ext), suffix="." + ext)
+    finally:
+        plt.close(fig)
+    return path if isinstance(given, str) else pathlib.Path(path)

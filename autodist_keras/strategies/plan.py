@@ -37,6 +37,7 @@ import os
 import tempfile
 from typing import Optional
 
+from autodist_keras.errors import OutputError
 from autodist_keras.errors import PlanError
 
 SCHEMA_VERSION = 1
@@ -607,21 +608,48 @@ def write_text_atomic(path, text):
     The file gets the permissions an ordinary write would give it (an
     existing file's mode, else the umask's), not the temporary file's 0600.
     Missing parent directories are created.
+
+    Raises:
+        OutputError: If `path` is a directory, or the file or its directory
+            cannot be written (nothing is left behind).
     """
     path = os.fspath(path)
+    write_atomic(path, lambda f: f.write(text.encode("utf-8")), suffix=".json")
+
+
+def write_atomic(path, write, suffix=""):
+    """Writes a file through a temporary file in its directory and a rename.
+
+    Args:
+        path: The file to write; missing parent directories are created.
+        write: Callable given the open binary temporary file.
+        suffix: Ending of the temporary file's name (some writers, such as
+            matplotlib, pick the format from it).
+
+    Raises:
+        OutputError: If `path` is a directory, or the file or its directory
+            cannot be written (nothing is left behind).
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise OutputError(f"Cannot write {path!r}: it is a directory. Give a file name, such "
+                          f"as {os.path.join(path, 'out' + suffix)!r}. Received: {path!r}")
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    mode = _file_mode(path)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
+    tmp = None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        os.makedirs(directory, exist_ok=True)
+        mode = _file_mode(path)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=suffix)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
         os.chmod(tmp, mode)
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+    except OSError as e:
+        raise OutputError(f"Cannot write {path!r}: {e.strerror or e}. Check the path and its "
+                          f"directory's permissions. Received: {path!r}") from e
+    finally:
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
-        raise
 
 
 def _check_positive_int(value, field):
