@@ -578,9 +578,13 @@ class AutoStrategy:
 
         Args:
             path: JSON file to write; open it in Perfetto or chrome://tracing.
+                Missing directories are made.
 
         Returns:
             The path.
+
+        Raises:
+            OutputError: If the path is a directory or cannot be written.
         """
         return self._simulation().export_trace(path)
 
@@ -588,10 +592,16 @@ class AutoStrategy:
         """Draws the simulated timeline of the plan as a Gantt chart (PNG, predicted).
 
         Args:
-            path: PNG file to write.
+            path: Image file to write: PNG, or another format matplotlib
+                writes, by its extension (`.svg`, `.pdf`, ...); without an
+                extension `.png` is added. Missing directories are made.
 
         Returns:
-            The path.
+            The path written.
+
+        Raises:
+            OutputError: If the path is a directory, cannot be written, or
+                names a format matplotlib does not write.
         """
         from autodist_keras.strategies.explain import short_scorer
         from autodist_keras.strategies.gantt import plot_timeline
