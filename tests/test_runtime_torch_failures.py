@@ -126,6 +126,12 @@ def test_killed_worker_fails_fit_within_deadline_and_leaves_no_process():
     assert "SIGKILL" in str(info.value)
     assert elapsed < DEADLINE_S
     _assert_all_gone(list(strategy.adapter.worker_pids().values()))
+    # The failed session's gradient hooks are gone: the same model trains on
+    # rank 0 alone and in a new fit (a stale hook used the closed pool's group).
+    assert not any(v.value._post_accumulate_grad_hooks for v in model.trainable_weights)
+    assert np.isfinite(model.train_on_batch(x[:BATCH], y[:BATCH]))
+    model.fit(x, y, batch_size=BATCH, verbose=0, epochs=1)
+    assert strategy.adapter.last_run["in_sync"] is True
 
 
 def test_hung_worker_fails_fit_after_timeout_s_and_says_how_to_wait_longer():

@@ -466,6 +466,11 @@ class _FitRun:
             self._discard()
 
     def _discard(self):
+        # The failed session's gradient hooks must not fire in the next step
+        # (`train_on_batch`, or the next fit before it builds its own driver).
+        trainer = getattr(self.driver, "trainer", None)
+        if trainer is not None:
+            trainer.detach()
         if self.pool is not None:
             from autodist_keras.backends.torch_pool import discard_pool
 

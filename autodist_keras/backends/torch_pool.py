@@ -51,6 +51,11 @@ def get_pool(world_size, timeout_s, grad_backend="gloo"):
         if pool is not None and not pool.healthy():
             pool.close(graceful=False)
             pool = None
+        if pool is not None and pool.timeout_s != float(timeout_s):
+            # The groups' timeout is fixed when they are made: a strategy with
+            # another `timeout_s` gets workers of its own.
+            pool.close(graceful=True)
+            pool = None
         if pool is None:
             pool = WorkerPool(world_size, timeout_s, grad_backend)
             _pools[key] = pool
