@@ -32,6 +32,8 @@ import sys
 import tempfile
 import time
 
+from autodist_keras.backends.processes import process_alive
+from autodist_keras.backends.tf_worker import PARENT_PID_ENV
 from autodist_keras.errors import BackendError
 from autodist_keras.errors import WorkerError
 
@@ -520,22 +522,12 @@ def remove_stale_workdirs(directory=None):
         if not name.startswith(WORKDIR_PREFIX):
             continue
         pid = name[len(WORKDIR_PREFIX):].split("_", 1)[0]
-        if not pid.isdigit() or _process_exists(int(pid)):
+        if not pid.isdigit() or process_alive(int(pid)):
             continue
         path = os.path.join(directory, name)
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
-
-
-def _process_exists(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
-    return True
 
 
 def launch_local_workers(
@@ -679,7 +671,7 @@ def launch_local_workers(
             env["KERAS_BACKEND"] = "tensorflow"
             env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
             env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-            env["AUTODIST_KERAS_PARENT_PID"] = str(os.getpid())  # tf_worker.die_with_parent
+            env[PARENT_PID_ENV] = str(os.getpid())  # tf_worker.die_with_parent
             log_path = os.path.join(workdir, f"worker{rank}.log")
             log = open(log_path, "w", encoding="utf-8")
             logs.append((log, log_path))

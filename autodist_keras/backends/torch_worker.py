@@ -18,6 +18,8 @@ import sys
 import threading
 import time
 
+from autodist_keras.backends.processes import process_alive
+
 
 class PipeReporter:
     """Reports a worker's failure to rank 0's monitor through a pipe."""
@@ -32,22 +34,12 @@ class PipeReporter:
             pass
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _watch_parent(parent_pid):
     # Spawned workers are children of rank 0; forked ones are children of the
     # fork server. Either way, a worker ends when rank 0 is gone.
     start_ppid = os.getppid()
     while True:
-        if os.getppid() != start_ppid or not _alive(parent_pid):
+        if os.getppid() != start_ppid or not process_alive(parent_pid):
             os._exit(1)
         time.sleep(0.5)
 

@@ -48,13 +48,12 @@ def plot_timeline(result, path, title="Simulated step (predicted)"):
         ) from None
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+    from autodist_keras.strategies.plan import refuse_directory
     from autodist_keras.strategies.plan import write_atomic
 
     given = path
     path = os.fspath(path)
-    if os.path.isdir(path):
-        raise OutputError(f"Cannot write {path!r}: it is a directory. Give a file name, such "
-                          f"as {os.path.join(path, 'timeline.png')!r}. Received: {path!r}")
+    refuse_directory(path, "timeline.png")  # before ".png" is added to a bare name
     ext = os.path.splitext(path)[1].lower().lstrip(".")
     if not ext:
         ext, path = "png", path + ".png"

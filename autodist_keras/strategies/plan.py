@@ -613,8 +613,19 @@ def write_text_atomic(path, text):
         OutputError: If `path` is a directory, or the file or its directory
             cannot be written (nothing is left behind).
     """
-    path = os.fspath(path)
     write_atomic(path, lambda f: f.write(text.encode("utf-8")), suffix=".json")
+
+
+def refuse_directory(path, example_name):
+    """Raises `OutputError` if `path` is a directory, suggesting a file in it.
+
+    Args:
+        path: The path to be written.
+        example_name: A file name to suggest inside the directory.
+    """
+    if os.path.isdir(path):
+        raise OutputError(f"Cannot write {path!r}: it is a directory. Give a file name, such "
+                          f"as {os.path.join(path, example_name)!r}. Received: {path!r}")
 
 
 def write_atomic(path, write, suffix=""):
@@ -631,9 +642,7 @@ def write_atomic(path, write, suffix=""):
             cannot be written (nothing is left behind).
     """
     path = os.fspath(path)
-    if os.path.isdir(path):
-        raise OutputError(f"Cannot write {path!r}: it is a directory. Give a file name, such "
-                          f"as {os.path.join(path, 'out' + suffix)!r}. Received: {path!r}")
+    refuse_directory(path, "out" + suffix)
     directory = os.path.dirname(os.path.abspath(path))
     tmp = None
     try:
