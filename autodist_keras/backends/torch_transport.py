@@ -117,7 +117,7 @@ class Comm:
             except Exception:  # noqa: BLE001  (best effort: the group is dropped anyway)
                 pass
 
-    def shutdown(self, grace_s=10.0, wait=True):
+    def shutdown(self, grace_s=10.0):
         """Ends this rank's process groups in order, before the interpreter exits.
 
         Each rank shuts its groups down (joining their threads) and says so in
@@ -128,14 +128,12 @@ class Comm:
         Best effort: a rank that is gone is not waited for longer.
 
         Args:
-            grace_s: How long rank 0 waits for the other ranks (seconds).
-            wait: False when the caller knows the peers are gone (a pool whose
-                workers have exited): the groups are shut down and nobody is
-                waited for.
+            grace_s: How long rank 0 waits for the other ranks (seconds);
+                nobody is waited for once the object is `broken`.
         """
         if self._aborted:
             return
-        healthy = wait and not self.broken  # after a failure, nobody is waited for
+        healthy = not self.broken  # after a failure, nobody is waited for
         self._aborted = True
         self.broken = True
         groups = [*self._subgroups.values(), self.grad_pg]
@@ -163,7 +161,8 @@ class Comm:
         socket and the groups' connections and threads should not wait for it.
         The object cannot be used afterwards.
         """
-        self.shutdown(wait=False)
+        self.broken = True  # the pool's workers have exited: nobody to wait for
+        self.shutdown()
         self.store = None
         self.pg = self.grad_pg = None
         self._subgroups = {}
