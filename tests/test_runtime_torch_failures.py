@@ -160,6 +160,11 @@ def test_failure_drill_layer_checks_its_mode():
 
 def _listening_socket_inodes():
     """Inodes of this process's TCP sockets in the LISTEN state (from /proc)."""
+    return set(_listening_sockets())
+
+
+def _listening_sockets():
+    """This process's listening TCP sockets: {inode: local address (hex, from /proc)}."""
     mine = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -168,7 +173,7 @@ def _listening_socket_inodes():
             continue
         if target.startswith("socket:["):
             mine.add(target[len("socket:["):-1])
-    listening = set()
+    listening = {}
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
             with open(table) as f:
@@ -178,7 +183,7 @@ def _listening_socket_inodes():
         for row in rows:
             fields = row.split()
             if fields[3] == "0A" and fields[9] in mine:  # 0A: LISTEN
-                listening.add(fields[9])
+                listening[fields[9]] = fields[1]
     return listening
 
 
@@ -231,3 +236,50 @@ def test_worker_that_died_between_fits_gives_a_worker_error_not_a_broken_pipe():
     model.fit(x, y, batch_size=BATCH, verbose=0, epochs=1)
     assert strategy.adapter.last_run["in_sync"] is True
     assert strategy.adapter.worker_pids()[1] != pid
+
+
+def test_the_pool_store_listens_on_loopback_only():
+    """Rank 0's TCP store accepts connections on 127.0.0.1 only (torch's
+    `TCPStore("127.0.0.1", 0, ...)` alone listens on every interface)."""
+    from autodist_keras.backends import torch_pool
+
+    torch_pool.shutdown_pools()
+    before = set(_listening_sockets())
+    pool = torch_pool.get_pool(2, 60)
+    try:
+        port = f"{pool.store.port:04X}"
+        ours = {inode: address for inode, address in _listening_sockets().items()
+                if inode not in before and address.endswith(":" + port)}
+        assert ours, "the store's listening socket is not in /proc/self/net/tcp"
+        # 0100007F is 127.0.0.1 in /proc's byte order; every interface would be 00000000.
+        assert set(ours.values()) == {f"0100007F:{port}"}
+    finally:
+        torch_pool.shutdown_pools()
+
+
+class _InterruptedPool:
+    """Builds a real pool that is interrupted (as by Ctrl-C) after its first worker started."""
+
+    @staticmethod
+    def make(world_size):
+        from autodist_keras.backends import torch_pool
+
+        started = []
+
+        class Interrupted(torch_pool.WorkerPool):
+            def _start_worker(self, ctx, rank, worker_main):
+                super()._start_worker(ctx, rank, worker_main)
+                started.append(self.processes[rank].pid)
+                raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            Interrupted(world_size, 60)
+        return started
+
+
+def test_ctrl_c_while_workers_start_leaves_no_worker_running():
+    """An interrupt between two workers' starts ends the worker already
+    started (it was left running, about 340 MB, until the user's process exited)."""
+    started = _InterruptedPool.make(3)
+    assert len(started) == 1
+    _assert_all_gone(started, within_s=5.0)

@@ -3,7 +3,7 @@
 `WorkerPool(world_size)` starts ranks 1..world_size-1 as fresh processes
 (forked from a fork server that imported Keras and PyTorch once, on CPU; with
 the `spawn` start method on GPU), hosts the TCP store on a free port of
-127.0.0.1, and builds rank 0's `Comm` once every worker has joined. Pools are kept (one per world size and
+127.0.0.1 (listening on loopback only), and builds rank 0's `Comm` once every worker has joined. Pools are kept (one per world size and
 gradient backend) between `fit` calls of the same process, so only the first
 fit pays for starting Python, PyTorch and Keras in the workers; they are ended
 at interpreter exit, by `shutdown_pools()`, or as soon as one of them fails.
@@ -95,6 +95,42 @@ def _describe_exit(code):
     return f"process exited with code {code}"
 
 
+def _loopback_store(world_size, timeout_s):
+    """Rank 0's `TCPStore`, listening on 127.0.0.1 only, on a free port.
+
+    `TCPStore("127.0.0.1", 0, ...)` alone listens on every interface (the host
+    name only tells clients where to connect), so the pool hands the store a
+    socket it has bound to loopback itself. The store owns (and closes) that
+    socket from then on.
+    """
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(max(64, world_size))
+        port = listener.getsockname()[1]
+    except BaseException:
+        listener.close()
+        raise
+    fd = listener.detach()
+    try:
+        return dist.TCPStore(
+            "127.0.0.1", port, world_size, True,
+            timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+            master_listen_fd=fd,
+        )
+    except BaseException:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        raise
+
+
 _MAIN_GUARD = re.compile(r"""__name__\s*==\s*['"]__main__['"]|['"]__main__['"]\s*==\s*__name__""")
 
 
@@ -169,11 +205,6 @@ class WorkerPool(Reporter):
     """
 
     def __init__(self, world_size, timeout_s, grad_backend="gloo"):
-        import datetime
-        import multiprocessing
-
-        import torch.distributed as dist
-
         from autodist_keras.backends.torch_worker import worker_main
 
         check_main_guard()
@@ -187,38 +218,47 @@ class WorkerPool(Reporter):
         self._ready = set()
         self.comm = None
         startup = max(STARTUP_TIMEOUT_S, self.timeout_s)
-        self.store = dist.TCPStore(
-            "127.0.0.1", 0, self.world_size, True,
-            timeout=datetime.timedelta(seconds=startup), wait_for_workers=False,
-        )
+        self.store = _loopback_store(self.world_size, startup)
         ctx = _context(grad_backend)
         self.start_method = ctx.get_start_method()
         self.processes = {}
         self._ctl = {}
         self._status = {}
-        for rank in range(1, self.world_size):
-            ctl_r, ctl_w = ctx.Pipe(duplex=False)
-            st_r, st_w = ctx.Pipe(duplex=False)
-            process = ctx.Process(
-                target=worker_main,
-                args=(rank, self.world_size, self.store.port, ctl_r, st_w, os.getpid(),
-                      self.timeout_s, grad_backend),
-                name=f"autodist_keras-worker-{rank}",
-                daemon=True,
-            )
-            process.start()
-            ctl_r.close()
-            st_w.close()
-            self.processes[rank] = process
-            self._ctl[rank] = ctl_w
-            self._status[rank] = st_r
-        self._monitor = threading.Thread(target=self._watch, name="autodist_keras-monitor", daemon=True)
-        self._monitor.start()
+        self._monitor = None
         try:
+            # Everything from the first worker's start on is undone by `close`
+            # when it fails or is interrupted (Ctrl-C while workers start), so
+            # no worker outlives a pool that never formed.
+            for rank in range(1, self.world_size):
+                self._start_worker(ctx, rank, worker_main)
+            self._monitor = threading.Thread(
+                target=self._watch, name="autodist_keras-monitor", daemon=True
+            )
+            self._monitor.start()
             self.comm = self._connect(startup)
         except BaseException:
             self.close(graceful=False)
             raise
+
+    def _start_worker(self, ctx, rank, worker_main):
+        ctl_r, ctl_w = ctx.Pipe(duplex=False)
+        st_r, st_w = ctx.Pipe(duplex=False)
+        self._ctl[rank] = ctl_w
+        self._status[rank] = st_r
+        process = ctx.Process(
+            target=worker_main,
+            args=(rank, self.world_size, self.store.port, ctl_r, st_w, os.getpid(),
+                  self.timeout_s, self.grad_backend),
+            name=f"autodist_keras-worker-{rank}",
+            daemon=True,
+        )
+        try:
+            process.start()
+        finally:
+            if process.pid is not None:
+                self.processes[rank] = process
+            ctl_r.close()
+            st_w.close()
 
     # ------------------------------------------------------------ start-up
     def _connect(self, startup):
@@ -403,8 +443,9 @@ class WorkerPool(Reporter):
             if process.is_alive():
                 process.kill()
                 process.join(2.0)
-        if self._monitor.is_alive() and self._monitor is not threading.current_thread():
-            self._monitor.join(2.0)
+        monitor = self._monitor
+        if monitor is not None and monitor.is_alive() and monitor is not threading.current_thread():
+            monitor.join(2.0)
         for conn in list(self._ctl.values()) + list(self._status.values()):
             try:
                 conn.close()
