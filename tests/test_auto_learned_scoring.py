@@ -242,6 +242,23 @@ def test_cache_key_includes_the_scorer(testbed, wide, tmp_path):
     assert len(keys) == 3
 
 
+def test_a_damaged_cache_entry_is_planned_again_and_overwritten(testbed, wide, tmp_path):
+    """A cache file that is not UTF-8 (a disk error, another program's file)
+    made choose_plan raise UnicodeDecodeError; now it is a cache miss."""
+    cache = str(tmp_path)
+    first, _ = selection.choose_plan(wide, testbed, 96, backend="torch", cache_dir=cache,
+                                     families=[])
+    (entry,) = os.listdir(cache)
+    with open(os.path.join(cache, entry), "wb") as f:
+        f.write(b"\xff\xfe\x00 not a plan")
+    again, cands = selection.choose_plan(wide, testbed, 96, backend="torch", cache_dir=cache,
+                                         families=[])
+    assert cands, "the damaged entry was planned again"
+    assert again.to_dict()["groups"] == first.to_dict()["groups"]
+    with open(os.path.join(cache, entry), encoding="utf-8") as f:
+        assert json.load(f)["schema_version"] == 1
+
+
 def test_named_strategy_is_scored_too(testbed):
     strategy = AutoStrategy("proportional", cluster=testbed, estimator="simulator")
     plan = strategy.plan_for(zoo.mlp(input_dim=256, hidden=(1024, 1024)), 96)

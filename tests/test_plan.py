@@ -54,6 +54,31 @@ def test_json_round_trip_and_file(graph, testbed, tmp_path):
     assert all(spec.method == "ps" and spec.server == "node0/cpu0" for spec in loaded.sync.values())
 
 
+def test_damaged_plan_files_get_plan_errors_that_say_what_to_do(graph, testbed, tmp_path):
+    plan = baselines.proportional(graph, testbed, 96)
+    text = plan.to_json()
+    truncated = tmp_path / "truncated.json"
+    truncated.write_text(text[: len(text) // 2])
+    with pytest.raises(PlanError, match=r"ends early \(truncated\?\).*Received: \d+ characters"):
+        Plan.from_json(truncated)
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b'{"schema_version": 1, "notes": ["\xff\xfe"]}')
+    with pytest.raises(PlanError, match="not UTF-8 text.*Received: .*binary.json"):
+        Plan.from_json(binary)
+    with pytest.raises(PlanError, match="not a plan.*Received: an object with keys \\['a'\\]"):
+        Plan.from_json('{"a": 1}')
+
+
+def test_a_plan_report_passed_as_a_plan_says_to_write_the_plan_with_out(tmp_path):
+    report = {"strategy": "proportional", "predicted_step_time_s": 0.1, "baselines": {},
+              "plan_file": "plan.json"}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    with pytest.raises(PlanError, match="report `autodist-keras plan --json` prints.*--out "
+                                        "plan.json.*names its plan file: 'plan.json'"):
+        Plan.from_json(path)
+
+
 def test_buckets_follow_threshold(graph):
     every = baselines.gradient_buckets(graph, 0)
     assert len(every) == len(graph.variables)

@@ -448,6 +448,21 @@ class Plan:
         if not isinstance(data, dict):
             raise PlanError(f"{source}: a plan must be a JSON object. Received: {type(data).__name__}")
         version = data.get("schema_version")
+        if version is None and "predicted_step_time_s" in data and "baselines" in data:
+            hint = (f"; this one names its plan file: {data['plan_file']!r}"
+                    if data.get("plan_file") else "")
+            raise PlanError(
+                f"{source} is the report `autodist-keras plan --json` prints, not a plan. "
+                "Write the plan itself with `autodist-keras plan ... --out plan.json` (or "
+                f"Plan.to_json()) and pass that file{hint}. Received: a report with keys "
+                f"{sorted(data)[:6]}..."
+            )
+        if version is None and "groups" not in data:
+            raise PlanError(
+                f"{source} is not a plan: a plan is a JSON object with 'schema_version', "
+                "'groups', 'sync' and 'global_batch_size', as Plan.to_json() writes it. "
+                f"Received: an object with keys {sorted(data)[:8]}"
+            )
         if version != SCHEMA_VERSION:
             raise PlanError(
                 f"{source}: plan schema version must be {SCHEMA_VERSION}. Received: {version!r}"
@@ -477,10 +492,12 @@ class Plan:
                 notes=list(data.get("notes", [])),
                 schema_version=version,
             )
-        except (KeyError, TypeError, AttributeError) as e:
+        except PlanError:
+            raise
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise PlanError(
                 f"{source}: malformed plan ({type(e).__name__}: {e}). Write plans with "
-                "Plan.to_json()."
+                f"Plan.to_json(). Received: an object with keys {sorted(data)}"
             ) from None
 
     def to_json(self, path=None, indent=2):
@@ -522,10 +539,22 @@ class Plan:
                     "written by Plan.to_json() or `autodist-keras plan --out`. "
                     f"Received: {source!r}"
                 ) from None
+            except UnicodeDecodeError as e:
+                raise PlanError(
+                    f"{source} is not a plan: it is not UTF-8 text (byte {e.start} cannot be "
+                    "decoded). Plans are JSON written by Plan.to_json() or `autodist-keras "
+                    f"plan --out`; write it again. Received: {source!r}"
+                ) from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise PlanError(f"{source}: not valid JSON ({e}).") from None
+            where = "the file ends early (truncated?)" if e.pos >= len(text.rstrip()) else (
+                f"line {e.lineno}, column {e.colno}")
+            raise PlanError(
+                f"{source} is not valid JSON: {e.msg} at {where}. Write plans with "
+                "Plan.to_json() or `autodist-keras plan --out`. "
+                f"Received: {len(text)} characters from {source}"
+            ) from None
         return cls.from_dict(data, source=source)
 
     # ------------------------------------------------------------- display
