@@ -74,6 +74,7 @@ def _cmd_plan(args):
     from autodist_keras.strategies.auto import FAMILY_NAMES
     from autodist_keras.strategies.auto import STRATEGY_NAMES
     from autodist_keras.errors import StrategyError
+    from autodist_keras.strategies.explain import planner_internal
 
     if args.strategy not in STRATEGY_NAMES:
         raise StrategyError(
@@ -118,6 +119,9 @@ def _cmd_plan(args):
                      "reason": c.reason, "scorer": c.scorer}
             for c in candidates
         },
+        # Figures the chosen planner recorded inside its own search (HeteroG's
+        # seeds, e.g. proportional_hierarchical): not candidates, not in `baselines`.
+        "planner_internal": planner_internal(plan),
         "speedup_vs_even": (
             even.step_time_s / plan.prediction.step_time_s
             if even is not None and even.step_time_s and even.feasible else None

@@ -133,6 +133,49 @@ def test_explain_compares_measured_with_predicted(graph, hetero):
         plan.prediction.source = source
 
 
+def test_explain_counts_the_candidates_it_lists_and_labels_heterogs_internal_seeds(graph, hetero):
+    """HeteroG records figures from inside its own search (its multi-node seed
+    proportional_hierarchical, its search result heterog_search): they are not
+    candidates, so the table lists exactly the "of N" candidates and shows the
+    others apart, labelled, in the text and in the JSON."""
+    plan, candidates = selection.choose_plan(graph, hetero, 256, families=["heterog"],
+                                             use_cache=False, estimator="simulator")
+    assert plan.provenance.planner == "heterog"
+    data = explanation(plan, hetero)
+    (why,) = [w for w in data["why"] if w.startswith("chosen:")]
+    count = int(re.search(r"feasible plan of (\d+);", why).group(1))
+    assert count == len(candidates) == len(data["candidates"])
+    assert [c["name"] for c in data["candidates"]] == [c.name for c in candidates]
+    internal = {r["name"]: r for r in data["planner_internal"]}
+    assert set(internal) == {"proportional_hierarchical", "heterog_search"}
+    assert not set(internal) & {c.name for c in candidates}
+    assert internal["proportional_hierarchical"]["role"] == (
+        "HeteroG's internal search seed (not a candidate)")
+    assert internal["heterog_search"]["recorded_by"] == "heterog"
+    json.dumps(data)
+    for text in (render_text(data, use_rich=False), render_text(data, use_rich=True)):
+        table, _, rest = text.partition("Not candidates: figures heterog recorded inside its "
+                                        f"own search (simulator, predicted; not among the "
+                                        f"{count} candidate(s) above):")
+        assert rest, text
+        assert "proportional_hierarchical" not in table and "heterog_search" not in table
+        assert "proportional_hierarchical: " in rest and "HeteroG's internal search seed" in rest
+    plain = render_text(data, use_rich=False)
+    rows = [line.split()[0] for line in plain.split("\n\n")[2].splitlines()[1:]]
+    assert rows == [c.name for c in candidates]
+
+
+def test_cli_plan_json_keeps_heterogs_internal_seeds_out_of_the_baselines(cli):
+    run = cli("plan", "--model", "small_cnn", "--cluster", HETERO, "--strategy", "heterog",
+              "--json")
+    assert run.returncode == 0, run.stderr
+    data = json.loads(run.stdout)
+    internal = {r["name"]: r for r in data["planner_internal"]}
+    assert {"proportional_hierarchical", "heterog_search"} <= set(internal)
+    assert not set(internal) & set(data["baselines"])
+    assert all("not a candidate" in r["role"] for r in internal.values())
+
+
 class _Run:
     def __init__(self, returncode, stdout, stderr):
         self.returncode, self.stdout, self.stderr = returncode, stdout, stderr

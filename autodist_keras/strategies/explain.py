@@ -31,6 +31,10 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
         plan: The `Plan` in force (with its `prediction`).
         cluster: The `Cluster`.
         candidates: Candidate dicts by name (default: `plan.prediction.baselines`).
+            Entries without a `"family"` key are figures the chosen plan's
+            planner recorded inside its own search (HeteroG's seeds and search
+            result, Disco's fusion baselines): they go to `"planner_internal"`,
+            not to `"candidates"`.
         measured: Dict of measured figures (e.g. `step_time_s`, `steps`).
         strategy_name: The strategy name the user asked for.
         fixed: Whether the plan was given with `plan=` (no planning ran).
@@ -41,6 +45,8 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
     prediction = plan.prediction
     if candidates is None:
         candidates = dict(prediction.baselines) if prediction is not None else {}
+    internal = planner_internal(plan, candidates)
+    candidates = {name: c for name, c in candidates.items() if _is_candidate(c)}
     device_rows = []
     layers_on = {}
     shares_on = {}
@@ -142,10 +148,64 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
                 "reason": c.get("reason"),
             }
             for name, c in candidates.items()
-            if isinstance(c, dict)
         ],
+        "planner_internal": internal,
         "planning_time_s": round(plan.provenance.planning_time_s, 4),
     }
+
+
+def _is_candidate(entry):
+    """Whether a `prediction.baselines` entry is a candidate of the search
+    (`Candidate.to_dict()`), not a figure from inside a planner's own search."""
+    return isinstance(entry, dict) and "family" in entry
+
+
+def _internal_role(planner, name):
+    if planner == "heterog":
+        if name == "heterog_search":
+            return "HeteroG's search result, before comparing it with its seeds"
+        return "HeteroG's internal search seed"
+    if planner == "disco" and name.startswith("overlapped_bound"):
+        return "Disco's fully-overlapped bound (a lower bound, not a plan)"
+    if planner == "disco":
+        return "Disco's fusion baseline"
+    if planner == "fastt":
+        return "FastT's comparison baseline"
+    return f"{planner or 'the planner'}'s own figure"
+
+
+def planner_internal(plan, figures=None):
+    """Figures the chosen plan's planner recorded inside its own search.
+
+    HeteroG records its seeds (e.g. `proportional_hierarchical`) and its
+    search result (`heterog_search`), Disco its fusion baselines and bound.
+    They are not candidates of the auto search: they are not counted in its
+    "of N" and the auto search did not score them. Those with a candidate's
+    name are the candidate's figures (`selection.record_candidates`).
+
+    Args:
+        plan: The `Plan` (with its `prediction`).
+        figures: Dict by name (default: `plan.prediction.baselines`).
+
+    Returns:
+        A list of dicts: `name`, `predicted_step_time_s`, `feasible`,
+        `recorded_by` (the planner), `role` and `scorer`.
+    """
+    if figures is None:
+        figures = plan.prediction.baselines if plan.prediction is not None else {}
+    planner = plan.provenance.planner
+    return [
+        {
+            "name": name,
+            "predicted_step_time_s": f.get("predicted_step_time_s", f.get("step_time_s")),
+            "feasible": f.get("feasible"),
+            "recorded_by": planner,
+            "role": _internal_role(planner, name) + " (not a candidate)",
+            "scorer": f"simulator (inside {planner}'s own search)",
+        }
+        for name, f in figures.items()
+        if isinstance(f, dict) and not _is_candidate(f)
+    ]
 
 
 def render_text(data, use_rich=None):
@@ -226,6 +286,24 @@ def _header_lines(data):
     return lines
 
 
+def _internal_lines(data):
+    """The planner's own search figures, apart from the candidates and labelled."""
+    rows = data.get("planner_internal") or []
+    if not rows:
+        return []
+    planner = rows[0]["recorded_by"] or "the planner"
+    count = len(data["candidates"])
+    lines = [f"Not candidates: figures {planner} recorded inside its own search (simulator, "
+             f"predicted; not among the {count} candidate(s)"
+             + (" above" if count else "") + "):"]
+    for r in rows:
+        step = _ms(r["predicted_step_time_s"])
+        step = "no step time" if step is None else f"{step} ms"
+        feasible = "" if r["feasible"] is None else f", feasible {r['feasible']}"
+        lines.append(f"  {r['name']}: {step}{feasible}; {r['role']}")
+    return lines
+
+
 def _unused_candidate_lines(data):
     """Why each candidate that could not be chosen was left out (infeasible, not built)."""
     return [f"  {c['name']}: {c['reason']}" for c in data["candidates"]
@@ -283,6 +361,9 @@ def _render_plain(data):
         left_out = _unused_candidate_lines(data)
         if left_out:
             lines += ["", "Candidates left out, and why:"] + left_out
+    internal = _internal_lines(data)
+    if internal:
+        lines += [""] + internal
     return "\n".join(lines)
 
 
@@ -312,4 +393,6 @@ def _render_rich(data):
             console.print("Candidates left out, and why:", highlight=False, markup=False)
             for line in left_out:
                 console.print(line, highlight=False, markup=False)
+    for line in _internal_lines(data):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
     return buffer.getvalue()

@@ -620,11 +620,20 @@ def _fits_hint(graph, cluster, devices, batch_size):
 def record_candidates(plan, candidates):
     """Stores every candidate's predicted figures on `plan.prediction.baselines`.
 
-    Figures the planner recorded itself (e.g. Disco's fusion baselines) are kept.
+    The candidates come first, in search order. Figures the planner recorded
+    inside its own search (HeteroG's seeds and search result, Disco's fusion
+    baselines) are kept after them, unless a candidate has the same name;
+    they carry no `"family"` key, which is how `explain()` tells them from
+    the candidates (it lists them apart, not as candidates).
+
+    Args:
+        plan: The chosen `Plan` (with its `prediction`).
+        candidates: The `Candidate`s of the search.
     """
-    plan.prediction.baselines = dict(
-        plan.prediction.baselines, **{c.name: c.to_dict() for c in candidates}
-    )
+    figures = {c.name: c.to_dict() for c in candidates}
+    for name, value in plan.prediction.baselines.items():
+        figures.setdefault(name, value)
+    plan.prediction.baselines = figures
 
 
 def _explain_choice(best, candidates, scorer=None):
