@@ -99,6 +99,11 @@ FAILING = textwrap.dedent("""
             if epoch == 1:
                 raise ValueError("rank 0's callback failed")
 
+    class Die(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 2:
+                os._exit(3)
+
     if __name__ == "__main__":
         out, mode, rank = sys.argv[1], sys.argv[2], int(os.environ["RANK"])
         with open(os.path.join(out, f"pid{rank}"), "w") as f:
@@ -115,7 +120,7 @@ FAILING = textwrap.dedent("""
             model.compile(optimizer="sgd", loss="mse")
         rng = np.random.default_rng(0)
         x, y = rng.normal(size=(64, 4)), rng.normal(size=(64, 2))
-        callbacks = [Boom()] if rank == 0 else []
+        callbacks = ([Die()] if mode == "die" else [Boom()]) if rank == 0 else []
         try:
             model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=callbacks)
             outcome = "completed"
@@ -153,6 +158,26 @@ def test_a_rank_that_never_calls_fit_is_reported_after_timeout_s(tmp_path):
     assert message.startswith("BackendError") and "waited 15 s" in message, message
     assert "Every rank must run the script to its fit" in message
     assert waited < 150
+
+
+def test_when_rank_0_dies_the_other_rank_reports_it_without_a_cpp_stack(tmp_path):
+    """Rank 1 raises a WorkerError naming rank 0 and exits quietly: its exit
+    hook no longer writes to the store that died with rank 0 (which printed a
+    C++ "sendBytes failed" stack)."""
+    import subprocess
+
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    env = dict(os.environ, KERAS_BACKEND="torch")
+    done = subprocess.run(
+        [sys.executable, "-m", "autodist_keras.cli", "launch", "--nprocs", "2", str(script),
+         str(tmp_path), "die"], env=env, capture_output=True, text=True, timeout=200)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "rank 0 failed first" in output, output
+    message = (tmp_path / "rank1.txt").read_text()
+    assert message.startswith("WorkerError: Worker rank 0 failed"), message
+    assert "sendBytes" not in output and "Exception raised from" not in output, output
 
 
 def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):

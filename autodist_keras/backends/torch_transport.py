@@ -125,7 +125,11 @@ class Comm:
         rank's peer, then waits up to `grace_s` for the others before it goes.
         Left to interpreter teardown, a rank whose peers had already exited
         sometimes aborted ("terminate called without an active exception").
-        Best effort: a rank that is gone is not waited for longer.
+        Best effort: a rank that is gone is not waited for longer. A rank
+        other than 0 whose groups already failed does not write to the store:
+        the store lives in rank 0's process, which is usually what failed, and
+        writing to it there printed a C++ "sendBytes failed" stack at exit (a
+        live rank 0 that still waits gives up after `grace_s`).
 
         Args:
             grace_s: How long rank 0 waits for the other ranks (seconds);
@@ -144,6 +148,8 @@ class Comm:
                 pg.shutdown()
             except Exception:  # noqa: BLE001  (best effort at exit)
                 pass
+        if not healthy and self.rank != 0:
+            return
         key = f"{self._prefix}/shutdown"
         try:
             self.store.set(f"{key}/{self.rank}", b"1")
