@@ -165,6 +165,34 @@ def test_explain_counts_the_candidates_it_lists_and_labels_heterogs_internal_see
     assert rows == [c.name for c in candidates]
 
 
+def _assert_columns_line_up(lines, titles):
+    header, rows = lines[0], lines[1:]
+    for title in titles:
+        start = header.index(title)
+        for row in rows:
+            # Each cell starts where its title starts, after a blank.
+            assert row[start - 1:start] in ("", " ") and row[start] != " ", (title, row, header)
+
+
+def test_plain_tables_size_columns_from_their_widest_cell(graph, hetero):
+    from autodist_keras.strategies.explain import CANDIDATE_COLUMNS
+    from autodist_keras.strategies.explain import DEVICE_COLUMNS
+
+    plan, _ = selection.choose_plan(graph, hetero, 256, families=["heterog"],
+                                    use_cache=False, estimator="simulator")
+    data = explanation(plan, hetero)
+    # Device models longer than the title (V100-PCIE-16GB), and a candidate name
+    # longer than any built-in one.
+    assert max(len(d["model"]) for d in data["devices"]) > len("model") + 5
+    data["candidates"][-1]["name"] = "heterog_with_a_much_longer_candidate_name"
+    blocks = render_text(data, use_rich=False).split("\n\n")
+    devices, candidates = blocks[1].splitlines(), blocks[2].splitlines()
+    assert devices[0].startswith("device") and candidates[0].startswith("candidate")
+    assert len(devices) == len(plan.devices) + 1
+    _assert_columns_line_up(devices, [t for _, t in DEVICE_COLUMNS])
+    _assert_columns_line_up(candidates, [t for _, t in CANDIDATE_COLUMNS])
+
+
 def test_cli_plan_json_keeps_heterogs_internal_seeds_out_of_the_baselines(cli):
     run = cli("plan", "--model", "small_cnn", "--cluster", HETERO, "--strategy", "heterog",
               "--json")

@@ -344,20 +344,22 @@ def short_scorer(source):
     return source
 
 
+def _plain_table(columns, rows):
+    """Lines of a plain-text table, each column as wide as its widest cell or title."""
+    cells = [[title for _, title in columns]]
+    cells += [[_cell(key, row.get(key)) for key, _ in columns] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    return ["  ".join(text.ljust(w) for text, w in zip(line, widths)).rstrip()
+            for line in cells]
+
+
 def _render_plain(data):
     lines = _header_lines(data)
     lines.append("")
-    widths = [max(len(title), 10) for _, title in DEVICE_COLUMNS]
-    lines.append("  ".join(t.ljust(w) for (_, t), w in zip(DEVICE_COLUMNS, widths)))
-    for row in data["devices"]:
-        lines.append("  ".join(_cell(k, row[k]).ljust(w) for (k, _), w in zip(DEVICE_COLUMNS, widths)))
+    lines += _plain_table(DEVICE_COLUMNS, data["devices"])
     if data["candidates"]:
         lines.append("")
-        widths = [max(len(title), 22 if k == "name" else 10) for k, title in CANDIDATE_COLUMNS]
-        lines.append("  ".join(t.ljust(w) for (_, t), w in zip(CANDIDATE_COLUMNS, widths)))
-        for c in data["candidates"]:
-            lines.append("  ".join(_cell(k, c.get(k)).ljust(w)
-                                   for (k, _), w in zip(CANDIDATE_COLUMNS, widths)))
+        lines += _plain_table(CANDIDATE_COLUMNS, data["candidates"])
         left_out = _unused_candidate_lines(data)
         if left_out:
             lines += ["", "Candidates left out, and why:"] + left_out
