@@ -33,6 +33,7 @@ import threading
 import time
 
 from autodist_keras.backends.torch_session import Reporter
+from autodist_keras.backends.torch_transport import loopback_store
 from autodist_keras.errors import BackendError
 from autodist_keras.errors import WorkerError
 
@@ -93,42 +94,6 @@ def _describe_exit(code):
             name = f"signal {-code}"
         return f"process was killed by {name} (exit code {code})"
     return f"process exited with code {code}"
-
-
-def _loopback_store(world_size, timeout_s):
-    """Rank 0's `TCPStore`, listening on 127.0.0.1 only, on a free port.
-
-    `TCPStore("127.0.0.1", 0, ...)` alone listens on every interface (the host
-    name only tells clients where to connect), so the pool hands the store a
-    socket it has bound to loopback itself. The store owns (and closes) that
-    socket from then on.
-    """
-    import datetime
-    import socket
-
-    import torch.distributed as dist
-
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(max(64, world_size))
-        port = listener.getsockname()[1]
-    except BaseException:
-        listener.close()
-        raise
-    fd = listener.detach()
-    try:
-        return dist.TCPStore(
-            "127.0.0.1", port, world_size, True,
-            timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
-            master_listen_fd=fd,
-        )
-    except BaseException:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-        raise
 
 
 _MAIN_GUARD = re.compile(r"""__name__\s*==\s*['"]__main__['"]|['"]__main__['"]\s*==\s*__name__""")
@@ -218,7 +183,7 @@ class WorkerPool(Reporter):
         self._ready = set()
         self.comm = None
         startup = max(STARTUP_TIMEOUT_S, self.timeout_s)
-        self.store = _loopback_store(self.world_size, startup)
+        self.store = loopback_store(self.world_size, startup)
         ctx = _context(grad_backend)
         self.start_method = ctx.get_start_method()
         self.processes = {}

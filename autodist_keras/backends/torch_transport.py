@@ -25,6 +25,7 @@ comm.broadcast_command(CMD_TRAIN, 48, 0)
 import datetime
 import json
 import math
+import os
 
 from autodist_keras.errors import BackendError
 
@@ -56,6 +57,55 @@ class CommFailure(Exception):
 
 def _timedelta(seconds):
     return datetime.timedelta(seconds=float(seconds))
+
+
+def loopback_store(world_size, timeout_s):
+    """A server `TCPStore` on a free port of 127.0.0.1, listening on loopback only.
+
+    `TCPStore("127.0.0.1", 0, ...)` alone listens on every interface (the host
+    name only tells clients where to connect), so this binds the socket itself
+    and hands it to the store, which owns (and closes) it from then on. The
+    port is taken while bound, so no other program can take it in between.
+
+    Args:
+        world_size: Number of store users (clients plus this server).
+        timeout_s: The store's timeout for waits and start-up (seconds).
+
+    Returns:
+        The `TCPStore`; clients connect to `127.0.0.1:store.port`.
+
+    Example:
+
+    ```python
+    store = loopback_store(world_size=3, timeout_s=60)
+    port = store.port   # pass to the processes that connect
+    ```
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(max(64, world_size))
+        port = listener.getsockname()[1]
+    except BaseException:
+        listener.close()
+        raise
+    fd = listener.detach()
+    try:
+        return dist.TCPStore(
+            "127.0.0.1", port, world_size, True,
+            timeout=_timedelta(timeout_s), wait_for_workers=False,
+            master_listen_fd=fd,
+        )
+    except BaseException:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        raise
 
 
 class Comm:

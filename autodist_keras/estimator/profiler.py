@@ -62,7 +62,6 @@ import traceback
 from autodist_keras.devices.detect import host_cpu_name
 from autodist_keras.errors import AutodistError
 from autodist_keras.errors import EstimatorError
-from autodist_keras.launch import free_port
 
 CACHE_ENV = "AUTODIST_KERAS_CACHE"
 CACHE_VERSION = 1
@@ -1552,8 +1551,11 @@ def _collective_worker(rank, world, port, dist_backend, ops, sizes, warmup, repe
 
         if threads[rank]:
             torch.set_num_threads(int(threads[rank]))
+        # The parent hosts the store on loopback (`loopback_store`); every rank is a client.
+        store = dist.TCPStore("127.0.0.1", port, world + 1, False,
+                              timeout=_dt.timedelta(seconds=timeout_s))
         dist.init_process_group(
-            dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+            dist_backend, store=store, rank=rank,
             world_size=world, timeout=_dt.timedelta(seconds=timeout_s),
         )
         use_cuda = dist_backend == "nccl"
@@ -1843,8 +1845,11 @@ def profile_collectives(
     affinities = [sorted(d.cpu_affinity) if d.cpu_affinity else None for d in device_objs]
     threads = [d.threads for d in device_objs]
     ctx = multiprocessing.get_context("spawn")
+    from autodist_keras.backends.torch_transport import loopback_store
+
     with tempfile.TemporaryDirectory(prefix="autodist-collectives-") as out_dir:
-        port = free_port()
+        store = loopback_store(world + 1, timeout_s)
+        port = store.port
         procs = [
             ctx.Process(
                 target=_collective_worker,
@@ -1870,6 +1875,7 @@ def profile_collectives(
                 if p.is_alive():
                     p.kill()
                     p.join(5)
+            store = None  # closes the listening socket now, not at the next collection
         results = []
         for rank in range(world):
             try:
