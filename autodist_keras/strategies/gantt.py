@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import re
 
 from autodist_keras.errors import OutputError
 from autodist_keras.errors import StrategyError
@@ -20,6 +21,10 @@ KIND_COLORS = {
 
 def plot_timeline(result, path, title="Simulated step (predicted)"):
     """Draws a `SimResult` timeline as a Gantt chart, one row per device and stream.
+
+    Rows follow the devices in natural order (`node0/gpu2` before
+    `node0/gpu10`); the legend sits to the right of the chart, outside it,
+    so it hides no lane.
 
     Args:
         result: The simulator's `SimResult`.
@@ -41,7 +46,6 @@ def plot_timeline(result, path, title="Simulated step (predicted)"):
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
     except ImportError:
         raise StrategyError(
             "plot() needs matplotlib: pip install 'autodist-keras[plot]'. Received: no matplotlib"
@@ -61,12 +65,46 @@ def plot_timeline(result, path, title="Simulated step (predicted)"):
     if ext not in formats:
         raise OutputError(f"plot() writes an image; {ext!r} is not a format matplotlib writes. "
                           f"Use .png (or one of {', '.join(sorted(formats))}). Received: {path!r}")
-    rows = []
-    for event in result.timeline:
-        key = (event.device, event.stream)
-        if key not in rows:
-            rows.append(key)
-    rows.sort()
+    fig = timeline_figure(result, title)
+    try:
+        # "tight" grows the image to take in the legend outside the axes.
+        write_atomic(path, lambda f: fig.savefig(f, dpi=100, format=ext, bbox_inches="tight"),
+                     suffix="." + ext)
+    finally:
+        plt.close(fig)
+    return path if isinstance(given, str) else pathlib.Path(path)
+
+
+def natural_key(text):
+    """Sort key comparing the digit runs of `text` as numbers: `gpu2` before `gpu10`."""
+    return [int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", text))]
+
+
+def lanes(result):
+    """The chart's rows, top to bottom: `(device, stream)` pairs of the timeline,
+    devices in natural order (`node0/gpu2` before `node0/gpu10`)."""
+    rows = {(event.device, event.stream) for event in result.timeline}
+    return sorted(rows, key=lambda row: (natural_key(row[0]), row[1]))
+
+
+def timeline_figure(result, title="Simulated step (predicted)"):
+    """Draws a `SimResult` timeline on a new matplotlib figure (see `plot_timeline`).
+
+    The legend sits outside the axes, to their right, so it never hides
+    the end of a lane (the critical lanes end at the right edge).
+
+    Args:
+        result: The simulator's `SimResult`.
+        title: Chart title; keep the word "predicted" in it.
+
+    Returns:
+        The `matplotlib.figure.Figure`; close it with
+        `matplotlib.pyplot.close(fig)`.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    rows = lanes(result)
     index = {key: i for i, key in enumerate(rows)}
     fig, ax = plt.subplots(figsize=(12, 0.45 * len(rows) + 1.5))
     for event in result.timeline:
@@ -80,10 +118,6 @@ def plot_timeline(result, path, title="Simulated step (predicted)"):
     ax.set_title(f"{title}: {result.step_time_s * 1e3:.2f} ms")
     kinds = sorted({e.kind for e in result.timeline})
     ax.legend(handles=[Patch(color=KIND_COLORS.get(k, "#999999"), label=k) for k in kinds],
-              loc="upper right", fontsize=7)
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=7)
     fig.tight_layout()
-    try:
-        write_atomic(path, lambda f: fig.savefig(f, dpi=100, format=ext), suffix="." + ext)
-    finally:
-        plt.close(fig)
-    return path if isinstance(given, str) else pathlib.Path(path)
+    return fig
