@@ -458,3 +458,32 @@ def test_identical_simulations_are_cached_and_changes_are_not(chain):
     simulate(chain, cluster, plan, cache=False)
     assert simulator.cache_stats == before
     simulator.clear_cache()
+
+
+def _two_gpus(first_tflops, second_tflops):
+    return Cluster.from_dict({"nodes": [{"name": "node0", "gpus": [
+        {"name": "GPU", "memory_gb": 16, "fp32_tflops": first_tflops, "bandwidth_gbps": 900},
+        {"name": "GPU", "memory_gb": 16, "fp32_tflops": second_tflops, "bandwidth_gbps": 900},
+    ]}]})
+
+
+def test_critical_device_is_not_decided_by_float_noise():
+    """Two GPUs whose figures are equal up to rounding (one computed, 15.7 x
+    (0.1 + 0.2) / 0.3) tie: the critical device is the first in device order,
+    whichever of them carries the noise. A real difference still decides."""
+    from autodist_keras.graph import zoo
+
+    graph = ModelGraph.from_keras(zoo.small_cnn())
+    noisy = 15.7 * (0.1 + 0.2) / 0.3
+    assert noisy != 15.7 and abs(noisy / 15.7 - 1) < 1e-15
+    figures = []
+    for first, second in ((noisy, 15.7), (15.7, noisy)):
+        cluster = _two_gpus(first, second)
+        result = simulate(graph, cluster, baselines.data_parallel_even(graph, cluster, 64))
+        assert result.critical_device == "node0/gpu0", (first, second)
+        figures.append(result.to_prediction())
+    assert figures[0].compute_s == pytest.approx(figures[1].compute_s, rel=1e-12)
+    # The second GPU 1% slower: it finishes last and is the critical device.
+    cluster = _two_gpus(15.7, 15.7 * 0.99)
+    result = simulate(graph, cluster, baselines.data_parallel_even(graph, cluster, 64))
+    assert result.critical_device == "node0/gpu1"

@@ -135,7 +135,9 @@ class SimResult:
         peak_memory_bytes: Dict from device name to predicted peak bytes.
         feasible: False when some device's memory is exceeded.
         infeasible_reason: Which devices are short and by how many bytes.
-        critical_device: The device that finishes last.
+        critical_device: The device that finishes last (then the busiest;
+            ties within `CRITICAL_RTOL` of the step go to the first in
+            device order).
         num_tasks: Number of simulated tasks.
         cost_model: The cost model's description.
 
@@ -354,6 +356,10 @@ class _Tasks:
 
 
 CACHE_SIZE = 32  # simulated results kept (analytic cost model only), least recently used out
+# Devices whose last end (then busy time) lie within this fraction of the step
+# of the largest tie for critical device; the first in device order wins, so
+# float noise (figures equal up to rounding) never decides which one it is.
+CRITICAL_RTOL = 1e-9
 _cache = collections.OrderedDict()
 _cache_lock = threading.Lock()
 cache_stats = {"hits": 0, "misses": 0}
@@ -1019,10 +1025,14 @@ class _Simulation:
                 )
         critical = None
         if n_dev:
-            best = max(
-                range(n_dev), key=lambda d: (last_end[d], per_device[self.dev_names[d]].busy_s)
-            )
-            critical = self.dev_names[best]
+            # The device finishing last, then the busiest of those; ties within
+            # CRITICAL_RTOL of the step go to the first in device order.
+            tol = CRITICAL_RTOL * step
+            latest = max(last_end)
+            last = [d for d in range(n_dev) if last_end[d] >= latest - tol]
+            busy = [per_device[self.dev_names[d]].busy_s for d in last]
+            busiest = max(busy)
+            critical = self.dev_names[next(d for d, b in zip(last, busy) if b >= busiest - tol)]
         config = (
             self.cost.config() if hasattr(self.cost, "config")
             else {"type": type(self.cost).__name__}
