@@ -67,6 +67,39 @@ def test_module_function_spec(tmp_path, monkeypatch):
         load_model("no_such_module_xyz:build")
 
 
+def test_empty_or_truncated_keras_files_are_named_for_what_they_are(tmp_path):
+    """Keras says "File not found" for a file that exists but is empty or not a
+    zip archive; load_model (and so the CLI) says what is wrong with it."""
+    import re
+
+    empty = tmp_path / "empty.keras"
+    empty.write_bytes(b"")
+    with pytest.raises(GraphError) as info:
+        load_model(str(empty))
+    text = str(info.value)
+    assert "is empty (0 bytes)" in text and "not a valid .keras archive" in text
+    assert "not found" not in text.lower()
+    assert text.endswith(f"Received: {str(empty)!r}")
+    # A real model's file cut short (an interrupted copy) is no zip archive any more.
+    model = zoo.mlp(input_dim=4, hidden=(8,), name="to_truncate")
+    saved = tmp_path / "saved.keras"
+    model.save(saved)
+    truncated = tmp_path / "truncated.keras"
+    truncated.write_bytes(saved.read_bytes()[: saved.stat().st_size // 2])
+    with pytest.raises(GraphError, match=re.escape(
+            f"is not a valid .keras archive: a .keras file is a zip archive written by Keras 3, "
+            f"and this one ({truncated.stat().st_size} bytes) is not a zip file")) as info:
+        load_model(str(truncated))
+    assert "not found" not in str(info.value).lower()
+    assert str(info.value).endswith(f"Received: {str(truncated)!r}")
+    assert load_model(str(saved)).name == "to_truncate"  # the whole file still loads
+    # An empty legacy .h5 file too.
+    empty_h5 = tmp_path / "empty.h5"
+    empty_h5.write_bytes(b"")
+    with pytest.raises(GraphError, match="is empty \\(0 bytes\\)"):
+        load_model(str(empty_h5))
+
+
 @pytest.mark.parametrize(
     "spec, message",
     [

@@ -28,6 +28,7 @@ import difflib
 import importlib
 import os
 import sys
+import zipfile
 
 from autodist_keras.errors import GraphError
 
@@ -70,8 +71,10 @@ def load_model(spec, **kwargs):
         A `keras.Model` (not compiled).
 
     Raises:
-        GraphError: If the spec names nothing loadable; the message lists
-            the accepted forms and close matches.
+        GraphError: If the spec names nothing loadable (the message lists
+            the accepted forms and close matches), or names a model file
+            that is missing, empty, not a valid .keras archive, or cannot
+            be loaded.
     """
     import keras
 
@@ -182,6 +185,20 @@ def _load_file(path, kwargs):
         raise GraphError(
             f"Model file {path!r} does not exist. Give the path of a model saved with "
             f"`model.save('model.keras')`, or {_options_text()}. Received: {path!r}"
+        )
+    # Keras reports an empty or non-zip .keras file as "File not found": say what it is.
+    resave = ("Save the model again with `model.save('model.keras')` (an interrupted save "
+              "or copy leaves a truncated file) and pass that file.")
+    if os.path.getsize(path) == 0:
+        raise GraphError(
+            f"Model file {path!r} is empty (0 bytes), so it is not a valid .keras archive or "
+            f"saved model. {resave} Received: {path!r}"
+        )
+    if path.lower().endswith(".keras") and not zipfile.is_zipfile(path):
+        raise GraphError(
+            f"Model file {path!r} is not a valid .keras archive: a .keras file is a zip archive "
+            f"written by Keras 3, and this one ({os.path.getsize(path)} bytes) is not a zip "
+            f"file. {resave} A legacy HDF5 model needs the .h5 extension. Received: {path!r}"
         )
     # Models from the zoo use PositionEmbedding: register it before loading.
     from autodist_keras.graph import zoo  # noqa: F401
