@@ -453,6 +453,61 @@ def test_input_pipelines_are_split_by_share(source):
     _assert_same_weights(model, reference)
 
 
+class _PaddedPerBatch(keras.utils.PyDataset):
+    """Sequences padded per batch: the time length changes from batch to batch."""
+
+    def __init__(self, x, y, batches):
+        super().__init__()
+        self.x, self.y, self.batches = x, y, batches  # [(rows, time length), ...]
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        start = sum(rows for rows, _ in self.batches[:i])
+        rows, length = self.batches[i]
+        return self.x[start:start + rows, :length], self.y[start:start + rows, :length]
+
+
+def _per_timestep_model():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((None, 4), name="steps_in")
+    x = keras.layers.Conv1D(6, 3, padding="same", activation="relu", name="steps_conv")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(2, activation="softmax", name="steps_out")(x))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_predictions_whose_shape_changes_per_batch(reverse):
+    """Per-timestep predictions of sequences padded per batch: rank 0 sized the
+    workers' predictions from the first batch (a longer sequence later aborted
+    the process inside gloo, a shorter one failed in the metrics). With the
+    devices reversed rank 0 is the slower device and gets no row of the last,
+    one-row batch, so it works out the shape with a forward pass of its own."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(73, 9, 4)).astype("float32")
+    y = rng.integers(0, 2, size=(73, 9))
+    batches = [(24, 5), (24, 7), (24, 4), (1, 9)]
+    from autodist_keras import AutoStrategy
+    from autodist_keras.devices import Cluster
+
+    cluster = Cluster.cpu_testbed()
+    devices = cluster.names[:2][::-1] if reverse else cluster.names[:2]
+    strategy = AutoStrategy(strategy="proportional", cluster=cluster, devices=devices)
+    with strategy.scope():
+        model = _per_timestep_model()
+    history = model.fit(_PaddedPerBatch(x, y, batches), epochs=2, verbose=0, shuffle=False)
+    assert strategy.adapter.last_run["steps"] == 8 and strategy.adapter.last_run["in_sync"]
+    if reverse:
+        assert strategy.plan.shares_for(1)[0] == 0  # rank 0 had no row of the last batch
+    reference = _per_timestep_model()
+    expected = reference.fit(_PaddedPerBatch(x, y, batches), epochs=2, verbose=0, shuffle=False)
+    _assert_same_weights(model, reference)
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(history.history[key], expected.history[key], rtol=1e-5)
+
+
 # ----------------------------------------------------------------- errors
 def test_steps_per_execution_above_one_is_refused_as_keras_does():
     # Keras's torch trainer refuses it; the runtime's own train function must

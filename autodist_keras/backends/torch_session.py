@@ -338,6 +338,7 @@ class Driver:
         self.replica_checksums = None
         self._header = None
         self._ypred = None  # (spec, metas) of the model's predictions
+        self._ypred_inputs = None  # the input metas `_ypred` was computed for
         self._layouts = {}
         # Spawned workers share rank 0's machine: shards go through shared memory
         # (torch_shm) unless AUTODIST_KERAS_TORCH_SHM=0.
@@ -536,9 +537,16 @@ class Driver:
             profile.mark("sent")
 
             def post_receives(y_pred, loss):
-                if self._ypred is None:
+                # The predictions' shapes beyond the batch dimension may change
+                # from batch to batch (sequences padded per batch): they are
+                # taken from this step's own predictions, or from a one-row
+                # forward pass when rank 0 has no rows, whenever the inputs' change.
+                if y_pred is not None:
                     ypred_spec, ypred_leaves = tt.flatten_tree(y_pred)
                     self._ypred = (ypred_spec, [tt.leaf_meta(t) for t in ypred_leaves])
+                elif self._ypred is None or self._ypred_inputs != header["metas"]:
+                    self._ypred = self._predict_spec(leaves, spec)
+                self._ypred_inputs = header["metas"]
                 metas = self._ypred[1]
                 for r in range(1, world):
                     if shares[r] > 0:
@@ -552,8 +560,6 @@ class Driver:
                 # forward pass, so rank 0 computes them instead of waiting.
                 self._restore_loss_metrics(saved)
                 if shares[0] == 0:
-                    if self._ypred is None:
-                        self._ypred = self._predict_spec(leaves, spec)
                     post_receives(None, None)
                 for work, r in sends:
                     self.comm.wait(work, peer=r)
