@@ -508,6 +508,52 @@ def test_predictions_whose_shape_changes_per_batch(reverse):
         np.testing.assert_allclose(history.history[key], expected.history[key], rtol=1e-5)
 
 
+def _head_without_loss():
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((16,), name="nl_in")
+    hidden = keras.layers.Dense(16, activation="relu", name="nl_hidden")(inputs)
+    model = keras.Model(inputs, {
+        "cls": keras.layers.Dense(4, name="cls")(hidden),
+        "aux": keras.layers.Dense(1, name="aux")(hidden),  # no loss: no gradient
+    })
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=0.1),
+                  loss={"cls": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                        "aux": None})
+    return model
+
+
+@pytest.mark.parametrize("plan,transport", [("proportional", "shared_memory"),
+                                            ("proportional", "gloo"), ("ps", "gloo")])
+def test_variables_without_a_gradient_are_left_alone_by_the_optimizer(
+        plan, transport, monkeypatch):
+    """A head without a loss gets no gradient. Keras's step passes None for it,
+    so weight decay and momentum leave it alone; the runtime passed zeros, and
+    weight decay moved it. With 3 devices and a last batch of 2 samples one
+    rank has no row at all (no gradient for anything) while the others have
+    the hidden layer's."""
+    if transport == "gloo":
+        monkeypatch.setenv("AUTODIST_KERAS_TORCH_SHM_REDUCE", "0")
+    x, y = _data("mlp")
+    y_aux = np.zeros((len(x), 1), "float32")
+    strategy = _strategy(plan, 3)
+    with strategy.scope():
+        model = _head_without_loss()
+    initial = model.get_weights()
+    with pytest.warns(UserWarning, match="Gradients do not exist for variables"):
+        model.fit(x, {"cls": y, "aux": y_aux}, batch_size=BATCH, epochs=1, shuffle=False,
+                  verbose=0)
+    assert strategy.adapter.last_run["gradient_transport"] == transport
+    assert strategy.adapter.last_run["in_sync"] is True
+    reference = _head_without_loss()
+    reference.fit(x, {"cls": y, "aux": y_aux}, batch_size=BATCH, epochs=1, shuffle=False,
+                  verbose=0)
+    _assert_same_weights(model, reference)
+    paths = [v.path for v in model.weights]
+    for name in ("aux/kernel", "aux/bias"):
+        np.testing.assert_array_equal(model.get_weights()[paths.index(name)],
+                                      initial[paths.index(name)])
+
+
 # ----------------------------------------------------------------- errors
 def test_steps_per_execution_above_one_is_refused_as_keras_does():
     # Keras's torch trainer refuses it; the runtime's own train function must

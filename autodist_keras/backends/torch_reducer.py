@@ -10,6 +10,11 @@ whatever the timing of its hooks. `finish()` launches what is left (variables
 that got no gradient reduce zeros), waits, runs the second phase of PS and
 hierarchical buckets, and returns the summed gradients.
 
+Each bucket ends with one presence element per variable (1 where this rank
+had a gradient, else 0), summed with the gradients: a variable that got no
+gradient on any rank gets `None`, as in Keras's own step, so the optimizer
+leaves it alone (no weight decay, no momentum), instead of a zero gradient.
+
 Sync methods (from `plan.sync`, per variable; a planned bucket mixing methods
 is split, in order, into runs of one method):
 
@@ -60,6 +65,7 @@ class _Bucket:
         self.algorithm = algorithm
         self.buffer = None
         self.offsets = []
+        self.presence = 0  # offset of the per-variable presence elements
         self.work = None
         self.pending = 0
         # Shared-memory sums (`GradientReducer.use_shared_memory`).
@@ -69,7 +75,7 @@ class _Bucket:
 
     @property
     def numel(self):
-        return sum(n for _, n in self.offsets)
+        return self.presence + len(self.indices)
 
 
 class GradientReducer:
@@ -138,11 +144,13 @@ class GradientReducer:
                 n = self.params[i].numel()
                 bucket.offsets.append((offset, n))
                 offset += n
+            bucket.presence = offset
         self.area = None  # a `torch_shm_reduce.ReduceArea` once `use_shared_memory` ran
         self._handles = []
         self._next = 0
         self.error = None
         self.launched_during_backward = 0  # buckets launched from hooks in the last step
+        self._missing = False  # some variable got no gradient on this rank this step
         self._hier = self._hierarchy()
 
     # ------------------------------------------------------------ plan
@@ -236,6 +244,7 @@ class GradientReducer:
         self._next = 0
         self.error = None
         self.launched_during_backward = 0
+        self._missing = False
 
     def _launch_ready(self):
         launched = 0
@@ -253,14 +262,20 @@ class GradientReducer:
             bucket.buffer = torch.zeros(bucket.numel, dtype=first.dtype, device=first.device)
         # With shared memory, this rank's input region is the flat bucket.
         target = bucket.buffer if bucket.inputs is None else bucket.inputs[self.comm.rank]
+        present = []
         with torch.no_grad():
             for i, (offset, n) in zip(bucket.indices, bucket.offsets):
                 grad = self.params[i].grad
                 view = target[offset:offset + n]
                 if grad is None:
                     view.zero_()
+                    present.append(0.0)
                 else:
                     view.copy_(grad.reshape(-1))
+                    present.append(1.0)
+            if 0.0 in present:
+                self._missing = True
+            target[bucket.presence:].copy_(torch.tensor(present, dtype=target.dtype))
 
     def _launch(self, bucket):
         import torch.distributed as dist
@@ -340,7 +355,12 @@ class GradientReducer:
     def _grads(self):
         grads = [None] * len(self.params)
         for bucket in self.buckets:
-            for i, (offset, n) in zip(bucket.indices, bucket.offsets):
+            # Every variable had a gradient here, so the sums are all positive:
+            # read them (a device sync on GPUs) only when some gradient was missing.
+            present = bucket.buffer[bucket.presence:].tolist() if self._missing else None
+            for j, (i, (offset, n)) in enumerate(zip(bucket.indices, bucket.offsets)):
+                if present is not None and present[j] == 0:
+                    continue  # no rank had a gradient: None, as Keras's own step gives
                 grads[i] = bucket.buffer[offset:offset + n].view(self.params[i].shape)
         return grads
 
