@@ -99,6 +99,37 @@ def test_script_read_from_stdin_fails_at_once_with_the_fix(tmp_path):
     assert "trained" not in result.stdout
 
 
+INTERACTIVE_CUSTOM_LAYER = """
+import numpy as np, keras
+from autodist_keras import AutoStrategy, Cluster
+class Scale(keras.layers.Layer):
+    def call(self, x):
+        return x * 2.0
+strategy = AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed())
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), Scale(), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+model.fit(np.ones((48, 4)), np.ones((48, 1)), batch_size=24, verbose=0)
+print("trained")
+"""
+
+
+def test_custom_layer_of_an_interactive_session_gets_the_advice_that_works_there(tmp_path):
+    """In a notebook (here `python -c`) registering the layer would not help,
+    so the first error already says to move it into a module (it said to
+    register it, and only the next try said to move it)."""
+    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=ROOT,
+               AUTODIST_KERAS_CACHE=str(tmp_path / "cache"))
+    result = subprocess.run([sys.executable, "-c", INTERACTIVE_CUSTOM_LAYER],
+                            capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    message = result.stderr.replace("\n", " ")
+    assert result.returncode != 0 and "trained" not in result.stdout
+    assert "BackendError" in message
+    assert "defined in an interactive session" in message
+    assert "Move it into a module (a .py file)" in message
+    assert "Received: __main__.Scale" in message
+
+
 def test_sequential_model_trains_on_three_processes_like_one_device(tmp_path):
     result = _run(tmp_path, TRAIN + GUARDED_MAIN)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -155,6 +155,15 @@ def check_serializable(model):
                 "@keras.saving.register_keras_serializable(). "
                 f"Received: {target!r}"
             )
+        if module == "__main__" and not getattr(main, "__file__", None):
+            # Checked first: registering it in the session would not help.
+            raise BackendError(
+                f"The {where} uses {name}, defined in an interactive session (a notebook, "
+                "`python -c`); spawned worker processes cannot import it. Move it into a "
+                "module (a .py file), decorate it with "
+                "@keras.saving.register_keras_serializable() there, and import it from "
+                f"there. Received: __main__.{name}"
+            )
         registered = keras.saving.get_registered_name(target)
         if keras.saving.get_registered_object(registered) is not target:
             raise BackendError(
@@ -164,13 +173,6 @@ def check_serializable(model):
                 "module the workers import (or at the top level of your script, with "
                 "training under `if __name__ == '__main__':`). "
                 f"Received: {module}.{name}"
-            )
-        if module == "__main__" and not getattr(main, "__file__", None):
-            raise BackendError(
-                f"The {where} uses {name}, defined in an interactive session; spawned "
-                "worker processes cannot import it. Move it into a module (a .py file) "
-                "and import it from there. "
-                f"Received: __main__.{name}"
             )
 
 
