@@ -554,6 +554,63 @@ def test_variables_without_a_gradient_are_left_alone_by_the_optimizer(
                                       initial[paths.index(name)])
 
 
+class _TrainProbe(keras.callbacks.Callback):
+    """Fits another model at each epoch's end (a linear probe), as users do."""
+
+    def __init__(self, probe, x, y):
+        super().__init__()
+        self.probe, self.x, self.y = probe, x, y
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.probe.fit(self.x, self.y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+
+
+@pytest.mark.parametrize("same_strategy", [True, False])
+def test_a_fit_inside_another_fit_on_the_same_number_of_devices(same_strategy):
+    """A fit started from another fit's callback got the outer fit's busy
+    workers, which failed with 'Rank 1 got an unknown command'; now it leases
+    a pool of its own (kept for the next epoch's probe), and both models train
+    as on one device."""
+    x, y = _data("mlp", n=96)
+    outer_strategy = _strategy("proportional", 2)
+    inner_strategy = outer_strategy if same_strategy else _strategy("even", 2)
+    with outer_strategy.scope():
+        outer = _build("mlp", seed=1)
+        _compile(outer, "sgd")
+    with inner_strategy.scope():
+        probe = _build("mlp", seed=2)
+        _compile(probe, "sgd")
+    outer.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+              callbacks=[_TrainProbe(probe, x, y)])
+    assert outer_strategy.adapter.last_run["in_sync"] is True
+    outer_ref, probe_ref = _build("mlp", seed=1), _build("mlp", seed=2)
+    _compile(outer_ref, "sgd")
+    _compile(probe_ref, "sgd")
+    outer_ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[_TrainProbe(probe_ref, x, y)])
+    _assert_same_weights(outer, outer_ref)
+    _assert_same_weights(probe, probe_ref)
+
+
+def test_strategies_with_other_timeouts_keep_their_own_workers():
+    """Each timeout gets its pool (the groups' timeout is fixed when they are
+    made); alternating fits no longer restart each other's workers."""
+    x, y = _data("mlp", n=96)
+    runs = []
+    for timeout_s in (120, 150):
+        strategy = _strategy("proportional", 2, timeout_s=timeout_s)
+        with strategy.scope():
+            model = _build("mlp")
+            _compile(model, "sgd")
+        runs.append((strategy, model))
+    pids = []
+    for _ in range(2):
+        for strategy, model in runs:
+            model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+            pids.append(strategy.adapter.worker_pids()[1])
+    assert pids[0] == pids[2] and pids[1] == pids[3] and pids[0] != pids[1]
+
+
 # ----------------------------------------------------------------- errors
 def test_steps_per_execution_above_one_is_refused_as_keras_does():
     # Keras's torch trainer refuses it; the runtime's own train function must

@@ -233,6 +233,7 @@ def test_worker_that_died_between_fits_gives_a_worker_error_not_a_broken_pipe():
     # a BrokenPipeError from its control pipe.
     with pytest.raises(CommFailure, match="cannot reach worker 1"):
         pool.wake()
+    torch_pool.release_pool(pool)
     model.fit(x, y, batch_size=BATCH, verbose=0, epochs=1)
     assert strategy.adapter.last_run["in_sync"] is True
     assert strategy.adapter.worker_pids()[1] != pid

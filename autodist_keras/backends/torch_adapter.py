@@ -212,18 +212,21 @@ class TorchAdapter(BackendAdapter):
         self._run = run
         model.train_function = run.train_function
         try:
-            history = type(model).fit(model, *args, **kwargs)
-        except BaseException:
-            run.abort()
-            raise
+            try:
+                history = type(model).fit(model, *args, **kwargs)
+            except BaseException:
+                run.abort()
+                raise
+            finally:
+                model.train_function = None
+                run.restore()
+            try:
+                run.finish(history)
+            except BaseException:
+                run.abort()
+                raise
         finally:
-            model.train_function = None
-            run.restore()
-        try:
-            run.finish(history)
-        except BaseException:
-            run.abort()
-            raise
+            run.release()  # the workers may serve the next fit
         return history
 
     def _serve_torchrun(self, model, rank, world):
@@ -477,6 +480,13 @@ class _FitRun:
             discard_pool(self.pool)
         elif self.driver is not None:
             self.driver.comm.broken = True
+
+    def release(self):
+        """Gives the pool back for the next fit (a discarded one is gone already)."""
+        if self.pool is not None:
+            from autodist_keras.backends.torch_pool import release_pool
+
+            release_pool(self.pool)
 
     def restore(self):
         from autodist_keras.backends.torch_device import unpin

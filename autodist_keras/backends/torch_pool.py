@@ -3,10 +3,13 @@
 `WorkerPool(world_size)` starts ranks 1..world_size-1 as fresh processes
 (forked from a fork server that imported Keras and PyTorch once, on CPU; with
 the `spawn` start method on GPU), hosts the TCP store on a free port of
-127.0.0.1 (listening on loopback only), and builds rank 0's `Comm` once every worker has joined. Pools are kept (one per world size and
-gradient backend) between `fit` calls of the same process, so only the first
-fit pays for starting Python, PyTorch and Keras in the workers; they are ended
-at interpreter exit, by `shutdown_pools()`, or as soon as one of them fails.
+127.0.0.1 (listening on loopback only), and builds rank 0's `Comm` once every
+worker has joined. Pools are kept (per world size, gradient backend and
+timeout) between `fit` calls of the same process, so only the first fit pays
+for starting Python, PyTorch and Keras in the workers. A pool serves one fit
+at a time: a fit started inside another (from a callback) leases a second
+pool. They are ended at interpreter exit, by `shutdown_pools()`, or as soon
+as one of them fails.
 
 The monitor thread watches each worker's process sentinel and status pipe. When
 a worker dies or reports an error, it records why and, after a short grace
@@ -17,9 +20,10 @@ into a `WorkerError` naming the failing rank and its error.
 Example:
 
 ```python
-pool = get_pool(world_size=3, timeout_s=120)
+pool = get_pool(world_size=3, timeout_s=120)   # leased to this fit
 pool.wake()                 # the workers enter a session
 ...
+release_pool(pool)          # the next fit may use it
 shutdown_pools()
 ```
 """
@@ -45,37 +49,52 @@ _pools_lock = threading.Lock()
 
 
 def get_pool(world_size, timeout_s, grad_backend="gloo"):
-    """Returns a healthy pool of `world_size - 1` workers, starting one if needed."""
-    key = (int(world_size), grad_backend)
+    """Leases a healthy pool of `world_size - 1` idle workers, starting one if needed.
+
+    Pools are kept per world size, gradient backend and `timeout_s` (the
+    groups' timeout is fixed when they are made), so strategies with other
+    timeouts do not restart each other's workers. A pool leased to a fit that
+    is still running (a fit started from another fit's callback, such as a
+    linear probe trained at each epoch's end) is never handed out again: the
+    inner fit gets a pool of its own, kept for its next time. Give the lease
+    back with `release_pool` when the fit ends.
+
+    Returns:
+        A `WorkerPool`, marked in use.
+    """
+    key = (int(world_size), grad_backend, float(timeout_s))
     with _pools_lock:
-        pool = _pools.get(key)
-        if pool is not None and not pool.healthy():
-            pool.close(graceful=False)
-            pool = None
-        if pool is not None and pool.timeout_s != float(timeout_s):
-            # The groups' timeout is fixed when they are made: a strategy with
-            # another `timeout_s` gets workers of its own.
-            pool.close(graceful=True)
-            pool = None
+        pools = _pools.setdefault(key, [])
+        for pool in list(pools):
+            if not pool.in_use and not pool.healthy():
+                pools.remove(pool)
+                pool.close(graceful=False)
+        pool = next((p for p in pools if not p.in_use), None)
         if pool is None:
             pool = WorkerPool(world_size, timeout_s, grad_backend)
-            _pools[key] = pool
+            pools.append(pool)
+        pool.in_use = True
         return pool
+
+
+def release_pool(pool):
+    """Gives back a pool leased with `get_pool` (its workers stay for the next fit)."""
+    pool.in_use = False
 
 
 def discard_pool(pool):
     """Kills `pool`'s workers and forgets it."""
     with _pools_lock:
-        for key, value in list(_pools.items()):
-            if value is pool:
-                del _pools[key]
+        for pools in _pools.values():
+            if pool in pools:
+                pools.remove(pool)
     pool.close(graceful=False)
 
 
 def shutdown_pools():
     """Ends every worker process this process started (also run at exit)."""
     with _pools_lock:
-        pools = list(_pools.values())
+        pools = [p for ps in _pools.values() for p in ps]
         _pools.clear()
     for pool in pools:
         pool.close(graceful=True)
@@ -182,6 +201,7 @@ class WorkerPool(Reporter):
         self._closing = False
         self._ready = set()
         self.comm = None
+        self.in_use = False  # leased to a running fit (`get_pool`)
         startup = max(STARTUP_TIMEOUT_S, self.timeout_s)
         self.store = loopback_store(self.world_size, startup)
         ctx = _context(grad_backend)
