@@ -264,6 +264,71 @@ def test_explain_describes_the_model_fitted_last():
     assert strategy.plan.global_batch_size == 6 and strategy.measured == {}
 
 
+def test_a_strategy_reused_across_trials_does_not_keep_their_models_alive():
+    """A hyper-parameter search reuses one strategy; each trial's model must be
+    freed once the user drops it (the strategy held every model it compiled)."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    strategy = AutoStrategy("single_device", cluster=Cluster.cpu_testbed())
+    x = np.random.default_rng(0).normal(size=(36, 8)).astype("float32")
+    y = np.arange(36) % 3
+    refs = []
+    for trial in range(3):
+        with strategy.scope():
+            model = zoo.mlp(input_dim=8, hidden=(16 + trial,), num_classes=3, name=f"t{trial}")
+            model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        model.fit(x, y, batch_size=6, verbose=0)
+        refs.append(weakref.ref(model))
+        assert model in strategy._models
+        del model
+        gc.collect()
+    # The adapter may keep the last fit's run (PyTorch: for `last_run`); no earlier one.
+    assert [r() is None for r in refs[:-1]] == [True, True]
+    assert len(strategy._models) <= 1
+
+
+def test_a_model_compiled_again_in_another_scope_is_timed_for_that_strategy():
+    """Moving a model to another strategy by compiling it in its scope: the
+    new strategy records the measured step time, and the old one keeps its
+    own (the timer stayed with the first strategy, or was lost on PyTorch)."""
+    import numpy as np
+
+    first = AutoStrategy("single_device", cluster=Cluster.cpu_testbed())
+    second = AutoStrategy("single_device", cluster=Cluster.cpu_testbed())
+    x = np.random.default_rng(0).normal(size=(72, 8)).astype("float32")
+    y = np.arange(72) % 3
+    with first.scope():
+        model = zoo.mlp(input_dim=8, hidden=(16,), num_classes=3, name="moved")
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=9, verbose=0)
+    assert first.measured["steps"] >= 1
+    measured_before = dict(first.measured)
+    with second.scope():
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=6, verbose=0)
+    assert second.measured["steps"] >= 1 and second.plan.global_batch_size == 6
+    assert first.measured == measured_before
+
+
+def test_nested_scopes_of_two_strategies_are_refused():
+    first = AutoStrategy("single_device", cluster=Cluster.cpu_testbed())
+    second = AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed())
+    with first.scope():
+        with first.scope():  # the same strategy again is fine
+            pass
+        with pytest.raises(StrategyError, match="cannot be nested.*Received: scope of "
+                                                "'data_parallel' inside the scope of "
+                                                "'single_device'"):
+            with second.scope():
+                pass
+        model = zoo.mlp(input_dim=8, hidden=(16,), num_classes=3, name="in_first")
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    assert first._models == [model] and second._models == []
+
+
 def test_data_parallel_on_one_device_says_why_and_what_to_use():
     strategy = AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed(
         [{"cores": [0], "threads": 1}]))

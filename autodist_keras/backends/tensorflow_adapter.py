@@ -175,7 +175,6 @@ class TensorFlowAdapter(BackendAdapter):
         else:
             self._setup_local_devices()
         self._home = None
-        self.runtimes = {}
         self.runtime_info = {}
 
     # -------------------------------------------------------------- devices
@@ -392,8 +391,9 @@ class TensorFlowAdapter(BackendAdapter):
 
     def attach(self, model):
         """Installs plan-running train, test and predict functions on `model`."""
+        # The model's train/test/predict functions hold the runtime; the adapter
+        # does not, so a model the user drops is freed.
         runtime = _Runtime(self, model)
-        self.runtimes[id(model)] = runtime
         model.train_function = None
         model.test_function = None
         model.predict_function = None

@@ -22,6 +22,7 @@ import threading
 import time
 import types
 import warnings
+import weakref
 
 from autodist_keras.errors import StrategyError
 from autodist_keras.strategies.plan import Plan
@@ -210,9 +211,11 @@ class AutoStrategy:
         self.measured = {}
         self._measured_model = None  # id() of the model `measured` was taken on
         self.candidates = []
-        self._plans = {}
+        # Models are held weakly: a strategy reused across trials (a
+        # hyper-parameter search) must not keep every model it compiled alive.
+        self._plans = {}  # id(model) -> (weakref to the model, graph, plan)
         self._adapter = None
-        self._models = []
+        self._model_refs = []
         import keras
 
         if keras.backend.backend() == "tensorflow":
@@ -254,6 +257,12 @@ class AutoStrategy:
 
     # ----------------------------------------------------------- properties
     @property
+    def _models(self):
+        """The live models attached to this strategy, in the order they were attached."""
+        models = [ref() for ref in self._model_refs]
+        return [m for m in models if m is not None]
+
+    @property
     def num_replicas_in_sync(self):
         """Number of replicas a data-parallel step runs on."""
         if self.plan is not None:
@@ -279,7 +288,13 @@ class AutoStrategy:
         `keras.models.load_model(...)` of a compiled model (it compiles it).
         A model built inside and compiled after the block attaches to this
         strategy too (as with `tf.distribute` strategies); compiled inside
-        another strategy's scope, it attaches to that one.
+        another strategy's scope, it attaches to that one (and that strategy
+        times its fits). The strategy holds its models weakly: a model the
+        user drops is freed.
+
+        Raises:
+            StrategyError: If entered inside another strategy's scope
+                (re-entering this strategy's own scope is fine).
         """
         import keras
 
@@ -290,6 +305,15 @@ class AutoStrategy:
         owner = next(c for c in keras.Model.__mro__ if "compile" in vars(c))
         with _scope_lock:
             original_compile = vars(owner)["compile"]
+            active = getattr(original_compile, "_autodist_strategy", None)
+            if active is not None and active is not self:
+                raise StrategyError(
+                    "AutoStrategy scopes cannot be nested: this strategy's scope was entered "
+                    "inside another strategy's scope, and a model compiled there would be "
+                    "planned by one and placed by the other. Leave the outer scope first "
+                    "(a model compiled again in another strategy's scope moves to it). "
+                    f"Received: scope of {self.name!r} inside the scope of {active.name!r}"
+                )
             original_new = vars(keras.Model)["__new__"]
             strategy = self
 
@@ -309,6 +333,7 @@ class AutoStrategy:
 
             compile.__doc__ = original_compile.__doc__
             compile._autodist_scope = True
+            compile._autodist_strategy = strategy
             owner.compile = compile
             keras.Model.__new__ = staticmethod(new)
         try:
@@ -320,8 +345,9 @@ class AutoStrategy:
                 keras.Model.__new__ = original_new
 
     def _attach(self, model):
-        if model not in self._models:
-            self._models.append(model)
+        if not any(ref() is model for ref in self._model_refs):
+            self._model_refs = [r for r in self._model_refs if r() is not None]
+            self._model_refs.append(weakref.ref(model))
         # A (re)compile may change what trains (e.g. layers frozen for fine-tuning):
         # the model is planned again at its next fit.
         self._plans.pop(id(model), None)
@@ -329,10 +355,14 @@ class AutoStrategy:
         self._time_fit(model)
 
     def _time_fit(self, model):
-        """Wraps `model.fit` to measure step times for `explain()` (measured, not predicted)."""
-        if getattr(model, "_autodist_fit_timed", False):
-            return
+        """Wraps `model.fit` to measure step times for `explain()` (measured, not predicted).
+
+        Called at every attach: a model compiled again in another strategy's
+        scope is timed for that strategy (the previous wrapper is replaced,
+        not wrapped again).
+        """
         original_fit = model.fit
+        original_fit = getattr(original_fit, "_autodist_untimed", original_fit)
         strategy = self
 
         def fit(*args, **kwargs):
@@ -357,8 +387,8 @@ class AutoStrategy:
                 strategy.measured = {}  # another model's step is no measure of this plan
             return history
 
+        fit._autodist_untimed = original_fit
         model.fit = fit
-        model._autodist_fit_timed = True
 
     # ------------------------------------------------------------- planning
     def plan_for(self, model, batch_size):
@@ -398,7 +428,9 @@ class AutoStrategy:
         """`(model, graph, plan)` made for this very model, or None (an `id` may be reused
         by a later model once the first is gone)."""
         known = self._plans.get(id(model))
-        return known if known is not None and known[0] is model else None
+        if known is None or known[0]() is not model:
+            return None
+        return (model,) + known[1:]
 
     def _plan_for_training(self, model, batch_size):
         """The runtimes' `plan_for`: the model's plan, made at its first training step
@@ -425,7 +457,8 @@ class AutoStrategy:
         else:
             self.plan = self._build_plan(self.graph, batch_size)
             self.plan.provenance.planning_time_s = time.perf_counter() - started
-        self._plans[id(model)] = (model, self.graph, self.plan)
+        self._plans = {k: v for k, v in self._plans.items() if v[0]() is not None}
+        self._plans[id(model)] = (weakref.ref(model), self.graph, self.plan)
         return self.plan
 
     def _validate_fixed_plan(self, model):
