@@ -428,3 +428,98 @@ def test_workers_end_when_the_process_that_started_them_is_killed(tmp_path):
         for w in workers:
             if _running(w):
                 os.kill(w, signal.SIGKILL)
+
+
+_PADDED_PER_BATCH = """
+import json, os, sys
+import numpy as np
+
+BATCHES = [(12, 6), (12, 9), (7, 4), (12, 5), (5, 3)]  # (rows, time length)
+
+
+def build():
+    import keras
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((None, 4), name="x")
+    hidden = keras.layers.Conv1D(8, 3, padding="same", activation="relu", name="c1")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3, name="out")(hidden))  # per timestep
+    model.compile(optimizer=keras.optimizers.SGD(0.05), metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def data():
+    import keras
+    rng = np.random.default_rng(0)
+    batches = [(rng.normal(size=(n, length, 4)).astype("float32"),
+                rng.integers(0, 3, size=(n, length)).astype("int32")) for n, length in BATCHES]
+
+    class Padded(keras.utils.PyDataset):
+        def __len__(self):
+            return len(batches)
+
+        def __getitem__(self, i):
+            return batches[i]
+
+    return Padded()
+
+
+if __name__ == "__main__":
+    from autodist_keras import AutoStrategy, Cluster
+
+    cluster = Cluster.cpu_testbed()
+    strategy = AutoStrategy("proportional", cluster=cluster, devices=cluster.names[:2])
+    with strategy.scope():
+        model = build()
+    history = model.fit(data(), epochs=2, shuffle=False, verbose=0)
+    np.savez(sys.argv[1], *model.get_weights())
+    print("HISTORY", json.dumps(history.history))
+"""
+
+
+def test_two_workers_train_batches_padded_to_different_lengths(tmp_path):
+    """Batches padded per batch retrace the step with an unknown time length,
+    so a per-timestep Dense kernel's gradient has static shape (None, 3): the
+    fused bucket lost its static size and the all-reduce failed with
+    "int() argument must be ... not 'NoneType'" on every worker."""
+    import json
+    import subprocess
+    import sys
+
+    from autodist_keras.backends import tf_multiworker
+
+    script = tmp_path / "padded.py"
+    script.write_text(_PADDED_PER_BATCH)
+    ports = tf_multiworker.free_ports(2)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    workers = []
+    try:
+        for rank in (0, 1):
+            env = dict(os.environ, KERAS_BACKEND="tensorflow",
+                       AUTODIST_KERAS_CACHE=str(tmp_path / "cache"),
+                       TF_CONFIG=json.dumps({"cluster": cluster,
+                                             "task": {"type": "worker", "index": rank}}))
+            workers.append(subprocess.Popen(
+                [sys.executable, str(script), str(tmp_path / f"w{rank}.npz")], env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = [w.communicate(timeout=300)[0] for w in workers]
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+    assert [w.returncode for w in workers] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+
+    namespace = {}
+    exec(compile(_PADDED_PER_BATCH.replace('if __name__ == "__main__":', "if False:"),
+                 "padded", "exec"), namespace)
+    reference = namespace["build"]()
+    expected = reference.fit(namespace["data"](), epochs=2, shuffle=False, verbose=0)
+    for rank, output in enumerate(outputs):
+        line = next(l for l in output.splitlines() if l.startswith("HISTORY "))
+        history = json.loads(line[len("HISTORY "):])
+        np.testing.assert_allclose(history["loss"], expected.history["loss"], rtol=1e-5)
+        with np.load(tmp_path / f"w{rank}.npz") as saved:
+            got = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+        for w, want, have in zip(reference.weights, reference.get_weights(), got):
+            np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-5, err_msg=w.path)

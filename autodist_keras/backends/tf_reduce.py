@@ -117,7 +117,14 @@ def bucket_layout(plan, variable_paths, dtypes):
 
 
 def fuse(grads, shapes, dtype):
-    """Flattens gradients into one buffer (zeros for a missing gradient)."""
+    """Flattens gradients into one buffer (zeros for a missing gradient).
+
+    Each part is reshaped to its variable's element count, not `[-1]`: in a
+    step traced for inputs of unknown length (batches padded to different
+    sequence lengths), a gradient's static shape can be partly unknown
+    (`(None, 3)` for a per-timestep Dense kernel), and the buffer's size must
+    stay static for the ring reduction and the multi-worker all-reduce.
+    """
     import tensorflow as tf
 
     parts = []
@@ -127,7 +134,7 @@ def fuse(grads, shapes, dtype):
         else:
             if isinstance(g, tf.IndexedSlices):
                 g = tf.convert_to_tensor(g)
-            parts.append(tf.reshape(tf.cast(g, dtype), [-1]))
+            parts.append(tf.reshape(tf.cast(g, dtype), [_num_elements(shape)]))
     if len(parts) == 1:
         return parts[0]
     return tf.concat(parts, axis=0)
