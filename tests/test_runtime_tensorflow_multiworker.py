@@ -523,3 +523,55 @@ def test_two_workers_train_batches_padded_to_different_lengths(tmp_path):
             got = [saved[f"arr_{i}"] for i in range(len(saved.files))]
         for w, want, have in zip(reference.weights, reference.get_weights(), got):
             np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-5, err_msg=w.path)
+
+
+def masked_worker_model():
+    """Per-timestep outputs of an Embedding(mask_zero=True): masked metrics."""
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((6,), dtype="int32", name="tokens")
+    hidden = keras.layers.Embedding(20, 6, mask_zero=True, name="embed")(inputs)
+    outputs = keras.layers.Dense(3, name="per_step")(hidden)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def masked_worker_model_gathering_predictions():
+    from autodist_keras.backends import tensorflow_adapter
+
+    tensorflow_adapter.FOLDED_PREDICTIONS_MAX_ELEMENTS = 0  # this worker process only
+    return masked_worker_model()
+
+
+@pytest.mark.filterwarnings("ignore:Output\\(s\\).*carry a Keras mask")
+@pytest.mark.parametrize("model_fn", [masked_worker_model,
+                                      masked_worker_model_gathering_predictions],
+                         ids=["predictions_in_the_all_reduce", "predictions_all_gathered"])
+def test_two_workers_score_masked_outputs_with_their_masks(model_fn):
+    """The predictions the metrics read travel with their Keras masks, folded
+    into the all-reduce or all-gathered (they lost them: accuracy counted the
+    padding)."""
+    from autodist_keras.backends import tf_multiworker
+    from autodist_keras.devices import Cluster
+    from autodist_keras.graph import ModelGraph
+    from autodist_keras.strategies import baselines
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 20, size=(96, 6)).astype("int32")
+    x[:, 3:] = 0  # the same padding in every row: the masked loss splits exactly
+    y = rng.integers(0, 3, size=(96, 6)).astype("int32")
+    reference = masked_worker_model()
+    initial = reference.get_weights()
+    history = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
+    plan = baselines.proportional(ModelGraph.from_keras(reference), cluster, BATCH,
+                                  speeds={"node0/cpu0": 2.0, "node0/cpu1": 1.0})
+    results = tf_multiworker.launch_local_workers(
+        model_fn, cluster, x, y, BATCH, steps=4, plan=plan, initial_weights=initial,
+        timeout_s=300,
+    )
+    for result in results:
+        np.testing.assert_allclose(result["history"]["accuracy"],
+                                   history.history["accuracy"], rtol=1e-6)
+        np.testing.assert_allclose(result["loss"], history.history["loss"], rtol=1e-5)

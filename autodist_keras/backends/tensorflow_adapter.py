@@ -836,7 +836,7 @@ class _Runtime:
                 if model.optimizer is not None and variables:  # Keras skips it too
                     model.optimizer.apply_gradients(zip(reduced, variables))
                 if folded is not None:
-                    y_pred_global = tree.pack_sequence_as(y_preds[0], folded)
+                    y_pred_global = self._unfold_predictions(folded, y_preds[0])
                 else:
                     y_pred_global = self._gather_predictions(y_preds, shares)
                 model._loss_tracker.update_state(global_loss, sample_weight=total)
@@ -947,8 +947,10 @@ class _Runtime:
                 f"{sorted({str(t.dtype.name) for t in tree.flatten(y_preds[0])})}"
             )
         return tree.map_structure(
-            lambda part: tf_multiworker.all_gather_uneven(
-                self.adapter.collective, part, list(shares)
+            lambda part: _with_mask(
+                tf_multiworker.all_gather_uneven(self.adapter.collective, part, list(shares)),
+                part, lambda m: tf_multiworker.all_gather_uneven(
+                    self.adapter.collective, m, list(shares)),
             ),
             y_preds[0],
         )
@@ -966,8 +968,8 @@ class _Runtime:
         instead) the predictions exceed `FOLDED_PREDICTIONS_MAX_ELEMENTS`.
         """
         import tensorflow as tf
-
         from keras.src import tree
+        from keras.src.backend import get_keras_mask
 
         if self.adapter.collective is None or not self._metrics_need_predictions():
             return None
@@ -980,15 +982,30 @@ class _Runtime:
             elements += total * leaf.shape[1:].num_elements()
         if not self.adapter.workers_share_devices and elements > FOLDED_PREDICTIONS_MAX_ELEMENTS:
             return None
+        # Keras masks of masked outputs travel too, as 0/1 floats after the leaves.
+        masks = [[get_keras_mask(leaf) for leaf in leaves] for leaves in per_replica]
+        masked = [j for j in range(len(per_replica[0])) if masks[0][j] is not None]
+        columns = [[leaves[j] for leaves in per_replica] for j in range(len(per_replica[0]))]
+        columns += [[tf.cast(m[j], per_replica[0][j].dtype) for m in masks] for j in masked]
         folded = []
-        for j in range(len(per_replica[0])):
+        for parts in columns:
             parts = [
-                tf.pad(leaves[j], [[start, total - start - share]]
-                       + [[0, 0]] * (leaves[j].shape.rank - 1))
-                for leaves, (_, share, start) in zip(per_replica, local)
+                tf.pad(part, [[start, total - start - share]] + [[0, 0]] * (part.shape.rank - 1))
+                for part, (_, share, start) in zip(parts, local)
             ]
             folded.append(tf.add_n(parts) if len(parts) > 1 else parts[0])
+        self._folded_masks = masked
         return folded
+
+    def _unfold_predictions(self, folded, structure):
+        """The global predictions from summed `folded` tensors, masks set again."""
+        from keras.src import tree
+        from keras.src.backend import set_keras_mask
+
+        leaves = folded[:len(folded) - len(self._folded_masks)]
+        for j, mask in zip(self._folded_masks, folded[len(leaves):]):
+            set_keras_mask(leaves[j], mask > 0.5)
+        return tree.pack_sequence_as(structure, leaves)
 
     def _metrics_need_predictions(self):
         """False when compute_metrics is Keras' own and there are no compiled metrics."""
@@ -1138,11 +1155,34 @@ def _slice(structures, start, size):
 
 
 def _concat(parts):
+    """Concatenates the replicas' parts along the batch axis, with their Keras masks.
+
+    A masked output's metrics (and per-output losses) read the mask of the
+    prediction they get; `tf.concat` alone drops it.
+    """
     import tensorflow as tf
+    from keras.src.backend import get_keras_mask
+    from keras.src.backend import set_keras_mask
 
     if parts[0].shape.rank == 0:
         return tf.stack(parts)
-    return tf.concat(parts, axis=0)
+    whole = tf.concat(parts, axis=0)
+    masks = [get_keras_mask(p) for p in parts]
+    if all(m is not None for m in masks):
+        set_keras_mask(whole, tf.concat(masks, axis=0))
+    return whole
+
+
+def _with_mask(whole, part, gather):
+    """`whole` with the mask of `part` gathered by `gather` (0/1 floats), if it has one."""
+    import tensorflow as tf
+    from keras.src.backend import get_keras_mask
+    from keras.src.backend import set_keras_mask
+
+    mask = get_keras_mask(part)
+    if mask is not None:
+        set_keras_mask(whole, gather(tf.cast(mask, "float32")) > 0.5)
+    return whole
 
 
 def _concat_structures(a, b):

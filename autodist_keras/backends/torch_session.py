@@ -176,6 +176,28 @@ def check_serializable(model):
             )
 
 
+def prediction_leaves(y_pred):
+    """The leaves of `y_pred`, then the Keras masks of those that carry one.
+
+    Returns:
+        `(tensors, masked)`: the tensors to send, and the indices of the
+        leaves whose masks follow them (in that order).
+    """
+    from keras.src.backend import get_keras_mask
+
+    _, leaves = tt.flatten_tree(y_pred)
+    masks = [get_keras_mask(t) for t in leaves]
+    masked = [j for j, m in enumerate(masks) if m is not None]
+    return leaves + [masks[j] for j in masked], masked
+
+
+def _prediction_layout(y_pred):
+    """`(spec, metas, masked)` of the predictions as workers send them."""
+    spec, _ = tt.flatten_tree(y_pred)
+    tensors, masked = prediction_leaves(y_pred)
+    return spec, [tt.leaf_meta(t) for t in tensors], masked
+
+
 def _check_lambda(layer_name, function):
     """A `Lambda` layer's lambda reaches the workers as bytecode, without the
     script's globals or its closure: one that uses them (`ops.square`) would
@@ -339,7 +361,7 @@ class Driver:
         self.in_sync = None
         self.replica_checksums = None
         self._header = None
-        self._ypred = None  # (spec, metas) of the model's predictions
+        self._ypred = None  # (spec, metas, masked leaves) of the model's predictions
         self._ypred_inputs = None  # the input metas `_ypred` was computed for
         self._layouts = {}
         # Spawned workers share rank 0's machine: shards go through shared memory
@@ -544,8 +566,7 @@ class Driver:
                 # taken from this step's own predictions, or from a one-row
                 # forward pass when rank 0 has no rows, whenever the inputs' change.
                 if y_pred is not None:
-                    ypred_spec, ypred_leaves = tt.flatten_tree(y_pred)
-                    self._ypred = (ypred_spec, [tt.leaf_meta(t) for t in ypred_leaves])
+                    self._ypred = _prediction_layout(y_pred)
                 elif self._ypred is None or self._ypred_inputs != header["metas"]:
                     self._ypred = self._predict_spec(leaves, spec)
                 self._ypred_inputs = header["metas"]
@@ -567,9 +588,9 @@ class Driver:
                     self.comm.wait(work, peer=r)
                 profile.mark("sends_done")
                 preds, losses = [], []
-                ypred_spec, metas = self._ypred
+                ypred_spec, metas, masked = self._ypred
                 if shares[0] > 0:
-                    preds.append([t.detach() for t in tt.flatten_tree(y_pred0[0])[1]])
+                    preds.append([t.detach() for t in prediction_leaves(y_pred0[0])[0]])
                     losses.append((shares[0], float(y_pred0[1].detach())))
                 for r in range(1, world):
                     if shares[r] > 0:
@@ -581,7 +602,8 @@ class Driver:
                         losses.append((shares[r], float(loss_bytes.view(torch.float64)[0])))
                 profile.mark("predictions")
                 try:
-                    done["logs"] = self._metrics(x, y, sample_weight, ypred_spec, preds, losses, n)
+                    done["logs"] = self._metrics(x, y, sample_weight, ypred_spec, masked, preds,
+                                                 losses, n)
                 except Exception as e:  # noqa: BLE001 - raised once the step is complete
                     done["error"] = e
                 profile.mark("metrics")
@@ -636,8 +658,7 @@ class Driver:
         sample = tt.unflatten_tree(spec, [t[:1] for t in leaves])
         with torch.no_grad():
             y_pred = self.model(sample[0], training=False)
-        ypred_spec, ypred_leaves = tt.flatten_tree(y_pred)
-        return ypred_spec, [tt.leaf_meta(t) for t in ypred_leaves]
+        return _prediction_layout(y_pred)
 
     def _loss_metrics(self):
         compile_loss = getattr(self.model, "_compile_loss", None)
@@ -651,8 +672,9 @@ class Driver:
             for v, value in zip(metric.variables, values):
                 v.assign(value)
 
-    def _metrics(self, x, y, sample_weight, ypred_spec, preds, losses, n):
+    def _metrics(self, x, y, sample_weight, ypred_spec, masked, preds, losses, n):
         import torch
+        from keras.src.backend import set_keras_mask
 
         model = self.model
         device = None
@@ -663,7 +685,12 @@ class Driver:
         full = [torch.cat(list(col), dim=0) for col in columns]
         if device is not None and device.type != "cpu":
             full = [t.to(device) for t in full]
-        y_pred = tt.unflatten_tree(ypred_spec, full)
+        # The leaves come first, then the Keras masks of the masked ones: the
+        # metrics and per-output losses of a masked output read its mask.
+        leaves = full[:len(full) - len(masked)]
+        for j, mask in zip(masked, full[len(leaves):]):
+            set_keras_mask(leaves[j], mask)
+        y_pred = tt.unflatten_tree(ypred_spec, leaves)
         global_loss = sum(share * value for share, value in losses) / float(n)
         with torch.no_grad():
             model._loss_tracker.update_state(global_loss, sample_weight=n)
@@ -1002,7 +1029,7 @@ def serve(comm, reporter, model=None, on_model=None):
             sent = []
 
             def send_predictions(y_pred, loss):
-                _, leaves = tt.flatten_tree(y_pred)
+                leaves, _ = prediction_leaves(y_pred)
                 loss_t = torch.tensor([float(loss.detach())], dtype=torch.float64)
                 payload = tt.pack([t.detach() for t in leaves] + [loss_t])
                 sent.append(comm.isend(payload, 0, tag=2))
