@@ -645,6 +645,10 @@ class _Runtime:
                 # The plan is made at the first training step; until then, one device.
                 return self._single_device_step(kind, x, y, sw, batch_size)
             self.prepare((x, y, sw), batch_size)
+        if kind == "train":
+            from autodist_keras.strategies.auto import warn_if_batch_outgrows_plan
+
+            warn_if_batch_outgrows_plan(self.plan, batch_size)
         placement = self.placement
         if placement is not None:
             key = ("placement", kind, batch_size)

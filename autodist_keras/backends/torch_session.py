@@ -38,6 +38,7 @@ from autodist_keras.backends import replica_random
 from autodist_keras.backends import torch_fusion
 from autodist_keras.backends import torch_transport as tt
 from autodist_keras.backends.torch_device import check_model_device
+from autodist_keras.strategies.auto import warn_if_batch_outgrows_plan
 from autodist_keras.backends.torch_device import device_info
 from autodist_keras.backends.torch_device import pin
 from autodist_keras.backends.torch_device import unpin
@@ -481,6 +482,7 @@ class Driver:
         """`(shares, offsets)` of a global batch of `n` samples (cached per `n`)."""
         layout = self._layouts.get(n)
         if layout is None:
+            warn_if_batch_outgrows_plan(self.plan, n)
             shares = self.plan.shares_for(n)
             offsets = [0]
             for s in shares:

@@ -74,6 +74,37 @@ def _compile_after_scope(model, *args, **kwargs):
     return result
 
 
+_PLANNED_FOR_FIRST_BATCH = "_autodist_planned_for_first_batch"
+
+
+def warn_if_batch_outgrows_plan(plan, batch_size):
+    """Warns once per plan when a training batch is larger than the plan's batch.
+
+    A plan is made at the first training step for that batch's size. When the
+    first batch is smaller than later ones (a generator warming up, batches
+    bucketed by length), every later batch runs that plan's shares scaled up,
+    which may be a poor plan for it: `auto` facing a 2-row first batch picks
+    one device for the whole fit. Plans given with `plan=` or made by
+    `strategy.plan_for` are not checked.
+
+    Args:
+        plan: The `Plan` in force.
+        batch_size: Rows of the training batch about to run.
+    """
+    if not getattr(plan, _PLANNED_FOR_FIRST_BATCH, False) or batch_size <= plan.global_batch_size:
+        return
+    setattr(plan, _PLANNED_FOR_FIRST_BATCH, False)  # once
+    warnings.warn(
+        f"This training batch has {batch_size} rows, more than the first training batch "
+        f"({plan.global_batch_size} rows) that the plan was made for; the plan's shares are "
+        f"scaled to it, which may not be the plan the strategy would choose for {batch_size} "
+        f"rows (on {len(plan.devices)} device(s)). To plan for the larger batches, call "
+        f"strategy.plan_for(model, {batch_size}) before fit, or make the first batch full "
+        f"size. Received: batch of {batch_size} rows, plan for {plan.global_batch_size}",
+        stacklevel=2,
+    )
+
+
 def _normalise_step_costs(value):
     """The `step_costs=` option as plain dicts (read from its JSON file if a path).
 
@@ -422,7 +453,7 @@ class AutoStrategy:
         if (known is not None and self._fixed_plan is None
                 and known[2].global_batch_size != int(batch_size)):
             self._plans.pop(id(model))
-        return self._plan_for_training(model, int(batch_size))
+        return self._plan_for_training(model, int(batch_size), planning_only=True)
 
     def _known(self, model):
         """`(model, graph, plan)` made for this very model, or None (an `id` may be reused
@@ -432,7 +463,7 @@ class AutoStrategy:
             return None
         return (model,) + known[1:]
 
-    def _plan_for_training(self, model, batch_size):
+    def _plan_for_training(self, model, batch_size, planning_only=False):
         """The runtimes' `plan_for`: the model's plan, made at its first training step
         and kept for later fits, evaluation and prediction whatever their batch size.
 
@@ -457,6 +488,18 @@ class AutoStrategy:
         else:
             self.plan = self._build_plan(self.graph, batch_size)
             self.plan.provenance.planning_time_s = time.perf_counter() - started
+            if not planning_only:
+                setattr(self.plan, _PLANNED_FOR_FIRST_BATCH, True)
+                if batch_size < len(self.devices) and len(self.plan.devices) < len(self.devices):
+                    warnings.warn(
+                        f"The plan was made for the first training batch, {batch_size} row(s), "
+                        f"fewer than the {len(self.devices)} devices, so it runs on "
+                        f"{len(self.plan.devices)} device(s) for the whole fit. If later "
+                        "batches are larger, call strategy.plan_for(model, batch_size) with "
+                        "their size before fit. "
+                        f"Received: first batch of {batch_size} row(s)",
+                        stacklevel=3,
+                    )
         self._plans = {k: v for k, v in self._plans.items() if v[0]() is not None}
         self._plans[id(model)] = (weakref.ref(model), self.graph, self.plan)
         return self.plan

@@ -1,0 +1,71 @@
+"""The plan is made for the first training batch: when later batches are larger,
+the user is told (on the active Keras backend), and `plan_for` avoids it."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+from autodist_keras import AutoStrategy
+from autodist_keras import Cluster
+
+
+def _model():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((16,), name="fb_in")
+    hidden = keras.layers.Dense(32, activation="relu", name="fb_hidden")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3, name="fb_out")(hidden))
+    model.compile(optimizer="sgd",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+class _Growing(keras.utils.PyDataset):
+    """A first batch of `first` rows, then batches of 24 (a generator warming up)."""
+
+    def __init__(self, first):
+        super().__init__()
+        rng = np.random.default_rng(0)
+        self.batches = [(rng.normal(size=(n, 16)).astype("float32"),
+                         rng.integers(0, 3, size=(n,)).astype("int32"))
+                        for n in [first, 24, 24, 24]]
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        return self.batches[i]
+
+
+def test_batches_larger_than_the_first_are_reported_once():
+    cluster = Cluster.cpu_testbed()
+    strategy = AutoStrategy("proportional", cluster=cluster)
+    with strategy.scope():
+        model = _model()
+    with pytest.warns(UserWarning, match=r"has 24 rows, more than the first training batch "
+                                         r"\(3 rows\).*strategy.plan_for\(model, 24\)") as record:
+        model.fit(_Growing(3), epochs=2, shuffle=False, verbose=0)
+    assert len([w for w in record if "more than the first training batch" in str(w.message)]) == 1
+    assert strategy.plan.global_batch_size == 3 and strategy.plan.shares_for(24) == [8, 8, 8]
+
+    # Planned for the larger batches first: their own shares, and no warning.
+    strategy = AutoStrategy("proportional", cluster=cluster)
+    with strategy.scope():
+        model = _model()
+    assert strategy.plan_for(model, 24).shares_for(24) == [12, 6, 6]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*first training batch")
+        model.fit(_Growing(3), epochs=1, shuffle=False, verbose=0)
+    assert strategy.plan.global_batch_size == 24
+
+
+def test_a_first_batch_smaller_than_the_devices_says_the_fit_runs_on_fewer():
+    """auto facing a 2-row first batch plans for fewer devices for the whole fit."""
+    cluster = Cluster.cpu_testbed()
+    strategy = AutoStrategy("auto", cluster=cluster)
+    with strategy.scope():
+        model = _model()
+    with pytest.warns(UserWarning, match=r"first training batch, 2 row\(s\), fewer than the 3 "
+                                         r"devices, so it runs on [12] device\(s\)"):
+        model.fit(_Growing(2), epochs=1, shuffle=False, verbose=0)
