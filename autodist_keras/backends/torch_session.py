@@ -38,7 +38,6 @@ from autodist_keras.backends import replica_random
 from autodist_keras.backends import torch_fusion
 from autodist_keras.backends import torch_transport as tt
 from autodist_keras.backends.torch_device import check_model_device
-from autodist_keras.strategies.auto import warn_if_batch_outgrows_plan
 from autodist_keras.backends.torch_device import device_info
 from autodist_keras.backends.torch_device import pin
 from autodist_keras.backends.torch_device import unpin
@@ -48,6 +47,7 @@ from autodist_keras.backends.torch_state_watch import StateWatch
 from autodist_keras.backends.torch_step import ReplicaTrainer
 from autodist_keras.errors import BackendError
 from autodist_keras.errors import WorkerError
+from autodist_keras.strategies.auto import warn_if_batch_outgrows_plan
 
 _session_ids = itertools.count(1)
 SHM_ENV = "AUTODIST_KERAS_TORCH_SHM"
