@@ -40,6 +40,7 @@ from autodist_keras.backends import tf_multiworker
 from autodist_keras.backends import tf_reduce
 from autodist_keras.backends.base import BackendAdapter
 from autodist_keras.errors import BackendError
+from autodist_keras.strategies.auto import warn_if_batch_outgrows_plan
 
 # With several workers, the predictions a metric needs ride in the train step's
 # fused all-reduce (each worker's rows in place, zeros elsewhere) instead of an
@@ -646,8 +647,6 @@ class _Runtime:
                 return self._single_device_step(kind, x, y, sw, batch_size)
             self.prepare((x, y, sw), batch_size)
         if kind == "train":
-            from autodist_keras.strategies.auto import warn_if_batch_outgrows_plan
-
             warn_if_batch_outgrows_plan(self.plan, batch_size)
         placement = self.placement
         if placement is not None:
@@ -998,16 +997,22 @@ class _Runtime:
                 for part, (_, share, start) in zip(parts, local)
             ]
             folded.append(tf.add_n(parts) if len(parts) > 1 else parts[0])
-        self._folded_masks = masked
         return folded
 
     def _unfold_predictions(self, folded, structure):
-        """The global predictions from summed `folded` tensors, masks set again."""
+        """The global predictions from summed `folded` tensors, masks set again.
+
+        `structure` is a replica's predictions, as `_fold_predictions` got
+        them: its masked leaves say which masks follow the leaves.
+        """
         from keras.src import tree
+        from keras.src.backend import get_keras_mask
         from keras.src.backend import set_keras_mask
 
-        leaves = folded[:len(folded) - len(self._folded_masks)]
-        for j, mask in zip(self._folded_masks, folded[len(leaves):]):
+        masked = [j for j, leaf in enumerate(tree.flatten(structure))
+                  if get_keras_mask(leaf) is not None]
+        leaves = folded[:len(folded) - len(masked)]
+        for j, mask in zip(masked, folded[len(leaves):]):
             set_keras_mask(leaves[j], mask > 0.5)
         return tree.pack_sequence_as(structure, leaves)
 

@@ -181,21 +181,20 @@ def prediction_leaves(y_pred):
     """The leaves of `y_pred`, then the Keras masks of those that carry one.
 
     Returns:
-        `(tensors, masked)`: the tensors to send, and the indices of the
-        leaves whose masks follow them (in that order).
+        `(spec, tensors, masked)`: the tree's spec, the tensors to send, and
+        the indices of the leaves whose masks follow them (in that order).
     """
     from keras.src.backend import get_keras_mask
 
-    _, leaves = tt.flatten_tree(y_pred)
+    spec, leaves = tt.flatten_tree(y_pred)
     masks = [get_keras_mask(t) for t in leaves]
     masked = [j for j, m in enumerate(masks) if m is not None]
-    return leaves + [masks[j] for j in masked], masked
+    return spec, leaves + [masks[j] for j in masked], masked
 
 
 def _prediction_layout(y_pred):
     """`(spec, metas, masked)` of the predictions as workers send them."""
-    spec, _ = tt.flatten_tree(y_pred)
-    tensors, masked = prediction_leaves(y_pred)
+    spec, tensors, masked = prediction_leaves(y_pred)
     return spec, [tt.leaf_meta(t) for t in tensors], masked
 
 
@@ -592,7 +591,7 @@ class Driver:
                 preds, losses = [], []
                 ypred_spec, metas, masked = self._ypred
                 if shares[0] > 0:
-                    preds.append([t.detach() for t in prediction_leaves(y_pred0[0])[0]])
+                    preds.append([t.detach() for t in prediction_leaves(y_pred0[0])[1]])
                     losses.append((shares[0], float(y_pred0[1].detach())))
                 for r in range(1, world):
                     if shares[r] > 0:
@@ -1031,7 +1030,7 @@ def serve(comm, reporter, model=None, on_model=None):
             sent = []
 
             def send_predictions(y_pred, loss):
-                leaves, _ = prediction_leaves(y_pred)
+                _, leaves, _ = prediction_leaves(y_pred)
                 loss_t = torch.tensor([float(loss.detach())], dtype=torch.float64)
                 payload = tt.pack([t.detach() for t in leaves] + [loss_t])
                 sent.append(comm.isend(payload, 0, tag=2))
