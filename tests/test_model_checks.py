@@ -2,8 +2,9 @@
 
 Each replica's loss is weighted by its share of the batch, which is exact for
 batch means. A term that sums over the batch would train silently wrong, so
-`fit` refuses it before the first step; masked outputs get a warning. The
-probe must leave ordinary models alone and their metric states untouched.
+`fit` refuses it before the first step; masked outputs, `ignore_class` and
+other losses that are not a mean of per-sample losses get a warning. The
+probes must leave ordinary models alone and their metric states untouched.
 """
 
 import keras
@@ -124,3 +125,71 @@ def test_fit_refuses_stateful_layers():
             model.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
     finally:
         _close(strategy)
+
+
+def _classifier():
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(hidden))
+
+
+def test_fit_warns_for_ignore_class():
+    # Rows 8..13 ignored: with shares 8/4/4 one replica has no valid row, and its
+    # loss would be weighted as a quarter of the batch.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 6)).astype("float32")
+    y = rng.integers(0, 3, size=(16,)).astype("int32")
+    y[8:14] = -1
+    strategy = AutoStrategy("proportional", cluster=Cluster.cpu_testbed())
+    with strategy.scope():
+        model = _classifier()
+        model.compile(optimizer="sgd",
+                      loss=keras.losses.SparseCategoricalCrossentropy(ignore_class=-1))
+    try:
+        with pytest.warns(UserWarning, match=r"ignore_class=-1.*sample weights of 0"):
+            model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    finally:
+        _close(strategy)
+
+
+def _segmenter():
+    inputs = keras.Input((4, 4, 1))
+    return keras.Model(inputs, keras.layers.Conv2D(1, 1, activation="sigmoid")(inputs))
+
+
+@pytest.mark.parametrize("loss", [keras.losses.Dice(), in_batch_logsumexp])
+def test_losses_over_the_whole_batch_warn(loss):
+    keras.utils.set_random_seed(1)
+    rng = np.random.default_rng(1)
+    if isinstance(loss, keras.losses.Loss):
+        model, x = _segmenter(), rng.normal(size=(8, 4, 4, 1)).astype("float32")
+        # Rows with 1 to 16 positive pixels: Dice over the batch is dominated by the full ones.
+        y = (np.arange(16)[None, :] < np.arange(1, 17, 2)[:, None]).astype("float32")
+        y = y.reshape(8, 4, 4, 1)
+    else:
+        model, (x, y) = _mlp(), _data(8)
+    model.compile(optimizer="sgd", loss=loss, metrics=["mae"])
+    model.evaluate(x, y, verbose=0)
+    states = [keras.ops.convert_to_numpy(v).copy() for v in model.metrics_variables]
+    with pytest.warns(UserWarning, match="not a mean of per-sample losses.*Received: loss of 4 rows"):
+        assert model_checks.warn_loss_not_per_sample(model, x, y)
+    for variable, state in zip(model.metrics_variables, states):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), state)
+
+
+@pytest.mark.parametrize("case", ["mse_with_regularisers", "dice_per_sample", "one_row"])
+def test_per_sample_losses_do_not_warn(case):
+    import warnings
+
+    rng = np.random.default_rng(2)
+    if case == "dice_per_sample":
+        model, x = _segmenter(), rng.normal(size=(8, 4, 4, 1)).astype("float32")
+        y = (rng.random(size=(8, 4, 4, 1)) > 0.5).astype("float32")
+        model.compile(optimizer="sgd", loss=keras.losses.Dice(axis=(1, 2, 3)))
+    else:
+        model, (x, y) = _mlp(), _data(8 if case != "one_row" else 1)
+        model.compile(optimizer="sgd", loss="mse")
+    model.evaluate(x, y, verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assert not model_checks.warn_loss_not_per_sample(model, x, y)

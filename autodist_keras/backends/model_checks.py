@@ -14,7 +14,10 @@ step, with what to change.
 Masked outputs (Keras masks, e.g. from `Embedding(mask_zero=True)`) are a
 mean over each replica's valid entries, which differs slightly from the
 global batch's when the shards hold different amounts of padding; they get a
-warning, not a refusal. Stateful layers (`stateful=True` RNNs) carry each
+warning, not a refusal. So do other losses that are not a mean of per-sample
+losses (`ignore_class`, whose mean is over the entries not ignored; Dice over
+the whole batch; in-batch negatives), found by comparing the loss of a few
+rows with the mean of the rows' own losses. Stateful layers (`stateful=True` RNNs) carry each
 sample's state from one batch to the next and are refused.
 """
 
@@ -104,16 +107,9 @@ def check_summed_losses(model, x, y):
 
     if any(getattr(layer, "stateful", False) for layer in model._flatten_layers()):
         return
-    metric_variables = list(model.metrics_variables)
-    saved = [keras.ops.convert_to_numpy(v) for v in metric_variables]
-    try:
-        totals = [_total_loss(model, x, y, copies) for copies in (1, 2, 3)]
-    except Exception as e:  # noqa: BLE001  (the probe is a safeguard; any failure skips it)
-        logger.debug("loss-sum probe skipped: %s", e)
+    totals = _probe(model, lambda: [_total_loss(model, x, y, copies) for copies in (1, 2, 3)])
+    if totals is None:
         return
-    finally:
-        for variable, value in zip(metric_variables, saved):
-            variable.assign(value)
     first, second, third = totals
     step = second - first
     scale = max(abs(first), abs(second), abs(third), 1e-12)
@@ -132,13 +128,34 @@ def check_summed_losses(model, x, y):
     )
 
 
-def _total_loss(model, x, y, copies, rows=2):
+def _probe(model, compute):
+    """Runs `compute()` with the model's metric states restored afterwards.
+
+    Returns:
+        What `compute` returned, or `None` when it raised (the probes are
+        safeguards: a model they cannot run is not checked).
+    """
+    import keras
+
+    metric_variables = list(model.metrics_variables)
+    saved = [keras.ops.convert_to_numpy(v) for v in metric_variables]
+    try:
+        return compute()
+    except Exception as e:  # noqa: BLE001
+        logger.debug("loss probe skipped: %s", e)
+        return None
+    finally:
+        for variable, value in zip(metric_variables, saved):
+            variable.assign(value)
+
+
+def _total_loss(model, x, y, copies, rows=2, start=0):
     import keras
 
     def repeat(value):
         if value is None:
             return None
-        head = value[:rows]
+        head = value[start:start + rows]
         return keras.ops.concatenate([head] * copies, axis=0) if copies > 1 else head
 
     xs = keras.tree.map_structure(repeat, x)
@@ -154,13 +171,16 @@ def warn_masked_outputs(model):
     Args:
         model: A built Keras model; models without symbolic outputs
             (subclassed) are not checked.
+
+    Returns:
+        Whether it warned.
     """
     from keras.src.backend import get_keras_mask
 
     try:
         outputs = list(model.outputs or [])
     except (AttributeError, ValueError):
-        return
+        return False
     masked = [getattr(t, "name", str(i)) for i, t in enumerate(outputs)
               if get_keras_mask(t) is not None]
     if masked:
@@ -175,3 +195,93 @@ def warn_masked_outputs(model):
             "number of entries, which splits exactly by share.",
             stacklevel=3,
         )
+    return bool(masked)
+
+
+# How many rows of the first batch the per-sample probe compares, and its
+# relative tolerance: a mean of per-sample losses over 4 rows matches the mean
+# of the rows' own losses to about 1e-6 in float32, while Dice over the whole
+# batch differed by 1e-3 to 1e-2 in tests.
+_PER_SAMPLE_ROWS = 4
+_PER_SAMPLE_RTOL = 1e-4
+
+
+def warn_loss_not_per_sample(model, x, y):
+    """Warns when the model's loss is not a mean of per-sample losses.
+
+    Each replica computes the loss over its own share of the batch and is
+    weighted by that share, which reproduces one device's loss exactly when
+    the loss is a mean of per-sample losses. Others train differently from
+    one device, silently: `SparseCategoricalCrossentropy(ignore_class=...)`
+    (a mean over the entries not ignored, so a shard with more ignored
+    entries weighs too much), Dice or Tversky over the whole batch, losses
+    with in-batch negatives. Losses with `ignore_class` are named from the
+    compiled losses; the others are found by a probe: the total loss of the
+    batch's first rows (inference mode) against the mean of each row's own
+    total loss. Metric states are restored afterwards.
+
+    Call it after `check_summed_losses` (a summed term is refused there, and
+    would also differ here), and skip it when `warn_masked_outputs` warned.
+
+    Args:
+        model: A compiled, built Keras model.
+        x: The inputs of one batch (any Keras input structure).
+        y: Its targets (may be `None`).
+
+    Returns:
+        Whether it warned.
+    """
+    import keras
+
+    ignoring = [
+        f"{loss.name!r} (ignore_class={loss.ignore_class!r})"
+        for loss in keras.tree.flatten(model.loss)
+        if getattr(loss, "ignore_class", None) is not None
+    ]
+    if ignoring:
+        warnings.warn(
+            f"Loss {', '.join(ignoring)} of model {model.name!r} is a mean over the entries "
+            "not ignored. Each replica averages over its own shard's entries and is weighted "
+            "by its share of the batch, so when the shards hold different numbers of ignored "
+            "entries the loss and gradients differ from single-device training (in a test "
+            "with shares 8/4/4, one step moved the weights 0.4 relative away from one "
+            "device's). For exact equality, drop ignore_class and pass sample weights of 0 "
+            "for the ignored entries (and any valid class in their place): Keras then divides "
+            "by the number of entries, which splits exactly by share.",
+            stacklevel=3,
+        )
+        return True
+    if any(getattr(layer, "stateful", False) for layer in model._flatten_layers()):
+        return False
+    leaves = [v for v in keras.tree.flatten(x) if v is not None]
+    if not leaves:
+        return False
+    rows = min(_PER_SAMPLE_ROWS, int(leaves[0].shape[0]))
+    if rows < 2:
+        return False
+
+    def losses():
+        together = _total_loss(model, x, y, copies=1, rows=rows)
+        alone = [_total_loss(model, x, y, copies=1, rows=1, start=i) for i in range(rows)]
+        return together, sum(alone) / rows
+
+    found = _probe(model, losses)
+    if found is None:
+        return False
+    together, mean_alone = found
+    if abs(together - mean_alone) <= _PER_SAMPLE_RTOL * max(abs(together), abs(mean_alone), 1e-12):
+        return False
+    warnings.warn(
+        f"The loss of model {model.name!r} is not a mean of per-sample losses: on the first "
+        f"{rows} rows of the batch it was {together:.6g}, while the mean of those rows' own "
+        f"losses was {mean_alone:.6g}. Each replica computes the loss over its own share of "
+        "the batch and is weighted by that share, so training differs from single-device "
+        "training. Typical causes: a loss over the whole batch (Dice or Tversky with "
+        "axis=None), in-batch negatives (contrastive losses), a layer that mixes samples. "
+        "Make the loss per-sample (Dice with an axis that keeps the batch, say) for exact "
+        "equality, or accept per-replica losses, as data parallelism elsewhere computes "
+        f"them. Received: loss of {rows} rows {together:.6g}, mean per-row loss "
+        f"{mean_alone:.6g}",
+        stacklevel=3,
+    )
+    return True

@@ -455,7 +455,8 @@ class _Runtime:
             model_checks.check_loss_reductions(model)  # the specific message first
             model_checks.check_stateful_layers(model)
             model_checks.check_summed_losses(model, data[0], data[1])
-        model_checks.warn_masked_outputs(model)
+            if not model_checks.warn_masked_outputs(model):
+                model_checks.warn_loss_not_per_sample(model, data[0], data[1])
         strategy = self.adapter.strategy
         plan = strategy._plan_for_training(model, batch_size)
         if not plan.is_data_parallel:

@@ -370,7 +370,8 @@ class _FitRun:
         model_checks.check_loss_reductions(self.model)
         model_checks.check_stateful_layers(self.model)
         model_checks.check_summed_losses(self.model, x, y)
-        model_checks.warn_masked_outputs(self.model)
+        if not model_checks.warn_masked_outputs(self.model):
+            model_checks.warn_loss_not_per_sample(self.model, x, y)
         plan = strategy._plan_for_training(self.model, batch_size)
         if not plan.is_data_parallel:
             raise BackendError(
