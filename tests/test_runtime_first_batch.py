@@ -69,3 +69,34 @@ def test_a_first_batch_smaller_than_the_devices_says_the_fit_runs_on_fewer():
     with pytest.warns(UserWarning, match=r"first training batch, 2 row\(s\), fewer than the 3 "
                                          r"devices, so it runs on [12] device\(s\)"):
         model.fit(_Growing(2), epochs=1, shuffle=False, verbose=0)
+
+
+def test_a_one_device_plan_reports_larger_batches_of_later_fits():
+    """One replica runs Keras's own train function; later fits still check their batches."""
+    strategy = AutoStrategy("auto", cluster=Cluster.cpu_testbed(), devices=["node0/cpu0"])
+    with strategy.scope():
+        model = _model()
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(96, 16)).astype("float32")
+    y = rng.integers(0, 3, size=(96,)).astype("int32")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*first training batch")
+        model.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+    assert len(strategy.plan.devices) == 1 and strategy.plan.global_batch_size == 12
+    with pytest.warns(UserWarning, match=r"has 48 rows, more than the first training batch "
+                                         r"\(12 rows\)") as record:
+        model.fit(x, y, batch_size=48, epochs=2, shuffle=False, verbose=0)
+    assert len([w for w in record if "more than the first training batch" in str(w.message)]) == 1
+
+
+def test_a_forced_single_device_plan_does_not_warn():
+    strategy = AutoStrategy("single_device", cluster=Cluster.cpu_testbed())
+    with strategy.scope():
+        model = _model()
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(48, 16)).astype("float32")
+    y = rng.integers(0, 3, size=(48,)).astype("int32")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*first training batch")
+        model.fit(x, y, batch_size=6, epochs=1, shuffle=False, verbose=0)
+        model.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0)

@@ -400,7 +400,9 @@ class TensorFlowAdapter(BackendAdapter):
         model.predict_function = None
 
         def make_train_function(force=False):
-            if model.train_function is None or force:
+            keras_own = model.train_function is not None and (
+                model.train_function is runtime.keras_train_function)
+            if model.train_function is None or force or keras_own:
                 model.train_function = runtime.make_function("train")
             return model.train_function
 
@@ -444,6 +446,7 @@ class _Runtime:
         self.local_indices = None  # multi-worker: the plan replicas this process runs
         self.placement = None  # a tf_placement.PlacementRuntime for multi-group plans
         self.fusion = None  # a tf_fusion.FusionRegions when op-fusion regions are realised
+        self.keras_train_function = None  # Keras's own, for one replica on the default device
 
     # ------------------------------------------------------------ preparing
     def prepare(self, data, batch_size):
@@ -607,8 +610,12 @@ class _Runtime:
                 logs = self.run_step(kind, data)
             if kind == "train" and self.keras_step_suffices():
                 # One replica on the default device: from the next step on, Keras's
-                # own train function runs (no overhead over plain Keras).
-                TensorFlowTrainer.make_train_function(model, force=True)
+                # own train function runs (no overhead over plain Keras). The next
+                # fit's first step comes back here, to check its batch size.
+                if self.keras_train_function is None:
+                    TensorFlowTrainer.make_train_function(model, force=True)
+                    self.keras_train_function = model.train_function
+                model.train_function = self.keras_train_function
             return logs
 
         return function

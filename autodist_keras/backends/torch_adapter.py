@@ -38,11 +38,30 @@ from autodist_keras.backends import torch_fusion
 from autodist_keras.backends.base import BackendAdapter
 from autodist_keras.backends.torch_fusion import DEFAULT_COMPILER
 from autodist_keras.errors import BackendError
+from autodist_keras.strategies.auto import may_outgrow
+from autodist_keras.strategies.auto import warn_if_batch_outgrows_plan
 
 DEFAULT_TIMEOUT_S = 300.0
 _ATTACHED = "_autodist_keras_torch_adapter"
 
 _torchrun_comm = None
+
+
+def _checking_batch_size(train_function, plan):
+    """Keras's own one-replica train function, warning once when a batch outgrows `plan`."""
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    from autodist_keras.backends import torch_transport as tt
+
+    def function(data):
+        if may_outgrow(plan):
+            x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data[0])
+            _, leaves = tt.flatten_tree(x)
+            if leaves:
+                warn_if_batch_outgrows_plan(plan, int(leaves[0].shape[0]))
+        return train_function(data)
+
+    return function
 
 
 def torchrun_env():
@@ -348,6 +367,7 @@ class _FitRun:
         self.token = None
         self.failed = False
         self.fusion = None  # the one-replica path's op-fusion regions, if compiled
+        self.plan = None  # the one-replica path's plan
 
     # ------------------------------------------------------------ first step
     def _start(self, data):
@@ -393,6 +413,7 @@ class _FitRun:
                      strategy.options.get("op_fusion_compiler", DEFAULT_COMPILER))
         if world == 1 and self.env is None:
             self.local = True
+            self.plan = plan
             self.token = pin(devices[0])
             check_model_device(self.model, devices[0], 0)
             info["mode"] = "local"
@@ -437,6 +458,9 @@ class _FitRun:
             # train function (torch.compile'd under jit_compile, as in plain
             # Keras); `_fit` clears it afterwards, so the next fit plans again.
             self.model.make_train_function(force=True)
+            if may_outgrow(self.plan):
+                self.model.train_function = _checking_batch_size(self.model.train_function,
+                                                                 self.plan)
             return self.model.train_function(data)
         logs = self.driver.train_step(data)
         self.adapter.last_run["steps"] = self.driver.steps

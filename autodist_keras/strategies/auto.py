@@ -77,6 +77,15 @@ def _compile_after_scope(model, *args, **kwargs):
 _PLANNED_FOR_FIRST_BATCH = "_autodist_planned_for_first_batch"
 
 
+def may_outgrow(plan):
+    """Whether `warn_if_batch_outgrows_plan` may still warn for `plan`.
+
+    Paths that hand every step to Keras's own train function (one replica)
+    check each batch only while this holds.
+    """
+    return bool(getattr(plan, _PLANNED_FOR_FIRST_BATCH, False))
+
+
 def warn_if_batch_outgrows_plan(plan, batch_size):
     """Warns once per plan when a training batch is larger than the plan's batch.
 
@@ -488,7 +497,8 @@ class AutoStrategy:
         else:
             self.plan = self._build_plan(self.graph, batch_size)
             self.plan.provenance.planning_time_s = time.perf_counter() - started
-            if not planning_only:
+            if not planning_only and self.name != "single_device":
+                # (a single_device plan would be the same for any larger batch)
                 setattr(self.plan, _PLANNED_FOR_FIRST_BATCH, True)
                 if batch_size < len(self.devices) and len(self.plan.devices) < len(self.devices):
                     warnings.warn(
