@@ -304,13 +304,18 @@ def test_a_model_compiled_again_in_another_scope_is_timed_for_that_strategy():
         model = zoo.mlp(input_dim=8, hidden=(16,), num_classes=3, name="moved")
         model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     model.fit(x, y, batch_size=9, verbose=0)
-    assert first.measured["steps"] >= 1
+    assert first.measured["steps"] >= 1 and first.measured["batch_size"] == 9
     measured_before = dict(first.measured)
     with second.scope():
         model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     model.fit(x, y, batch_size=6, verbose=0)
     assert second.measured["steps"] >= 1 and second.plan.global_batch_size == 6
     assert first.measured == measured_before
+    # A later fit at another batch size is measured as such, and not compared.
+    model.fit(x, y, batch_size=12, verbose=0)
+    assert second.measured["batch_size"] == 12
+    data = second.explain(format="json")
+    assert data["measured"]["batch_size"] == 12 and data["measured_vs_predicted"] is None
 
 
 def test_nested_scopes_of_two_strategies_are_refused():

@@ -118,6 +118,16 @@ def test_explain_compares_measured_with_predicted(graph, hetero):
     text = render_text(close, use_rich=False)
     assert "(the prediction was 11% high)" in text and "hint:" not in text
     assert explanation(plan, hetero)["measured_vs_predicted"] is None
+    # Steps of another batch size are shown, not compared.
+    other = explanation(plan, hetero, measured={"step_time_s": 4 * predicted, "steps": 30,
+                                                "batch_size": 64})
+    assert other["measured_vs_predicted"] is None
+    text = render_text(other, use_rich=False)
+    assert "batches of 64 rows)" in text and "measured / predicted" not in text
+    assert "not compared with the prediction: the fit ran batches of 64 rows, the plan and " \
+           "its prediction are for 256 rows" in text
+    same = explanation(plan, hetero, measured={"step_time_s": 4 * predicted, "batch_size": 256})
+    assert same["measured_vs_predicted"] == pytest.approx(4.0, rel=1e-3)
     # A rescaled simulator prediction gets the hint too; a learned one does not.
     source = plan.prediction.source
     try:

@@ -16,6 +16,9 @@ class BackendAdapter:
 
     def __init__(self, strategy):
         self.strategy = strategy
+        # Rows of the current fit's first training batch (the runtimes set it; the
+        # strategy clears it before each fit): the batch its measured steps ran.
+        self.first_train_batch = None
 
     def variable_scope(self):
         """Context in which the model's variables are created (default: none)."""

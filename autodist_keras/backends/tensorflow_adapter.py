@@ -656,6 +656,8 @@ class _Runtime:
             self.prepare((x, y, sw), batch_size)
         if kind == "train":
             warn_if_batch_outgrows_plan(self.plan, batch_size)
+            if self.adapter.first_train_batch is None:
+                self.adapter.first_train_batch = batch_size
         placement = self.placement
         if placement is not None:
             key = ("placement", kind, batch_size)

@@ -387,6 +387,7 @@ class _FitRun:
         if not leaves:
             raise BackendError("fit received a batch without inputs. Received: x=None")
         batch_size = int(tt.to_torch(leaves[0]).shape[0])
+        self.adapter.first_train_batch = batch_size
         model_checks.check_loss_reductions(self.model)
         model_checks.check_stateful_layers(self.model)
         model_checks.check_summed_losses(self.model, x, y)

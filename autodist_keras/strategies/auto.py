@@ -412,13 +412,15 @@ class AutoStrategy:
                 return original_fit(*args, **kwargs)
             timer = StepTimer(warmup=2)
             kwargs["callbacks"] = list(kwargs.get("callbacks") or []) + [timer]
+            strategy.adapter.first_train_batch = None
             history = original_fit(*args, **kwargs)
             known = strategy._known(model)
             if known is not None:
                 # explain() describes the model fitted last, beside its measured step.
                 _, strategy.graph, strategy.plan = known
             if timer.median_s is not None:
-                strategy.measured = {"step_time_s": timer.median_s, "steps": len(timer.times_s)}
+                strategy.measured = {"step_time_s": timer.median_s, "steps": len(timer.times_s),
+                                     "batch_size": strategy.adapter.first_train_batch}
                 note = strategy.adapter.measurement_note()
                 if note:
                     strategy.measured["note"] = note

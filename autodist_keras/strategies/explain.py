@@ -87,7 +87,9 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
     if prediction is not None and even and even.get("predicted_step_time_s"):
         speedup = round(even["predicted_step_time_s"] / prediction.step_time_s, 3)
     measured_vs_predicted = None
-    if (measured and measured.get("step_time_s") and prediction is not None
+    # Steps of another batch size are no measure of this prediction.
+    same_batch = measured and measured.get("batch_size") in (None, plan.global_batch_size)
+    if (same_batch and measured.get("step_time_s") and prediction is not None
             and prediction.step_time_s):
         measured_vs_predicted = round(measured["step_time_s"] / prediction.step_time_s, 3)
     chosen = plan.provenance.candidate
@@ -251,10 +253,17 @@ def _header_lines(data):
         )
     m = data["measured"]
     if m.get("step_time_s") is not None:
+        rows = m.get("batch_size")
         lines.append(
             f"  measured step time: {m['step_time_s'] * 1e3:.3f} ms "
-            f"(median of {m.get('steps', '?')} steps after warm-up)"
+            f"(median of {m.get('steps', '?')} steps after warm-up"
+            + (f", batches of {rows} rows" if rows is not None else "") + ")"
         )
+        if rows is not None and rows != data["global_batch_size"]:
+            lines.append(
+                f"  not compared with the prediction: the fit ran batches of {rows} rows, the "
+                f"plan and its prediction are for {data['global_batch_size']} rows"
+            )
     if m.get("note"):
         lines.append(f"  about the measurement: {m['note']}")
     ratio = data.get("measured_vs_predicted")
