@@ -74,6 +74,7 @@ def _cmd_plan(args):
     from autodist_keras.strategies.auto import FAMILY_NAMES
     from autodist_keras.strategies.auto import STRATEGY_NAMES
     from autodist_keras.errors import StrategyError
+    from autodist_keras.strategies.explain import explanation
     from autodist_keras.strategies.explain import planner_internal
 
     if args.strategy not in STRATEGY_NAMES:
@@ -103,6 +104,7 @@ def _cmd_plan(args):
         plan = chosen[0].plan
         selection.record_candidates(plan, candidates)
     planning_time = time.perf_counter() - started
+    runnable, why = selection.runnable_anywhere(plan, cluster)
     by_name = {c.name: c for c in candidates}
     even = by_name.get("data_parallel_even") or by_name.get("single_device")
     result = {
@@ -116,6 +118,9 @@ def _cmd_plan(args):
         "scorer": plan.prediction.source,
         "baselines": {
             c.name: {"predicted_step_time_s": c.step_time_s, "feasible": c.feasible,
+                     # False: built, but no runtime can run it (auto never chooses it);
+                     # None: not built (`reason` says why)
+                     "runnable": None if c.plan is None else c.executable is not False,
                      "reason": c.reason, "scorer": c.scorer}
             for c in candidates
         },
@@ -129,6 +134,11 @@ def _cmd_plan(args):
         "planning_time_s": planning_time,
         "feasible": plan.prediction.feasible,
         "memory_per_device": dict(plan.prediction.peak_memory_bytes),
+        "runnable": runnable,
+        "not_runnable_reason": why or None,
+        # Per device: batch share (data-parallel plans), layers, predicted busy time,
+        # utilisation and memory, as explain() shows them.
+        "per_device": explanation(plan, cluster, strategy_name=args.strategy)["devices"],
         "notes": list(plan.notes),
         "predicted": "all step times are predictions (the simulator's, or the learned "
                      "estimator's where `scorer` says so), not measurements",
@@ -139,7 +149,6 @@ def _cmd_plan(args):
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        from autodist_keras.strategies.explain import explanation
         from autodist_keras.strategies.explain import render_text
 
         print(render_text(explanation(plan, cluster, strategy_name=args.strategy)))

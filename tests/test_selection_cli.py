@@ -83,6 +83,50 @@ def test_executable_predicate_excludes_plans(graph, hetero, tmp_path):
         selection.pick([c for c in candidates if c.name == "single_device"])
 
 
+def _two_groups(plan, devices):
+    """`plan` (data parallel) cut into two layer groups placed on `devices`."""
+    import copy
+
+    from autodist_keras.strategies.plan import LayerGroup
+    from autodist_keras.strategies.plan import Replica
+
+    placed = copy.deepcopy(plan)
+    layers = list(placed.groups[0].layers)
+    half = len(layers) // 2
+    batch = placed.global_batch_size
+    placed.groups = [LayerGroup(f"g{i}", part, [Replica(d, batch)])
+                     for i, (part, d) in enumerate(zip((layers[:half], layers[half:]), devices))]
+    return placed
+
+
+def test_no_runtime_runs_a_placement_plan_spanning_nodes(graph, hetero):
+    """A placement/hybrid plan across nodes is listed but never chosen by auto, and the
+    CLI's JSON says so; data parallelism across nodes and placement in one node run."""
+    from autodist_keras.strategies import baselines
+
+    dp = baselines.data_parallel_even(graph, hetero, 16)
+    assert selection.runnable_anywhere(dp, hetero) == (True, "")  # 4 nodes, one group
+    one_node = _two_groups(dp, ["node0/gpu0", "node0/gpu1"])
+    assert selection.runnable_anywhere(one_node, hetero) == (True, "")
+    ok, why = selection.runnable_anywhere(_two_groups(dp, ["node0/gpu0", "node1/gpu0"]), hetero)
+    assert not ok and "spans nodes ['node0', 'node1']; no runtime can run it yet" in why
+
+    # HeteroG isolates a large token embedding on one node: a hybrid plan across the
+    # four nodes, predicted fastest, listed with its reason, and not chosen.
+    from autodist_keras.graph import zoo
+
+    encoder = ModelGraph.from_keras(zoo.transformer_encoder(num_layers=2, d_model=256,
+                                                            vocab=30000, seq_len=64))
+    candidates = selection.build_candidates(encoder, hetero, 64, families=["heterog"])
+    hybrid = candidates[-1]
+    assert hybrid.name == "heterog" and len(hybrid.plan.groups) > 1
+    assert hybrid.executable is False and "no runtime can run it yet" in hybrid.reason
+    assert any("auto does not choose it" in n for n in hybrid.plan.notes)
+    assert hybrid.step_time_s < min(c.step_time_s for c in candidates[:-1] if c.feasible)
+    chosen = selection.pick(candidates)
+    assert chosen.name != "heterog" and chosen.plan.is_data_parallel
+
+
 def test_explain_labels_predictions(graph, hetero):
     plan, _ = selection.choose_plan(graph, hetero, 256, use_cache=False)
     data = explanation(plan, hetero, measured={"step_time_s": 0.01, "steps": 30})

@@ -596,7 +596,7 @@ class AutoStrategy:
                     message += f" Received: strategy={self.name!r}"
                 raise StrategyError(message)
             plan = chosen[0].plan
-            if chosen[0].executable is False:
+            if chosen[0].executable is False and here:
                 raise StrategyError(
                     f"The {self.name!r} plan cannot run here on the {self.adapter.name} "
                     f"backend: {chosen[0].reason}. Use strategy='auto' to pick a plan that "

@@ -535,7 +535,10 @@ def build_candidates(
                 **family_options.get(family, {}),
             )
             _score(graph, cluster, candidate, cost_model, scorer)
-            if not candidate.plan.is_data_parallel:
+            runnable, why = runnable_anywhere(candidate.plan, cluster)
+            if not runnable:
+                candidate.plan.notes.append(f"execution: {why}; auto does not choose it.")
+            elif not candidate.plan.is_data_parallel:
                 candidate.plan.notes.append(
                     "execution: this placement/hybrid plan has "
                     f"{len(candidate.plan.groups)} layer groups; the TensorFlow adapter runs "
@@ -552,13 +555,48 @@ def build_candidates(
             progress.update(1)
     if scorer is not None and cost_model is None:
         scorer.finish(candidates)
-    if executable is not None:
-        for candidate in candidates:
-            if candidate.plan is not None:
-                candidate.executable, why = executable(candidate.plan)
-                if not candidate.executable:
-                    candidate.reason = why
+    for candidate in candidates:
+        if candidate.plan is None:
+            continue
+        if executable is not None:
+            candidate.executable, why = executable(candidate.plan)
+            if not candidate.executable:
+                candidate.reason = why
+                continue
+        runnable, why = runnable_anywhere(candidate.plan, cluster)
+        if not runnable:  # auto never chooses it, wherever the cluster is
+            candidate.executable, candidate.reason = False, why
     return candidates
+
+
+def runnable_anywhere(plan, cluster):
+    """Whether some runtime can run `plan` on `cluster` (wherever it is).
+
+    Data-parallel plans run on one node or several (TensorFlow multi-worker,
+    `torchrun`). Placement and hybrid plans (several layer groups) run only
+    on the TensorFlow runtime, in one process that drives one node's devices,
+    so such a plan spanning nodes cannot run anywhere yet.
+
+    Args:
+        plan: A `Plan`.
+        cluster: The `Cluster` it was made for.
+
+    Returns:
+        `(True, "")`, or `(False, reason)`.
+    """
+    if plan.is_data_parallel:
+        return True, ""
+    names = list(plan.devices) + sorted(
+        {s.server for s in plan.sync.values() if s.method == "ps" and s.server}
+    )
+    nodes = sorted({cluster.device(n).node for n in names if n in cluster.names})
+    if len(nodes) <= 1:
+        return True, ""
+    return False, (
+        f"this placement/hybrid plan ({len(plan.groups)} layer groups) spans nodes {nodes}; "
+        "no runtime can run it yet: the TensorFlow runtime runs such plans in one process "
+        "on one node, the PyTorch runtime data-parallel plans only"
+    )
 
 
 def _usable(candidate):
@@ -743,7 +781,8 @@ def choose_plan(
         try:
             plan = Plan.from_json(path)
             plan.validate(graph, cluster)
-            if executable is not None and not executable(plan)[0]:
+            if ((executable is not None and not executable(plan)[0])
+                    or not runnable_anywhere(plan, cluster)[0]):
                 # e.g. a placement plan cached by a one-process run, read by a worker
                 raise StrategyError("the cached plan cannot run here; planning again")
             plan.notes = [n for n in plan.notes if not n.startswith("cache:")]
