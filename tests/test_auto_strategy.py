@@ -406,3 +406,22 @@ def test_plot_and_trace_refuse_paths_they_cannot_write_and_leave_nothing(tmp_pat
     assert isinstance(svg, str) and open(svg).read().lstrip().startswith("<?xml")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "charts", "new",
                                                           "timeline.svg"]
+
+
+def test_a_model_built_in_the_scope_of_a_cluster_that_is_not_here_plans_and_fit_says_why():
+    """Planning for GPUs this machine lacks works inside scope() (it raised at compile, naming
+    a replica before any plan existed); fit then says it cannot run the plan here."""
+    import numpy as np
+
+    from autodist_keras.errors import BackendError
+
+    strategy = AutoStrategy("data_parallel", cluster="2xV100")
+    with strategy.scope():
+        model = zoo.mlp(input_dim=8, hidden=(16,), num_classes=3, name="elsewhere")
+        model.compile(optimizer="sgd",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    plan = strategy.plan_for(model, 64)
+    assert sorted(plan.devices) == ["node0/gpu0", "node0/gpu1"]
+    x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+    with pytest.raises(BackendError, match="GPU"):
+        model.fit(x, np.arange(64) % 3, batch_size=64, verbose=0)

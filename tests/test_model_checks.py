@@ -193,3 +193,19 @@ def test_per_sample_losses_do_not_warn(case):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         assert not model_checks.warn_loss_not_per_sample(model, x, y)
+
+
+def test_a_loss_that_is_nan_on_the_probe_rows_is_not_taken_for_a_sum():
+    """Probabilities expected, logits given: Keras's torch backend divides by their sum
+    (0 on zero inputs), so the probe's losses are NaN; that is no summed term."""
+    import warnings
+
+    model = _mlp()
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    x = np.zeros((8, 6), "float32")
+    y = np.zeros((8,), "int32")
+    model(x)
+    model_checks.check_summed_losses(model, x, y)  # no BackendError
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model_checks.warn_loss_not_per_sample(model, x, y)

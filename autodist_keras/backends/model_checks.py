@@ -22,6 +22,7 @@ sample's state from one batch to the next and are refused.
 """
 
 import logging
+import math
 import warnings
 
 from autodist_keras.errors import BackendError
@@ -108,8 +109,8 @@ def check_summed_losses(model, x, y):
     if any(getattr(layer, "stateful", False) for layer in model._flatten_layers()):
         return
     totals = _probe(model, lambda: [_total_loss(model, x, y, copies) for copies in (1, 2, 3)])
-    if totals is None:
-        return
+    if totals is None or not all(math.isfinite(t) for t in totals):
+        return  # (a NaN or infinite loss says nothing about sums; Keras reports it)
     first, second, third = totals
     step = second - first
     scale = max(abs(first), abs(second), abs(third), 1e-12)
@@ -266,7 +267,7 @@ def warn_loss_not_per_sample(model, x, y):
         return together, sum(alone) / rows
 
     found = _probe(model, losses)
-    if found is None:
+    if found is None or not all(math.isfinite(v) for v in found):
         return False
     together, mean_alone = found
     if abs(together - mean_alone) <= _PER_SAMPLE_RTOL * max(abs(together), abs(mean_alone), 1e-12):

@@ -385,9 +385,18 @@ class TensorFlowAdapter(BackendAdapter):
 
     # ------------------------------------------------------------ interface
     def variable_scope(self):
-        """Places the model's variables on the home device (PS server or first device)."""
+        """Places the model's variables on the home device (PS server or first device).
+
+        For a cluster that is not on this machine (planning only), the
+        variables stay on TensorFlow's default device: `plan_for` and
+        `explain()` work, and `fit` says it cannot run the plan here.
+        """
+        import contextlib
+
         import tensorflow as tf
 
+        if not self.cluster_is_here():
+            return contextlib.nullcontext()
         return tf.device(self.home)
 
     def attach(self, model):
