@@ -184,6 +184,7 @@ def run_case(graph, cluster, batch, planners, auto, budget=None, bound=False):
     from autodist_keras.errors import AutodistError
     from autodist_keras.estimator import simulate
     from autodist_keras.strategies import baselines
+    from autodist_keras.strategies.selection import runnable_anywhere
 
     record = {"global_batch": batch, "devices": len(cluster), "plans": {}}
     builders = {
@@ -214,6 +215,9 @@ def run_case(graph, cluster, batch, planners, auto, budget=None, bound=False):
                 "step_time_s": plan.prediction.step_time_s,
                 "feasible": plan.prediction.feasible,
                 "groups": len(plan.groups),
+                # A placement/hybrid plan across nodes: no runtime runs it yet, and auto
+                # does not choose it (selection.runnable_anywhere).
+                "runnable": runnable_anywhere(plan, cluster)[0],
                 "notes": list(plan.notes),
             }
         except AutodistError as e:
@@ -314,7 +318,8 @@ def print_table(records, columns):
             if e is None or e.get("step_time_s") is None:
                 row.append("-")
             else:
-                row.append(f"{e['step_time_s'] * 1e3:.1f}" + ("" if e["feasible"] else " (OOM)"))
+                row.append(f"{e['step_time_s'] * 1e3:.1f}" + ("" if e["feasible"] else " (OOM)")
+                           + (" (no runtime)" if e.get("runnable") is False else ""))
         row.append(rec.get("best_family", "-"))
         row.append(" ".join(
             f"{c[:1]}{rec['plans'][c]['planning_time_s']:.1f}" for c in columns
