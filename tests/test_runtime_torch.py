@@ -669,6 +669,33 @@ def test_unregistered_custom_layer_is_a_clear_error():
         model.fit(x, y, batch_size=BATCH, verbose=0)
 
 
+@keras.saving.register_keras_serializable(package="test_runtime_torch")
+class WithoutConfig(keras.Model):
+    """Registered, but its constructor takes an argument and it has no get_config()."""
+
+    def __init__(self, hidden, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(hidden, activation="relu")
+        self.out = keras.layers.Dense(4)
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+
+def test_a_model_without_config_is_a_clear_error():
+    """Keras's bare NotImplementedError named serialization nobody asked for."""
+    from autodist_keras.errors import BackendError
+
+    strategy = _strategy("even", 2)
+    with strategy.scope():
+        model = WithoutConfig(8)
+        _compile(model, "sgd")
+    x, y = _data("mlp", n=48)
+    with pytest.raises(BackendError, match="rebuilds the model in each spawned worker process.*"
+                                           "Implement get_config"):
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+
+
 def test_an_adapted_lookup_layer_reaches_the_workers():
     # IntegerLookup keeps what adapt() learned in a table, neither config nor
     # variables: the workers get it as Keras's asset files (layer_assets).

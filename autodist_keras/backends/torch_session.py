@@ -430,7 +430,18 @@ class Driver:
             check_serializable(model)
             from keras.src.saving import serialization_lib
 
-            model_config = serialization_lib.serialize_keras_object(model)
+            try:
+                model_config = serialization_lib.serialize_keras_object(model)
+            except (NotImplementedError, TypeError, ValueError) as e:
+                said = " ".join(str(e).split()).split(". ")[0].rstrip(".")  # Keras's first sentence
+                raise BackendError(
+                    "The PyTorch runtime rebuilds the model in each spawned worker process "
+                    f"from its Keras config, and model {model.name!r} "
+                    f"({type(model).__name__}) could not give one: {said}. Implement "
+                    "get_config() on the class (returning its constructor's arguments, as "
+                    "Keras's own saving needs too), or train it without AutoStrategy. "
+                    f"Received: {type(e).__name__} from get_config()"
+                ) from e
             model_config.pop("compile_config", None)
             compile_config = dict(model.get_compile_config() or {})
             compile_config["optimizer"] = serialization_lib.serialize_keras_object(optimizer)
