@@ -220,6 +220,7 @@ def test_unreadable_files(tmp_path):
     ("", "empty"),
     ("   ", "empty"),
     ("2xV1000", "Unknown GPU type"),
+    ("MI250X", "in a YAML spec's gpus list \\(a cluster string cannot carry them\\)"),
     ("2xV100@fast", "after '@'"),
     ("2xV100@-5", "positive"),
     ("2xV100@inf", "finite"),

@@ -360,8 +360,10 @@ def lookup_gpu(name, source=None, field=None):
                      "'cpu_testbed' (Cluster.cpu_testbed()). ")
         raise ClusterSpecError(
             f"Unknown GPU type {name!r}. {hint}Known types: {', '.join(GPU_CATALOG)}. "
-            "For a GPU not in the catalog give its figures explicitly: "
-            "{name: ..., memory_gb: ..., fp32_tflops: ..., fp16_tflops: ..., bandwidth_gbps: ...}. "
+            "For a GPU not in the catalog give its figures explicitly in a YAML spec's gpus "
+            "list (a cluster string cannot carry them): "
+            "{name: ..., memory_gb: ..., fp32_tflops: ..., fp16_tflops: ..., bandwidth_gbps: ...} "
+            "(docs/clusters.md). "
             f"Received: {name!r}",
             source=source, field=field, value=name,
         )
