@@ -356,7 +356,10 @@ def test_a_fixed_plan_must_suit_the_cluster_devices_and_model(tmp_path):
     with pytest.warns(UserWarning, match="strategy='fastt' is not used: .*proportional plan"):
         labelled = AutoStrategy("fastt", cluster=testbed, plan=plan)
     assert labelled.plan_for(model, 48) is plan
-    assert "runs as it is; no planning ran and strategy='fastt' was not used" in labelled.explain()
+    text = labelled.explain()
+    assert "runs as it is; no planning ran and strategy='fastt' was not used" in text
+    assert text.startswith("AutoStrategy(plan=...): runs the given proportional plan")
+    assert "chose" not in text.splitlines()[0]
     # Another model: layer names that do not match say why and what to do.
     other = zoo.mlp(input_dim=8, hidden=(16, 16), name="another")
     with pytest.raises(PlanError, match="made for another model .*name the layers"):

@@ -113,6 +113,7 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
     return {
         "strategy": strategy_name,
         "chosen": chosen,
+        "fixed_plan": bool(fixed),
         "why": why,
         "notes": [n for n in plan.notes if not n.startswith("auto: ")],
         "global_batch_size": plan.global_batch_size,
@@ -233,7 +234,10 @@ def _fmt(value, suffix=""):
 
 
 def _header_lines(data):
-    lines = [f"AutoStrategy({data['strategy']!r}): chose {data['chosen']}"]
+    if data.get("fixed_plan"):
+        lines = [f"AutoStrategy(plan=...): runs the given {data['chosen']} plan"]
+    else:
+        lines = [f"AutoStrategy({data['strategy']!r}): chose {data['chosen']}"]
     lines += [f"  why: {w}" for w in data["why"]]
     p = data["predicted"]
     if p is not None and p.get("feasible") is False:
