@@ -428,3 +428,29 @@ def test_a_model_built_in_the_scope_of_a_cluster_that_is_not_here_plans_and_fit_
     x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
     with pytest.raises(BackendError, match="GPU"):
         model.fit(x, np.arange(64) % 3, batch_size=64, verbose=0)
+
+
+def test_a_plan_file_edited_after_its_prediction_is_simulated_again(tmp_path):
+    """The recorded prediction describes the plan as it was written; an edited file
+    (shares moved by hand) gets the simulator's figures for the plan as given."""
+    testbed = Cluster.cpu_testbed()
+    model = zoo.mlp(input_dim=8, hidden=(16,), name="edited")
+    plan = AutoStrategy("data_parallel", cluster=testbed).plan_for(model, 48)
+    path = tmp_path / "plan.json"
+    plan.to_json(str(path))
+    untouched = AutoStrategy(cluster=testbed, plan=str(path)).plan_for(model, 48)
+    assert untouched.prediction_matches()
+    assert untouched.prediction.step_time_s == plan.prediction.step_time_s
+
+    data = json.loads(path.read_text())
+    data["groups"][0]["replicas"][0]["batch_share"] = 46
+    for replica in data["groups"][0]["replicas"][1:]:
+        replica["batch_share"] = 1
+    path.write_text(json.dumps(data))
+    edited = AutoStrategy(cluster=testbed, plan=str(path))
+    given = edited.plan_for(model, 48)
+    assert given.prediction.plan_digest is None  # simulated here, for this plan
+    assert given.prediction.source.startswith("simulator")
+    assert given.prediction.step_time_s != plan.prediction.step_time_s
+    assert any("changed after its prediction was written" in n for n in given.notes)
+    assert "changed after its prediction was written" in edited.explain()

@@ -116,6 +116,8 @@ def test_first_bucket_is_capped_like_ddp(wide):
     "mutate, message",
     [
         (lambda p: setattr(p.groups[0].replicas[0], "batch_share", 1), "add up to"),
+        (lambda p: setattr(p.groups[0].replicas[0], "batch_share", 0), "positive integer.*"
+                                                                     "leave it out"),
         (lambda p: setattr(p.groups[0].replicas[0], "device", "node9/gpu0"), "unknown device"),
         (lambda p: p.groups[0].layers.append("no_such_layer"), "unknown layer"),
         (lambda p: p.groups[0].layers.pop(), "in no group"),

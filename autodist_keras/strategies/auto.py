@@ -538,6 +538,18 @@ class AutoStrategy:
         for note in notes:
             warnings.warn(f"plan=: {note} The plan still runs as given; its predictions "
                           "describe the model and cluster it was made for.", stacklevel=4)
+        if not self.plan.prediction_matches():
+            # Edited after its prediction was written: the recorded figures describe
+            # another plan. Simulate this one instead.
+            from autodist_keras.estimator import simulate
+
+            recorded = self.plan.prediction
+            self.plan.prediction = simulate(self.graph, self.cluster, self.plan).to_prediction()
+            self.plan.notes = list(self.plan.notes) + [
+                f"plan=: the plan was changed after its prediction was written "
+                f"({recorded.step_time_s * 1e3:.3f} ms, {recorded.source}); the prediction "
+                "shown is the simulator's for the plan as given"
+            ]
 
     def _build_plan(self, graph, batch_size):
         from autodist_keras.strategies import selection

@@ -115,6 +115,9 @@ class Prediction:
             or `"learned estimator (gnn, torch; predicted)"`).
         simulated_step_time_s: The simulator's step time when `step_time_s`
             comes from another predictor (the breakdown is the simulator's).
+        plan_digest: Digest of the plan these figures describe, written with
+            the plan (`Plan.structure_digest`); a plan file edited afterwards
+            no longer matches it (`Plan.prediction_matches`).
     """
 
     step_time_s: float
@@ -128,6 +131,7 @@ class Prediction:
     baselines: dict = dataclasses.field(default_factory=dict)
     source: str = "simulator (predicted)"
     simulated_step_time_s: Optional[float] = None
+    plan_digest: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -300,10 +304,11 @@ class Plan:
                 seen_devices.add(replica.device)
                 if not isinstance(replica.batch_share, int) or isinstance(
                     replica.batch_share, bool
-                ) or replica.batch_share < 0:
+                ) or replica.batch_share < 1:
                     raise PlanError(
-                        f"{where}.replicas[{ri}].batch_share must be a non-negative "
-                        f"integer number of samples. Received: {replica.batch_share!r}"
+                        f"{where}.replicas[{ri}].batch_share must be a positive integer "
+                        "number of samples (a device with no samples has no replica: leave "
+                        f"it out of the group). Received: {replica.batch_share!r}"
                     )
             total = sum(group.shares)
             if total != self.global_batch_size:
@@ -428,10 +433,34 @@ class Plan:
         return warnings
 
     # ---------------------------------------------------------------- JSON
+    def structure_digest(self):
+        """A digest of what the plan prescribes (batch, groups, sync, buckets, order,
+        op fusion), not of its prediction, notes or provenance."""
+        import hashlib
+
+        what = {
+            "global_batch_size": self.global_batch_size,
+            "groups": [dataclasses.asdict(g) for g in self.groups],
+            "sync": {k: dataclasses.asdict(v) for k, v in sorted(self.sync.items())},
+            "buckets": self.buckets,
+            "order": {d: [list(e) for e in es] for d, es in sorted(self.order.items())},
+            "op_fusion": self.op_fusion,
+        }
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+    def prediction_matches(self):
+        """False when the plan was changed after its prediction was written with it
+        (a hand-edited plan file): the recorded figures describe another plan."""
+        if self.prediction is None or self.prediction.plan_digest is None:
+            return True
+        return self.prediction.plan_digest == self.structure_digest()
+
     def to_dict(self):
         """Returns the plan as a JSON-ready dict."""
         data = dataclasses.asdict(self)
         data["order"] = {d: [list(e) for e in entries] for d, entries in self.order.items()}
+        if data.get("prediction") is not None:
+            data["prediction"]["plan_digest"] = self.structure_digest()
         return data
 
     @classmethod
