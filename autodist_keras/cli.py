@@ -185,11 +185,17 @@ def _cmd_simulate(args):
             "peak_memory_bytes": prediction.peak_memory_bytes,
             "trace": args.trace,
             "source": prediction.source,
+            # The plan file's own headline figure (e.g. the learned estimator's), when
+            # it was written for this very plan.
+            "plan_file_prediction": (
+                {"step_time_s": plan.prediction.step_time_s, "source": plan.prediction.source}
+                if plan.prediction is not None and plan.prediction_matches() else None),
         }, indent=2))
     else:
         print(result.summary())
         print("(the discrete-event simulator's prediction", end="")
-        if plan.prediction is not None and not plan.prediction.source.startswith("simulator ("):
+        if (plan.prediction is not None and plan.prediction_matches()
+                and not plan.prediction.source.startswith("simulator (")):
             print(f"; the plan file's own, from the {plan.prediction.source}: "
                   f"{plan.prediction.step_time_s * 1e3:.3f} ms", end="")
         print(")")

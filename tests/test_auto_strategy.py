@@ -89,6 +89,11 @@ def test_plan_per_model_and_explain(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     trace = json.loads(strategy.export_trace(tmp_path / "trace.json").read_text())
     assert any(e["ph"] == "X" for e in trace["traceEvents"])
+    # The timeline is the simulator's; the trace also names the step explain() shows.
+    other = trace["otherData"]
+    assert other["step_time_s"] != plan_small.prediction.step_time_s
+    assert other["plan_predicted_step_time_s"] == plan_small.prediction.step_time_s
+    assert other["plan_prediction_source"] == data["predicted"]["source"]
 
 
 def test_fixed_plan_from_file(tmp_path):

@@ -289,11 +289,18 @@ def test_cli_plan_and_simulate_round_trip(cli, tmp_path):
                 "planning_time_s", "feasible", "memory_per_device"):
         assert key in data
     assert {"data_parallel_even", "proportional"} <= set(data["baselines"])
+    assert data["runnable"] is True and data["not_runnable_reason"] is None
+    assert all(b["runnable"] in (True, None) for b in data["baselines"].values())
+    rows = data["per_device"]
+    assert {r["device"] for r in rows} == set(data["memory_per_device"])
+    if data["strategy"] != "fastt":  # data parallel: the shares add up to the batch
+        assert sum(r["batch_share"] for r in rows) == data["batch_size"]
     run = cli("simulate", "--model", "mlp", "--cluster", HETERO, "--plan", str(out),
                "--trace", str(trace), "--json")
     assert run.returncode == 0, run.stderr
     sim = json.loads(run.stdout)
     assert sim["predicted_step_time_s"] == pytest.approx(data["predicted_step_time_s"])
+    assert sim["plan_file_prediction"]["step_time_s"] == data["predicted_step_time_s"]
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e["ph"] == "X" for e in events)
 

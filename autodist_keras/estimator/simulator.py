@@ -189,8 +189,12 @@ class SimResult:
             source="simulator (predicted)",
         )
 
-    def trace(self):
-        """Returns the timeline as a Chrome trace dict (`traceEvents`)."""
+    def trace(self, other_data=None):
+        """Returns the timeline as a Chrome trace dict (`traceEvents`).
+
+        Args:
+            other_data: Optional dict of more entries for `otherData`.
+        """
         devices = list(self.per_device)
         for event in self.timeline:
             if event.device not in self.per_device and event.device not in devices:
@@ -227,19 +231,21 @@ class SimResult:
                 "source": "autodist_keras simulator (predicted, not measured)",
                 "step_time_s": self.step_time_s,
                 "feasible": self.feasible,
+                **(other_data or {}),
             },
         }
 
-    def export_trace(self, path):
+    def export_trace(self, path, other_data=None):
         """Writes the timeline as Chrome trace JSON (opens in Perfetto / chrome://tracing).
 
         Args:
             path: File to write.
+            other_data: Optional dict of more entries for the trace's `otherData`.
 
         Returns:
             The path.
         """
-        write_text_atomic(path, json.dumps(self.trace()))
+        write_text_atomic(path, json.dumps(self.trace(other_data)))
         return path
 
     def summary(self):

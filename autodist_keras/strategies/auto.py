@@ -686,7 +686,14 @@ class AutoStrategy:
         Raises:
             OutputError: If the path is a directory or cannot be written.
         """
-        return self._simulation().export_trace(path)
+        simulation = self._simulation()
+        prediction = self.plan.prediction
+        other = None
+        if prediction is not None and prediction.step_time_s != simulation.step_time_s:
+            # The timeline is the simulator's; say what explain() shows as the step.
+            other = {"plan_predicted_step_time_s": prediction.step_time_s,
+                     "plan_prediction_source": prediction.source}
+        return simulation.export_trace(path, other)
 
     def plot(self, path):
         """Draws the simulated timeline of the plan as a Gantt chart (PNG, predicted).
