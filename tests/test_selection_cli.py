@@ -62,6 +62,18 @@ def test_plan_cache_is_reused(graph, hetero, tmp_path):
     assert len(list(tmp_path.glob("*.json"))) == 2
 
 
+def test_an_unwritable_cache_warns_and_the_plan_is_used(graph, hetero, tmp_path, monkeypatch):
+    """The cache only saves planning time: a cache directory that is a file (or read-only)
+    must not fail auto at the end of planning."""
+    blocker = tmp_path / "cache_is_a_file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("AUTODIST_KERAS_CACHE", str(blocker))
+    with pytest.warns(UserWarning, match="could not cache the plan it made.*"
+                                         "AUTODIST_KERAS_CACHE"):
+        plan, _ = selection.choose_plan(graph, hetero, 256, cache_dir=str(blocker))
+    assert plan.prediction is not None and blocker.read_text() == "not a directory"
+
+
 def test_damaged_cache_entry_is_replanned(graph, hetero, tmp_path):
     selection.choose_plan(graph, hetero, 96, cache_dir=tmp_path)
     (path,) = tmp_path.glob("*.json")

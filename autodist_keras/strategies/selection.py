@@ -50,8 +50,10 @@ import json
 import math
 import os
 import time
+import warnings
 
 from autodist_keras.errors import AutodistError
+from autodist_keras.errors import OutputError
 from autodist_keras.errors import StrategyError
 from autodist_keras.strategies import _common
 from autodist_keras.strategies import baselines
@@ -820,5 +822,15 @@ def choose_plan(
         scorer=scorer.identity if scorer is not None else "cost_model",
     )
     if use_cache and cost_model is None:
-        write_text_atomic(path, plan.to_json())
+        try:
+            write_text_atomic(path, plan.to_json())
+        except OutputError as e:
+            # The cache only saves planning time: go on with the plan just made.
+            warnings.warn(
+                f"autodist_keras could not cache the plan it made ({e}); it is used as is, "
+                "and the next run plans again. Point AUTODIST_KERAS_CACHE at a writable "
+                f"directory to keep plans. Received: AUTODIST_KERAS_CACHE="
+                f"{os.environ.get('AUTODIST_KERAS_CACHE')!r}",
+                stacklevel=2,
+            )
     return plan, candidates
