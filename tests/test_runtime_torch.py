@@ -9,6 +9,7 @@ batch gives one replica no sample at all, which the runtime must handle.
 """
 
 import os
+import time
 
 import keras
 import numpy as np
@@ -555,14 +556,17 @@ def test_variables_without_a_gradient_are_left_alone_by_the_optimizer(
 
 
 class _TrainProbe(keras.callbacks.Callback):
-    """Fits another model at each epoch's end (a linear probe), as users do."""
+    """Fits another model at each epoch's end (a linear probe), as users do; with
+    `close`, its strategy's adapter is closed after each probe fit."""
 
-    def __init__(self, probe, x, y):
+    def __init__(self, probe, x, y, close=None):
         super().__init__()
-        self.probe, self.x, self.y = probe, x, y
+        self.probe, self.x, self.y, self.close = probe, x, y, close
 
     def on_epoch_end(self, epoch, logs=None):
         self.probe.fit(self.x, self.y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        if self.close is not None:
+            self.close.adapter.close()
 
 
 @pytest.mark.parametrize("same_strategy", [True, False])
@@ -590,6 +594,50 @@ def test_a_fit_inside_another_fit_on_the_same_number_of_devices(same_strategy):
                   callbacks=[_TrainProbe(probe_ref, x, y)])
     _assert_same_weights(outer, outer_ref)
     _assert_same_weights(probe, probe_ref)
+
+
+def test_closing_a_strategy_inside_another_fit_leaves_that_fit_its_workers():
+    """close() ended every pool, also the one the outer fit was using: the outer fit
+    then failed with an AttributeError. Now the outer pool ends when its fit is done."""
+    from autodist_keras.backends import torch_pool
+
+    x, y = _data("mlp", n=96)
+    outer_strategy, inner_strategy = _strategy("proportional", 2), _strategy("even", 2)
+    with outer_strategy.scope():
+        outer = _build("mlp", seed=1)
+        _compile(outer, "sgd")
+    with inner_strategy.scope():
+        probe = _build("mlp", seed=2)
+        _compile(probe, "sgd")
+    outer.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+              callbacks=[_TrainProbe(probe, x, y, close=inner_strategy)])
+    assert outer_strategy.adapter.last_run["in_sync"] is True
+    pids = outer_strategy.adapter.worker_pids()
+    assert not any(p for ps in torch_pool._pools.values() for p in ps if p.pids == pids)
+    for pid in pids.values():  # the outer fit's workers ended when it gave them back
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(pid)
+    outer_ref = _build("mlp", seed=1)
+    _compile(outer_ref, "sgd")
+    outer_ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[_TrainProbe(_compile_and_return(_build("mlp", seed=2)), x, y)])
+    _assert_same_weights(outer, outer_ref)
+
+
+def _alive(pid):
+    """Whether process `pid` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\tZ" not in next(line for line in f if line.startswith("State:"))
+    except (OSError, StopIteration):
+        return False
+
+
+def _compile_and_return(model):
+    _compile(model, "sgd")
+    return model
 
 
 def test_strategies_with_other_timeouts_keep_their_own_workers():

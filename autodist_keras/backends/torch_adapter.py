@@ -348,10 +348,14 @@ class TorchAdapter(BackendAdapter):
         return dict(self.last_run.get("worker_pids", {}))
 
     def close(self):
-        """Ends every spawned worker process (they are also ended at exit)."""
+        """Ends the spawned worker processes (they are also ended at exit).
+
+        Workers that a running fit is using (another strategy's fit, from whose
+        callback this is called, say) end when that fit is done.
+        """
         from autodist_keras.backends.torch_pool import shutdown_pools
 
-        shutdown_pools()
+        shutdown_pools(idle_only=True)
 
 
 class _FitRun:

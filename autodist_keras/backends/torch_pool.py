@@ -78,24 +78,41 @@ def get_pool(world_size, timeout_s, grad_backend="gloo"):
 
 
 def release_pool(pool):
-    """Gives back a pool leased with `get_pool` (its workers stay for the next fit)."""
+    """Gives back a pool leased with `get_pool` (its workers stay for the next fit,
+    unless `shutdown_pools(idle_only=True)` ran meanwhile: then they end now)."""
     pool.in_use = False
+    if pool.close_when_released:
+        discard_pool(pool, graceful=True)
 
 
-def discard_pool(pool):
-    """Kills `pool`'s workers and forgets it."""
+def discard_pool(pool, graceful=False):
+    """Ends `pool`'s workers (killed unless `graceful`) and forgets it."""
     with _pools_lock:
         for pools in _pools.values():
             if pool in pools:
                 pools.remove(pool)
-    pool.close(graceful=False)
+    pool.close(graceful=graceful)
 
 
-def shutdown_pools():
-    """Ends every worker process this process started (also run at exit)."""
+def shutdown_pools(idle_only=False):
+    """Ends the worker processes this process started (all of them at exit).
+
+    Args:
+        idle_only: End only the pools no fit is using; a pool leased to a
+            running fit (another strategy's, say) ends when that fit gives it
+            back.
+    """
     with _pools_lock:
-        pools = [p for ps in _pools.values() for p in ps]
-        _pools.clear()
+        pools = []
+        for key in list(_pools):
+            for pool in list(_pools[key]):
+                if idle_only and pool.in_use:
+                    pool.close_when_released = True
+                    continue
+                _pools[key].remove(pool)
+                pools.append(pool)
+            if not _pools[key]:
+                del _pools[key]
     for pool in pools:
         pool.close(graceful=True)
 
@@ -202,6 +219,7 @@ class WorkerPool(Reporter):
         self._ready = set()
         self.comm = None
         self.in_use = False  # leased to a running fit (`get_pool`)
+        self.close_when_released = False  # `shutdown_pools(idle_only=True)` ran meanwhile
         startup = max(STARTUP_TIMEOUT_S, self.timeout_s)
         self.store = loopback_store(self.world_size, startup)
         ctx = _context(grad_backend)
