@@ -626,6 +626,39 @@ def test_closing_a_strategy_inside_another_fit_leaves_that_fit_its_workers():
     _assert_same_weights(outer, outer_ref)
 
 
+class _ProbeMadeInCallback(keras.callbacks.Callback):
+    """Makes a strategy (and its cpu_testbed cluster) inside the callback, as users
+    write a probe, and fits a fresh model with it."""
+
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y, self.losses = x, y, []
+
+    def on_epoch_end(self, epoch, logs=None):
+        strategy = _strategy("proportional", 3)
+        with strategy.scope():
+            probe = _build("mlp", seed=2)
+            _compile(probe, "sgd")
+        history = probe.fit(self.x, self.y, batch_size=BATCH, epochs=1, shuffle=False,
+                            verbose=0)
+        self.losses.append(history.history["loss"][0])
+
+
+def test_a_cpu_testbed_made_during_a_fit_sees_every_core():
+    """Rank 0 is pinned to its device's cores during fit: Cluster.cpu_testbed() in a
+    callback refused the other cores ('Core 1 is not available to this process')."""
+    x, y = _data("mlp", n=96)
+    before = sorted(os.sched_getaffinity(0))
+    strategy = _strategy("proportional", 2)
+    with strategy.scope():
+        outer = _build("mlp", seed=1)
+        _compile(outer, "sgd")
+    probe = _ProbeMadeInCallback(x, y)
+    outer.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[probe])
+    assert len(probe.losses) == 2 and strategy.adapter.last_run["in_sync"] is True
+    assert sorted(os.sched_getaffinity(0)) == before
+
+
 def _alive(pid):
     """Whether process `pid` runs (a zombie does not)."""
     try:

@@ -21,6 +21,7 @@ unpin(token)
 
 import os
 
+from autodist_keras.devices import detect
 from autodist_keras.errors import BackendError
 
 
@@ -120,10 +121,12 @@ def pin(info):
         return token
     cores = info.get("cpu_affinity")
     if cores and hasattr(os, "sched_setaffinity"):
-        available = os.sched_getaffinity(0)
+        # (a fit inside another fit's callback starts from the cores before pinning)
+        available = set(detect.available_cores())
         wanted = {c for c in cores if c in available}
         if wanted:
-            token["affinity"] = sorted(available)
+            token["affinity"] = sorted(os.sched_getaffinity(0))
+            detect.cores_before_pinning.append(available)
             _set_affinity_all_threads(wanted)
     threads = info.get("threads")
     if threads:
@@ -152,6 +155,8 @@ def unpin(token):
         token["keras_device"].__exit__(None, None, None)
     if "affinity" in token:
         _set_affinity_all_threads(set(token["affinity"]))
+        if detect.cores_before_pinning:
+            detect.cores_before_pinning.pop()
     if "threads" in token:
         torch.set_num_threads(int(token["threads"]))
     if "cuda" in token:

@@ -50,8 +50,17 @@ from autodist_keras.devices.cluster import Topology
 from autodist_keras.errors import ClusterSpecError
 
 
+# The cores this process could use before a fit pinned it to one device's cores
+# (`backends/torch_device.pin` pushes, `unpin` pops), so that a cluster made while
+# a fit runs (in a callback) still sees every core.
+cores_before_pinning = []
+
+
 def available_cores():
-    """Sorted CPU core numbers this process may run on."""
+    """Sorted CPU core numbers this process may run on (those it had before a
+    running fit pinned it to a device's cores)."""
+    if cores_before_pinning:
+        return sorted(cores_before_pinning[0])
     try:
         return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
