@@ -459,3 +459,45 @@ def test_a_plan_file_edited_after_its_prediction_is_simulated_again(tmp_path):
     assert given.prediction.step_time_s != plan.prediction.step_time_s
     assert any("changed after its prediction was written" in n for n in given.notes)
     assert "changed after its prediction was written" in edited.explain()
+
+
+def test_scopes_are_per_thread():
+    """A scope applied to the whole process: a model compiled in another thread,
+    outside every scope, was attached to the strategy (and trained distributed), and
+    two threads entering their own strategies' scopes got 'cannot be nested'."""
+    import threading
+
+    owner = next(c for c in keras.Model.__mro__ if "compile" in vars(c))
+    keras_compile, keras_new = vars(owner)["compile"], vars(keras.Model)["__new__"]
+    inside, done = threading.Event(), threading.Event()
+    first = AutoStrategy("single_device", cluster=Cluster.cpu_testbed())
+    second = AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed())
+    results, errors = {}, []
+
+    def in_scope(strategy, key):
+        try:
+            with strategy.scope():
+                inside.set()
+                model = zoo.mlp(input_dim=8, hidden=(16,), num_classes=3, name=f"thread_{key}")
+                model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+                results[key] = model
+                done.wait(30)
+        except Exception as e:  # noqa: BLE001  (reported below)
+            errors.append(e)
+
+    thread = threading.Thread(target=in_scope, args=(first, "first"))
+    thread.start()
+    assert inside.wait(30)
+    plain = zoo.mlp(input_dim=8, hidden=(16,), num_classes=3, name="plain_here")
+    plain.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    with second.scope():  # not nested: the other scope is another thread's
+        mine = zoo.mlp(input_dim=8, hidden=(16,), num_classes=3, name="second_here")
+        mine.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    done.set()
+    thread.join(30)
+    assert not errors, errors
+    assert plain not in first._models and plain not in second._models
+    assert first._models == [results["first"]] and second._models == [mine]
+    # Keras's own functions are back once the last scope ended.
+    assert vars(owner)["compile"] is keras_compile
+    assert vars(keras.Model)["__new__"] is keras_new

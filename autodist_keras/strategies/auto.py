@@ -54,6 +54,79 @@ _scope_lock = threading.Lock()
 _COMPILE_AFTER_SCOPE = "_autodist_built_in_scope_of"
 
 
+# Scopes are per thread, as `tf.distribute` scopes are: the strategies whose scope
+# this thread is in (innermost last). While any thread is in a scope, Keras's
+# `compile` and `keras.Model.__new__` are replaced by hooks that look up the
+# calling thread's strategy (`_install_scope_hooks`); a thread outside every
+# scope gets plain Keras.
+_scopes = threading.local()
+_hooks = {"count": 0}
+
+
+def _thread_scopes():
+    if not hasattr(_scopes, "stack"):
+        _scopes.stack = []
+    return _scopes.stack
+
+
+def _active_strategy():
+    """The strategy whose scope the calling thread is in, or None."""
+    stack = _thread_scopes()
+    return stack[-1] if stack else None
+
+
+def _install_scope_hooks():
+    """Replaces Keras's `compile` and `keras.Model.__new__` by the scope hooks
+    (once, however many threads are in scopes). Call with `_scope_lock` held."""
+    import keras
+
+    _hooks["count"] += 1
+    if _hooks["count"] > 1:
+        return
+    # `compile` is wrapped on the class that defines it (Keras's Trainer), not
+    # shadowed on keras.Model: Keras's `compile_from_config`, which `load_model`
+    # calls, skips models whose class overrides `compile`.
+    owner = next(c for c in keras.Model.__mro__ if "compile" in vars(c))
+    original_compile = vars(owner)["compile"]
+    original_new = vars(keras.Model)["__new__"]
+
+    def compile(model, *args, **kwargs):
+        strategy = _active_strategy()
+        if strategy is None:  # another thread's scope: plain Keras here
+            return original_compile(model, *args, **kwargs)
+        with strategy.adapter.variable_scope():
+            result = original_compile(model, *args, **kwargs)
+        strategy._attach(model)
+        return result
+
+    def new(cls, *args, **kwargs):
+        model = original_new.__func__(cls, *args, **kwargs)
+        strategy = _active_strategy()
+        if (strategy is not None and isinstance(model, keras.Model)
+                and _COMPILE_AFTER_SCOPE not in vars(model)):
+            compile_later = types.MethodType(_compile_after_scope, model)
+            object.__setattr__(model, "compile", compile_later)
+            object.__setattr__(model, _COMPILE_AFTER_SCOPE, strategy)
+        return model
+
+    compile.__doc__ = original_compile.__doc__
+    owner.compile = compile
+    keras.Model.__new__ = staticmethod(new)
+    _hooks.update(owner=owner, compile=original_compile, new=original_new)
+
+
+def _remove_scope_hooks():
+    """Puts Keras's own `compile` and `__new__` back when the last scope ends.
+    Call with `_scope_lock` held."""
+    import keras
+
+    _hooks["count"] -= 1
+    if _hooks["count"] == 0:
+        _hooks["owner"].compile = _hooks.pop("compile")
+        keras.Model.__new__ = _hooks.pop("new")
+        _hooks.pop("owner")
+
+
 def _compile_after_scope(model, *args, **kwargs):
     """`compile` of a model built inside `AutoStrategy.scope()`.
 
@@ -62,10 +135,7 @@ def _compile_after_scope(model, *args, **kwargs):
     strategy's variable placement and attaches the model to the strategy the
     model was built in, so `fit` runs its plan rather than one device.
     """
-    import keras
-
-    owner = next(c for c in keras.Model.__mro__ if "compile" in vars(c))
-    if getattr(vars(owner)["compile"], "_autodist_scope", False):
+    if _active_strategy() is not None:
         return type(model).compile(model, *args, **kwargs)
     strategy = vars(model)[_COMPILE_AFTER_SCOPE]
     with strategy.adapter.variable_scope():
@@ -332,20 +402,16 @@ class AutoStrategy:
         times its fits). The strategy holds its models weakly: a model the
         user drops is freed.
 
+        Scopes are per thread, as `tf.distribute` scopes are: a model
+        compiled in another thread, outside every scope, is plain Keras.
+
         Raises:
             StrategyError: If entered inside another strategy's scope
                 (re-entering this strategy's own scope is fine).
         """
-        import keras
-
         adapter = self.adapter
-        # `compile` is wrapped on the class that defines it (Keras's Trainer),
-        # not shadowed on keras.Model: Keras's `compile_from_config`, which
-        # `load_model` calls, skips models whose class overrides `compile`.
-        owner = next(c for c in keras.Model.__mro__ if "compile" in vars(c))
         with _scope_lock:
-            original_compile = vars(owner)["compile"]
-            active = getattr(original_compile, "_autodist_strategy", None)
+            active = _active_strategy()
             if active is not None and active is not self:
                 raise StrategyError(
                     "AutoStrategy scopes cannot be nested: this strategy's scope was entered "
@@ -354,35 +420,16 @@ class AutoStrategy:
                     "(a model compiled again in another strategy's scope moves to it). "
                     f"Received: scope of {self.name!r} inside the scope of {active.name!r}"
                 )
-            original_new = vars(keras.Model)["__new__"]
-            strategy = self
-
-            def compile(model, *args, **kwargs):
-                with adapter.variable_scope():
-                    result = original_compile(model, *args, **kwargs)
-                strategy._attach(model)
-                return result
-
-            def new(cls, *args, **kwargs):
-                model = original_new.__func__(cls, *args, **kwargs)
-                if isinstance(model, keras.Model) and _COMPILE_AFTER_SCOPE not in vars(model):
-                    compile_later = types.MethodType(_compile_after_scope, model)
-                    object.__setattr__(model, "compile", compile_later)
-                    object.__setattr__(model, _COMPILE_AFTER_SCOPE, strategy)
-                return model
-
-            compile.__doc__ = original_compile.__doc__
-            compile._autodist_scope = True
-            compile._autodist_strategy = strategy
-            owner.compile = compile
-            keras.Model.__new__ = staticmethod(new)
+            _install_scope_hooks()
+        stack = _thread_scopes()
+        stack.append(self)
         try:
             with adapter.variable_scope():
                 yield self
         finally:
+            stack.pop()
             with _scope_lock:
-                owner.compile = original_compile
-                keras.Model.__new__ = original_new
+                _remove_scope_hooks()
 
     def _attach(self, model):
         if not any(ref() is model for ref in self._model_refs):
