@@ -219,3 +219,43 @@ def _alive(pids):
         except ProcessLookupError:
             pass
     return alive
+
+
+LEFTOVER = textwrap.dedent("""
+    import numpy as np
+    import keras
+    from autodist_keras import AutoStrategy
+    from autodist_keras.backends import torch_adapter
+    from autodist_keras.devices import Cluster
+
+    if __name__ == "__main__":
+        torch_adapter.WAITING_NOTICE_S = 1.0  # (10 s by default)
+        strategy = AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed(), timeout_s=4)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+            model.compile(optimizer="sgd", loss="mse")
+        model.fit(np.zeros((12, 4), "float32"), np.zeros((12, 2), "float32"), batch_size=12,
+                  verbose=0)
+""")
+
+
+def test_torchrun_variables_left_in_the_environment_are_named(tmp_path):
+    """RANK / WORLD_SIZE / MASTER_* left over from an earlier torchrun: the rank said
+    nothing while it waited timeout_s for ranks that never come."""
+    import subprocess
+
+    from autodist_keras.backends.tf_multiworker import free_ports
+
+    script = tmp_path / "leftover.py"
+    script.write_text(LEFTOVER)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_ports(1)[0]),
+               PYTHONPATH=os.pathsep.join([os.getcwd()] + [p for p in sys.path if p]))
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode != 0
+    assert "rank 0 has waited 1 s for the other ranks of a 3-rank torchrun job (RANK=0, " \
+           "WORLD_SIZE=3, MASTER_ADDR=127.0.0.1" in run.stderr, run.stderr[-2000:]
+    assert "If these variables are left over" in run.stderr
+    assert "BackendError: Rank 0 waited 4 s" in run.stderr
+    assert "if they are left over from an earlier torchrun, unset them" in run.stderr

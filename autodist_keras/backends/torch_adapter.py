@@ -92,11 +92,49 @@ def _get_torchrun_comm(rank, world, timeout_s):
     global _torchrun_comm
     if _torchrun_comm is not None and not _torchrun_comm.broken:
         return _torchrun_comm
-    import datetime
-
     import torch.distributed as dist
 
     from autodist_keras.backends.torch_transport import Comm
+
+    notice = _waiting_notice(rank, world, timeout_s)
+    try:
+        return _join_torchrun(rank, world, timeout_s, dist, Comm)
+    finally:
+        notice.cancel()
+
+
+# Seconds a rank waits for the others before it says what it is waiting for.
+WAITING_NOTICE_S = 10.0
+
+
+def _waiting_notice(rank, world, timeout_s):
+    """A started timer that prints, if joining takes long, which job the rank joins
+    and why (the environment's torchrun variables, perhaps left over)."""
+    import sys
+    import threading
+
+    variables = ", ".join(f"{v}={os.environ.get(v)}" for v in
+                          ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+    def say():
+        print(
+            f"autodist_keras: rank {rank} has waited {WAITING_NOTICE_S:g} s for the other "
+            f"ranks of a {world}-rank torchrun job ({variables}, from the environment); it "
+            f"gives up after timeout_s={timeout_s:g} s. If these variables are left over "
+            "from an earlier torchrun, unset them to train with spawned workers.",
+            file=sys.stderr, flush=True,
+        )
+
+    timer = threading.Timer(WAITING_NOTICE_S, say)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _join_torchrun(rank, world, timeout_s, dist, Comm):
+    """Joins the torchrun job's store (env:// rendezvous) and makes its `Comm`."""
+    global _torchrun_comm
+    import datetime
 
     if dist.is_available() and dist.is_initialized():
         store = dist.distributed_c10d._get_default_store()
@@ -136,7 +174,9 @@ def _not_joined(rank, world, timeout_s, error):
         f"Rank {rank} waited {timeout_s:g} s (the strategy's timeout_s) for the other ranks of "
         f"this {world}-rank job and not all of them arrived. Every rank must run the script "
         "to its fit with the same model and data; a rank that exits or fails before fit "
-        "leaves the others waiting. Received: " + str(error).splitlines()[0][:300]
+        "leaves the others waiting. The job is named by RANK, WORLD_SIZE, MASTER_ADDR and "
+        "MASTER_PORT in the environment: if they are left over from an earlier torchrun, "
+        "unset them. Received: " + str(error).splitlines()[0][:300]
     )
 
 
