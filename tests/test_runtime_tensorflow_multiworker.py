@@ -575,3 +575,50 @@ def test_two_workers_score_masked_outputs_with_their_masks(model_fn):
         np.testing.assert_allclose(result["history"]["accuracy"],
                                    history.history["accuracy"], rtol=1e-6)
         np.testing.assert_allclose(result["loss"], history.history["loss"], rtol=1e-5)
+
+
+LEFTOVER_TF_CONFIG = """
+import keras
+from autodist_keras import AutoStrategy, Cluster
+
+strategy = AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed())
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+"""
+
+
+def test_a_worker_says_which_tasks_it_waits_for(tmp_path):
+    """A TF_CONFIG left over from an earlier job, naming as many tasks as devices:
+    TensorFlow waits forever, holding the interpreter, and ignores SIGTERM. The worker
+    says first what it waits for and how to stop it."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from autodist_keras.backends.tf_multiworker import free_ports
+
+    ports = free_ports(3)
+    config = {"cluster": {"worker": [f"localhost:{p}" for p in ports]},
+              "task": {"type": "worker", "index": 0}}
+    script = tmp_path / "leftover.py"
+    script.write_text(LEFTOVER_TF_CONFIG)
+    env = dict(os.environ, TF_CONFIG=json.dumps(config), KERAS_BACKEND="tensorflow",
+               PYTHONPATH=os.pathsep.join([os.getcwd()] + [p for p in sys.path if p]))
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, str(script)], env=env, stderr=err)
+        try:
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline and "joins the other" not in log.read_text():
+                time.sleep(0.5)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+    text = log.read_text()
+    assert f"worker 0 of TF_CONFIG (localhost:{ports[0]}) joins the other tasks it names " \
+           f"(['localhost:{ports[1]}', 'localhost:{ports[2]}'])" in text, text[-2000:]
+    assert "if TF_CONFIG is left over from an earlier job, unset it" in text
+    assert f"kill -9 {proc.pid}" in text

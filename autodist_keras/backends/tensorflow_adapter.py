@@ -223,7 +223,7 @@ class TensorFlowAdapter(BackendAdapter):
         if len(devices) > 1:
             configure_logical_cpus(self.cluster)  # before the collectives start TensorFlow
         timeout = self.strategy.options.get("timeout_s", 300)
-        self.collective = tf_multiworker.make_collective_strategy(timeout)
+        self.collective = tf_multiworker.make_collective_strategy(timeout, worker)
         have = len(tf.config.list_logical_devices("CPU"))
         if have < len(devices):
             raise BackendError(

@@ -270,8 +270,18 @@ def pinning_for(devices):
     return cores, min(sum(int(d.threads) for d in devices), len(cores))
 
 
-def make_collective_strategy(timeout_s=300):
+def make_collective_strategy(timeout_s=300, worker=None):
     """Creates the `MultiWorkerMirroredStrategy` whose collectives the adapter uses.
+
+    TensorFlow waits for every task `TF_CONFIG` names, without a time limit,
+    holding the interpreter (no Python thread runs meanwhile) and catching
+    SIGTERM. So a worker that was not started by `launch_local_workers` says
+    first, on stderr, which tasks it waits for: a `TF_CONFIG` left over from
+    an earlier job otherwise looks like a silent hang that SIGTERM cannot end.
+
+    Args:
+        timeout_s: The collectives' timeout.
+        worker: This process's `WorkerInfo`, for that line.
 
     Raises:
         BackendError: If TensorFlow already started (collectives must be
@@ -283,6 +293,16 @@ def make_collective_strategy(timeout_s=300):
         implementation=tf.distribute.experimental.CommunicationImplementation.RING,
         timeout_seconds=float(timeout_s),
     )
+    if worker is not None and not os.environ.get(PARENT_PID_ENV):
+        others = [a for r, a in enumerate(worker.addresses) if r != worker.rank]
+        print(
+            f"autodist_keras: {worker.task_type} {worker.task_index} of TF_CONFIG "
+            f"({worker.addresses[worker.rank]}) joins the other tasks it names ({others}). "
+            "TensorFlow waits for them without a time limit and catches SIGTERM meanwhile: "
+            "if TF_CONFIG is left over from an earlier job, unset it, and stop a waiting "
+            f"process with SIGKILL (kill -9 {os.getpid()}).",
+            file=sys.stderr, flush=True,
+        )
     try:
         return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
     except (RuntimeError, ValueError) as e:
