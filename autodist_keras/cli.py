@@ -171,6 +171,12 @@ def _cmd_simulate(args):
         if made_for and made_for != here:
             print(f"note: {args.plan} was made for another {what} (fingerprint {made_for[:12]}, "
                   f"this one {here[:12]}); simulating it here anyway", file=sys.stderr)
+    renamed, renames = plan.renamed_for(graph)
+    if renamed is not None:  # the same model, numbered differently by Keras here
+        plan = renamed
+        print(f"note: matched {len(renames)} layer name(s) of {args.plan} by Keras's "
+              "per-process numbering (e.g. " + ", ".join(
+                  f"{a} -> {b}" for a, b in list(renames.items())[:3]) + ")", file=sys.stderr)
     result = simulate(graph, cluster, plan)
     if args.trace:
         result.export_trace(args.trace)

@@ -501,3 +501,43 @@ def test_scopes_are_per_thread():
     # Keras's own functions are back once the last scope ended.
     assert vars(owner)["compile"] is keras_compile
     assert vars(keras.Model)["__new__"] is keras_new
+
+
+def _unnamed_mlp():
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Dense(8)(hidden)))
+
+
+def test_a_plan_file_matches_keras_per_process_layer_numbering(tmp_path):
+    """The same model built after another one in the process gets other layer numbers
+    (input_layer_1, dense_4, ...): a plan file of it failed with 'unknown layer'. Layers
+    are matched by their numbering when the structure is the same."""
+    import numpy as np
+
+    from autodist_keras.errors import PlanError
+
+    testbed = Cluster.cpu_testbed()
+    first = _unnamed_mlp()
+    plan = AutoStrategy("proportional", cluster=testbed).plan_for(first, 48)
+    path = tmp_path / "plan.json"
+    plan.to_json(str(path))
+    _unnamed_mlp()  # shifts Keras's numbering
+    strategy = AutoStrategy(cluster=testbed, plan=str(path))
+    with strategy.scope():
+        again = _unnamed_mlp()
+        again.compile(optimizer="sgd",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert [layer.name for layer in again.layers] != [layer.name for layer in first.layers]
+    given = strategy.plan_for(again, 48)
+    assert set(given.groups[0].layers) == {layer.name for layer in again.layers}
+    assert any("matched by Keras's per-process numbering" in n for n in given.notes)
+    assert given.prediction.step_time_s == plan.prediction.step_time_s  # still its own
+    assert given.prediction_matches()
+    x = np.random.default_rng(0).normal(size=(48, 8)).astype("float32")
+    again.fit(x, np.arange(48) % 3, batch_size=48, epochs=1, verbose=0)
+    # Another structure is still refused, with the reason.
+    wider = keras.Model(*(lambda i: (i, keras.layers.Dense(3)(keras.layers.Dense(32)(i))))(
+        keras.Input((8,))))
+    with pytest.raises(PlanError, match="made for another model"):
+        AutoStrategy(cluster=testbed, plan=str(path)).plan_for(wider, 48)

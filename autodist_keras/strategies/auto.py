@@ -570,6 +570,15 @@ class AutoStrategy:
 
         made_for = self.plan.provenance.graph_fingerprint
         other_model = bool(made_for) and made_for != self.graph.fingerprint()
+        renamed, renames = self.plan.renamed_for(self.graph)
+        if renamed is not None:
+            # The same model, built after another in this process: Keras numbered
+            # its unnamed layers differently.
+            renamed.notes = list(renamed.notes) + [
+                "plan=: layers matched by Keras's per-process numbering: " + ", ".join(
+                    f"{old} -> {new}" for old, new in list(renames.items())[:6])
+                + (" ..." if len(renames) > 6 else "")]
+            self.plan = self._fixed_plan = renamed
         try:
             notes = self.plan.validate(self.graph, self.cluster)
         except PlanError as e:

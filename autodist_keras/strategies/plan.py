@@ -587,6 +587,70 @@ class Plan:
         return cls.from_dict(data, source=source)
 
     # ------------------------------------------------------------- display
+    def renamed_for(self, graph):
+        """This plan with Keras's per-process layer numbering matched to `graph`.
+
+        Keras numbers unnamed layers per process (`input_layer` in one
+        process is `input_layer_1` in another that built a model first), so
+        a plan file names layers the same model may not have here. When the
+        plan was made for a graph of the same structure (`graph_fingerprint`)
+        and every name the plan lacks differs from one it has only in that
+        number, layers of the same base name are matched in the order Keras
+        numbered them, and the plan's layer lists, execution order, sync,
+        buckets and op-fusion regions are renamed.
+
+        Args:
+            graph: The `ModelGraph` of the model here.
+
+        Returns:
+            `(plan, renames)`: a renamed copy and the `{old: new}` layer names,
+            or `(None, {})` when the names match already or cannot be matched.
+        """
+        import copy
+        import re
+
+        if not self.provenance.graph_fingerprint or (
+                self.provenance.graph_fingerprint != graph.fingerprint()):
+            return None, {}
+        planned = [name for g in self.groups for name in g.layers]
+        here = list(graph.nodes)
+        missing = [n for n in planned if n not in graph.nodes]
+        spare = [n for n in here if n not in set(planned)]
+        if not missing or len(missing) != len(spare):
+            return None, {}
+
+        def split(name):
+            match = re.fullmatch(r"(.*?)(?:_(\d+))?", name)
+            return match.group(1), int(match.group(2) or 0)
+
+        def by_base(names):
+            bases = {}
+            for name in sorted(names, key=lambda n: split(n)[1]):
+                bases.setdefault(split(name)[0], []).append(name)
+            return bases
+
+        old, new = by_base(missing), by_base(spare)
+        if {b: len(v) for b, v in old.items()} != {b: len(v) for b, v in new.items()}:
+            return None, {}
+        renames = {o: n for base in old for o, n in zip(old[base], new[base])}
+
+        def path(name):
+            return "/".join(renames.get(part, part) for part in name.split("/"))
+
+        matched = self.prediction_matches()
+        plan = copy.deepcopy(self)
+        for group in plan.groups:
+            group.layers = [renames.get(n, n) for n in group.layers]
+        plan.order = {d: [(renames.get(layer, layer), phase) for layer, phase in entries]
+                      for d, entries in plan.order.items()}
+        plan.sync = {path(k): v for k, v in plan.sync.items()}
+        plan.buckets = [[path(v) for v in bucket] for bucket in plan.buckets]
+        plan.op_fusion = [[renames.get(n, n) for n in region] for region in plan.op_fusion]
+        if matched and plan.prediction is not None:
+            # Renaming changes no figure: the prediction still describes this plan.
+            plan.prediction.plan_digest = plan.structure_digest()
+        return plan, renames
+
     def summary(self):
         """Returns a short plain-text description of the plan."""
         lines = [
