@@ -417,9 +417,13 @@ def test_plan_on_missing_gpus_is_a_backend_error():
 
     strategy = AutoStrategy("data_parallel", cluster="2xV100")
     assert strategy.adapter.cluster_is_here() is False  # planning for it still works
+    with strategy.scope():  # (it raised here, naming a replica before any plan existed)
+        inputs = keras.Input((8,))
+        model = keras.Model(inputs, keras.layers.Dense(3)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+    x, y = _data("mlp")
     with pytest.raises(BackendError, match=r"node0/gpu0.*0 GPU\(s\)"):
-        with strategy.scope():
-            pass
+        model.fit(x, keras.utils.to_categorical(y, 3), batch_size=16, verbose=0)
 
 
 def test_custom_train_step_and_sum_loss_are_rejected():
