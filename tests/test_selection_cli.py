@@ -134,9 +134,12 @@ def test_no_runtime_runs_a_placement_plan_spanning_nodes(graph, hetero):
     assert hybrid.name == "heterog" and len(hybrid.plan.groups) > 1
     assert hybrid.executable is False and "no runtime can run it yet" in hybrid.reason
     assert any("auto does not choose it" in n for n in hybrid.plan.notes)
-    assert hybrid.step_time_s < min(c.step_time_s for c in candidates[:-1] if c.feasible)
     chosen = selection.pick(candidates)
     assert chosen.name != "heterog" and chosen.plan.is_data_parallel
+    if keras.backend.backend() == "tensorflow":
+        # Predicted fastest here (under PyTorch the cost model adds eager Keras's
+        # host time on GPUs, and it is not): skipped all the same.
+        assert hybrid.step_time_s < chosen.step_time_s
 
 
 def test_explain_labels_predictions(graph, hetero):
