@@ -569,6 +569,20 @@ class _TrainProbe(keras.callbacks.Callback):
             self.close.adapter.close()
 
 
+def _outer_and_probe(outer_strategy, inner_strategy):
+    """An outer model and a probe (seeds 1 and 2), compiled in the strategies' scopes
+    (None: plain Keras)."""
+    import contextlib
+
+    models = []
+    for seed, strategy in ((1, outer_strategy), (2, inner_strategy)):
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            model = _build("mlp", seed=seed)
+            _compile(model, "sgd")
+        models.append(model)
+    return models
+
+
 @pytest.mark.parametrize("same_strategy", [True, False])
 def test_a_fit_inside_another_fit_on_the_same_number_of_devices(same_strategy):
     """A fit started from another fit's callback got the outer fit's busy
@@ -578,18 +592,11 @@ def test_a_fit_inside_another_fit_on_the_same_number_of_devices(same_strategy):
     x, y = _data("mlp", n=96)
     outer_strategy = _strategy("proportional", 2)
     inner_strategy = outer_strategy if same_strategy else _strategy("even", 2)
-    with outer_strategy.scope():
-        outer = _build("mlp", seed=1)
-        _compile(outer, "sgd")
-    with inner_strategy.scope():
-        probe = _build("mlp", seed=2)
-        _compile(probe, "sgd")
+    outer, probe = _outer_and_probe(outer_strategy, inner_strategy)
     outer.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
               callbacks=[_TrainProbe(probe, x, y)])
     assert outer_strategy.adapter.last_run["in_sync"] is True
-    outer_ref, probe_ref = _build("mlp", seed=1), _build("mlp", seed=2)
-    _compile(outer_ref, "sgd")
-    _compile(probe_ref, "sgd")
+    outer_ref, probe_ref = _outer_and_probe(None, None)
     outer_ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
                   callbacks=[_TrainProbe(probe_ref, x, y)])
     _assert_same_weights(outer, outer_ref)
@@ -603,12 +610,7 @@ def test_closing_a_strategy_inside_another_fit_leaves_that_fit_its_workers():
 
     x, y = _data("mlp", n=96)
     outer_strategy, inner_strategy = _strategy("proportional", 2), _strategy("even", 2)
-    with outer_strategy.scope():
-        outer = _build("mlp", seed=1)
-        _compile(outer, "sgd")
-    with inner_strategy.scope():
-        probe = _build("mlp", seed=2)
-        _compile(probe, "sgd")
+    outer, probe = _outer_and_probe(outer_strategy, inner_strategy)
     outer.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
               callbacks=[_TrainProbe(probe, x, y, close=inner_strategy)])
     assert outer_strategy.adapter.last_run["in_sync"] is True
@@ -619,10 +621,9 @@ def test_closing_a_strategy_inside_another_fit_leaves_that_fit_its_workers():
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _alive(pid)
-    outer_ref = _build("mlp", seed=1)
-    _compile(outer_ref, "sgd")
+    outer_ref, probe_ref = _outer_and_probe(None, None)
     outer_ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-                  callbacks=[_TrainProbe(_compile_and_return(_build("mlp", seed=2)), x, y)])
+                  callbacks=[_TrainProbe(probe_ref, x, y)])
     _assert_same_weights(outer, outer_ref)
 
 
@@ -666,11 +667,6 @@ def _alive(pid):
             return "\tZ" not in next(line for line in f if line.startswith("State:"))
     except (OSError, StopIteration):
         return False
-
-
-def _compile_and_return(model):
-    _compile(model, "sgd")
-    return model
 
 
 def test_strategies_with_other_timeouts_keep_their_own_workers():
