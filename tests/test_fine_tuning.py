@@ -107,3 +107,29 @@ def test_a_fully_frozen_model_fits_like_plain_keras():
         np.testing.assert_array_equal(got, want)
     if hasattr(strategy.adapter, "close"):
         strategy.adapter.close()
+
+
+def test_compiling_again_outside_the_scope_trains_with_the_new_optimizer():
+    """A one-device plan runs Keras's own train function after each fit's first step;
+    the one traced before a compile held the old optimizer (learning rate 0 here), so
+    the next fit silently did not train."""
+    x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+    y = np.arange(64) % 3
+    results = []
+    for name in (None, "single_device", "data_parallel"):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        scope = (AutoStrategy(name, cluster=Cluster.cpu_testbed()).scope() if name
+                 else contextlib.nullcontext())
+        with scope:
+            model.compile(optimizer=keras.optimizers.SGD(0.0), loss=loss)
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss)  # outside every scope
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        results.append((int(model.optimizer.iterations), model.get_weights()[0]))
+    (plain_steps, plain), *ours = results
+    assert plain_steps == 4
+    for steps, weights in ours:
+        assert steps == plain_steps, [r[0] for r in results]
+        np.testing.assert_allclose(weights, plain, rtol=1e-5, atol=1e-6)

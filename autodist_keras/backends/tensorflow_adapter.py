@@ -456,6 +456,7 @@ class _Runtime:
         self.placement = None  # a tf_placement.PlacementRuntime for multi-group plans
         self.fusion = None  # a tf_fusion.FusionRegions when op-fusion regions are realised
         self.keras_train_function = None  # Keras's own, for one replica on the default device
+        self.compiled = None  # which compile() the traced steps were made for
 
     # ------------------------------------------------------------ preparing
     def prepare(self, data, batch_size):
@@ -578,6 +579,13 @@ class _Runtime:
         from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
         model = self.model
+        compiled = (id(getattr(model, "_compile_config", None)), id(model.optimizer))
+        if compiled != self.compiled:
+            # Compiled again (outside the scope: the model keeps this runtime): the
+            # steps traced before hold the old optimizer, losses and metrics.
+            self.fns.clear()
+            self.keras_train_function = None
+            self.compiled = compiled
         step_name = f"{kind}_step"
         custom = getattr(type(model), step_name) is not getattr(TensorFlowTrainer, step_name)
         multi_worker = self.adapter.worker is not None
