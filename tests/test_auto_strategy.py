@@ -503,34 +503,51 @@ def test_scopes_are_per_thread():
     assert vars(keras.Model)["__new__"] is keras_new
 
 
-def _unnamed_mlp():
+def _unnamed_mlp(names=None):
+    """Hidden (16), then the output layer (3) made before the middle one (8), so Keras's
+    numbering differs from the graph's order; `names` (hidden, output, middle) names them."""
+    names = names or (None, None, None)
     inputs = keras.Input((8,))
-    hidden = keras.layers.Dense(16, activation="relu")(inputs)
-    return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Dense(8)(hidden)))
+    hidden = keras.layers.Dense(16, activation="relu", name=names[0])(inputs)
+    output = keras.layers.Dense(3, name=names[1])
+    return keras.Model(inputs, output(keras.layers.Dense(8, name=names[2])(hidden)))
 
 
 def test_a_plan_file_matches_keras_per_process_layer_numbering(tmp_path):
-    """The same model built after another one in the process gets other layer numbers
-    (input_layer_1, dense_4, ...): a plan file of it failed with 'unknown layer'. Layers
-    are matched by their numbering when the structure is the same."""
+    """The same model built in another process gets other layer numbers (a fresh
+    process has dense, dense_1, ...; one that built a layer first has dense_1,
+    dense_2, ...): a plan file of it failed with 'unknown layer'. Layers are matched by
+    their index in the graph when the structure is the same, also where a name exists
+    in both but belongs to another layer."""
     import numpy as np
 
     from autodist_keras.errors import PlanError
 
     testbed = Cluster.cpu_testbed()
-    first = _unnamed_mlp()
+    keras.layers.Dense(1), keras.layers.Dense(1)  # (so that n >= 2 below)
+    again = _unnamed_mlp()  # this process's numbering: dense_n, dense_n+1, dense_n+2
+    n = int(again.layers[1].name.rsplit("_", 1)[1])
+    # As another process would have numbered it: one lower, names overlapping.
+    first = _unnamed_mlp((f"dense_{n - 1}", f"dense_{n}", f"dense_{n + 1}"))
     plan = AutoStrategy("proportional", cluster=testbed).plan_for(first, 48)
     path = tmp_path / "plan.json"
     plan.to_json(str(path))
-    _unnamed_mlp()  # shifts Keras's numbering
     strategy = AutoStrategy(cluster=testbed, plan=str(path))
     with strategy.scope():
-        again = _unnamed_mlp()
         again.compile(optimizer="sgd",
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    assert [layer.name for layer in again.layers] != [layer.name for layer in first.layers]
+    old_names = [layer.name for layer in first.layers]
+    new_names = [layer.name for layer in again.layers]
+    assert set(new_names) & set(old_names) - {again.layers[0].name}  # overlap
     given = strategy.plan_for(again, 48)
-    assert set(given.groups[0].layers) == {layer.name for layer in again.layers}
+    assert set(given.groups[0].layers) == set(new_names)
+    # Each variable keeps its layer: the shapes under the new names are the old ones.
+    renames = dict(zip(old_names, new_names))
+    new_shapes = {v.path: tuple(v.shape) for v in again.weights}
+    for v in first.weights:
+        layer, _, rest = v.path.partition("/")
+        assert new_shapes[f"{renames[layer]}/{rest}"] == tuple(v.shape)
+    assert sorted(given.sync) == sorted(new_shapes)
     assert any("matched by Keras's per-process numbering" in n for n in given.notes)
     assert given.prediction.step_time_s == plan.prediction.step_time_s  # still its own
     assert given.prediction_matches()

@@ -13,6 +13,7 @@ from autodist_keras.errors import PlanError
 from autodist_keras.fusion import tensor_fusion
 from autodist_keras.graph import ModelGraph
 from autodist_keras.strategies import baselines
+from autodist_keras.strategies.plan import SCHEMA_VERSION
 from autodist_keras.strategies.plan import Plan
 from autodist_keras.strategies.plan import Replica
 from autodist_keras.strategies.plan import SyncSpec
@@ -50,7 +51,7 @@ def test_json_round_trip_and_file(graph, testbed, tmp_path):
     loaded = Plan.from_json(path)
     assert loaded.to_dict() == plan.to_dict()
     assert loaded.validate(graph, testbed) == []
-    assert json.loads(path.read_text())["schema_version"] == 1
+    assert json.loads(path.read_text())["schema_version"] == SCHEMA_VERSION
     assert all(spec.method == "ps" and spec.server == "node0/cpu0" for spec in loaded.sync.values())
 
 

@@ -159,6 +159,7 @@ def finish(plan, graph, cluster, cost_model, started, result=None):
     plan.prediction = result.to_prediction()
     plan.prediction.baselines = dict(baselines_seen)
     plan.provenance.graph_fingerprint = graph.fingerprint()
+    plan.provenance.layer_order = list(graph.nodes)
     plan.provenance.cluster_fingerprint = cluster.fingerprint()
     plan.provenance.planning_time_s = time.perf_counter() - started
     return result

@@ -202,6 +202,7 @@ def _data_parallel_plan(
             options=dict(options, sync=sync, ps_server=ps_server, algorithm=algorithm),
             graph_fingerprint=graph.fingerprint(),
             cluster_fingerprint=cluster.fingerprint(),
+            layer_order=list(graph.nodes),
         ),
     )
     plan.validate(graph, cluster)

@@ -479,6 +479,7 @@ def _with_layout(base, graph, buckets, bucket_algorithm, regions, shares=None):
             planner="disco",
             graph_fingerprint=base.provenance.graph_fingerprint,
             cluster_fingerprint=base.provenance.cluster_fingerprint,
+            layer_order=base.provenance.layer_order,
         ),
     )
 
@@ -690,6 +691,7 @@ def plan(
         },
     }
     result.provenance.graph_fingerprint = base.provenance.graph_fingerprint
+    result.provenance.layer_order = base.provenance.layer_order
     result.provenance.cluster_fingerprint = base.provenance.cluster_fingerprint
     result.provenance.planning_time_s = time.perf_counter() - started
     return result

@@ -40,7 +40,10 @@ from typing import Optional
 from autodist_keras.errors import OutputError
 from autodist_keras.errors import PlanError
 
-SCHEMA_VERSION = 1
+# Version 2 (session 19) added `Prediction.plan_digest` and `Provenance.layer_order`;
+# version 1 files are still read.
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
 PHASES = ("forward", "backward")
 SYNC_METHODS = ("allreduce", "ps")
 ALLREDUCE_ALGORITHMS = ("ring", "tree", "hierarchical")
@@ -144,6 +147,9 @@ class Provenance:
         planning_time_s: Wall time spent planning, measured.
         graph_fingerprint: `ModelGraph.fingerprint()` of the planned model.
         cluster_fingerprint: `Cluster.fingerprint()` of the planned cluster.
+        layer_order: The planned model's layer (graph node) names in the
+            graph's order, which the fingerprint covers by index: the same
+            model numbered differently by Keras maps onto it (`renamed_for`).
     """
 
     planner: str
@@ -151,6 +157,7 @@ class Provenance:
     planning_time_s: float = 0.0
     graph_fingerprint: Optional[str] = None
     cluster_fingerprint: Optional[str] = None
+    layer_order: Optional[list] = None
 
     @property
     def candidate(self):
@@ -254,11 +261,12 @@ class Plan:
                 is unknown, a variable has no sync method, or the buckets miss
                 or repeat a variable.
         """
-        if self.schema_version != SCHEMA_VERSION:
+        if self.schema_version not in READABLE_SCHEMA_VERSIONS:
             raise PlanError(
                 f"Plan schema version {self.schema_version} is not supported; "
-                f"this autodist_keras reads version {SCHEMA_VERSION}. Re-create "
-                f"the plan with this version. Received: {self.schema_version}"
+                f"this autodist_keras reads versions {READABLE_SCHEMA_VERSIONS} (a newer "
+                "release wrote it, or it is damaged). Re-create the plan with this version. "
+                f"Received: {self.schema_version}"
             )
         _check_positive_int(self.global_batch_size, "global_batch_size")
         device_names = set(cluster.names)
@@ -492,9 +500,11 @@ class Plan:
                 "'groups', 'sync' and 'global_batch_size', as Plan.to_json() writes it. "
                 f"Received: an object with keys {sorted(data)[:8]}"
             )
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_SCHEMA_VERSIONS:
             raise PlanError(
-                f"{source}: plan schema version must be {SCHEMA_VERSION}. Received: {version!r}"
+                f"{source}: plan schema version must be one of {READABLE_SCHEMA_VERSIONS} "
+                "(a newer autodist_keras wrote it, or it is damaged); re-create the plan with "
+                f"this version. Received: {version!r}"
             )
         try:
             groups = [
@@ -519,7 +529,7 @@ class Plan:
                 prediction=prediction,
                 provenance=provenance,
                 notes=list(data.get("notes", [])),
-                schema_version=version,
+                schema_version=SCHEMA_VERSION,  # (read as this version: new fields empty)
             )
         except PlanError:
             raise
@@ -593,49 +603,36 @@ class Plan:
         Keras numbers unnamed layers per process (`input_layer` in one
         process is `input_layer_1` in another that built a model first), so
         a plan file names layers the same model may not have here. When the
-        plan was made for a graph of the same structure (`graph_fingerprint`)
-        and every name the plan lacks differs from one it has only in that
-        number, layers of the same base name are matched in the order Keras
-        numbered them, and the plan's layer lists, execution order, sync,
-        buckets and op-fusion regions are renamed.
+        plan was made for a graph of the same structure (`graph_fingerprint`,
+        which covers the layers by their index in the graph) and recorded
+        its layer names in that order (`provenance.layer_order`), each layer
+        is mapped to the one at the same index here, and the plan's layer
+        lists, execution order, sync, buckets and op-fusion regions are
+        renamed.
 
         Args:
             graph: The `ModelGraph` of the model here.
 
         Returns:
-            `(plan, renames)`: a renamed copy and the `{old: new}` layer names,
-            or `(None, {})` when the names match already or cannot be matched.
+            `(plan, renames)`: a renamed copy and the `{old: new}` layer names
+            that changed, or `(None, {})` when the names match already or
+            cannot be matched (another structure, or a plan without
+            `layer_order`, as written before session 19).
         """
         import copy
-        import re
 
-        if not self.provenance.graph_fingerprint or (
-                self.provenance.graph_fingerprint != graph.fingerprint()):
-            return None, {}
-        planned = [name for g in self.groups for name in g.layers]
+        order = self.provenance.layer_order
         here = list(graph.nodes)
-        missing = [n for n in planned if n not in graph.nodes]
-        spare = [n for n in here if n not in set(planned)]
-        if not missing or len(missing) != len(spare):
+        if (not order or len(order) != len(here) or not self.provenance.graph_fingerprint
+                or self.provenance.graph_fingerprint != graph.fingerprint()):
+            return None, {}
+        renames = {old: new for old, new in zip(order, here) if old != new}
+        if not renames:
             return None, {}
 
-        def split(name):
-            match = re.fullmatch(r"(.*?)(?:_(\d+))?", name)
-            return match.group(1), int(match.group(2) or 0)
-
-        def by_base(names):
-            bases = {}
-            for name in sorted(names, key=lambda n: split(n)[1]):
-                bases.setdefault(split(name)[0], []).append(name)
-            return bases
-
-        old, new = by_base(missing), by_base(spare)
-        if {b: len(v) for b, v in old.items()} != {b: len(v) for b, v in new.items()}:
-            return None, {}
-        renames = {o: n for base in old for o, n in zip(old[base], new[base])}
-
-        def path(name):
-            return "/".join(renames.get(part, part) for part in name.split("/"))
+        def path(name):  # a variable's path starts with its layer's name
+            layer, _, rest = name.partition("/")
+            return renames.get(layer, layer) + ("/" + rest if rest else "")
 
         matched = self.prediction_matches()
         plan = copy.deepcopy(self)
@@ -646,6 +643,7 @@ class Plan:
         plan.sync = {path(k): v for k, v in plan.sync.items()}
         plan.buckets = [[path(v) for v in bucket] for bucket in plan.buckets]
         plan.op_fusion = [[renames.get(n, n) for n in region] for region in plan.op_fusion]
+        plan.provenance.layer_order = here
         if matched and plan.prediction is not None:
             # Renaming changes no figure: the prediction still describes this plan.
             plan.prediction.plan_digest = plan.structure_digest()
