@@ -460,6 +460,20 @@ def test_a_plan_file_edited_after_its_prediction_is_simulated_again(tmp_path):
     assert any("changed after its prediction was written" in n for n in given.notes)
     assert "changed after its prediction was written" in edited.explain()
 
+    # The same edit made through the Python API on a loaded plan, then saved.
+    from autodist_keras.strategies.plan import Plan
+
+    plan.to_json(str(path))
+    loaded = Plan.from_json(str(path))
+    for replica, share in zip(loaded.groups[0].replicas, (46, 1, 1)):
+        replica.batch_share = share
+    assert not loaded.prediction_matches()
+    loaded.to_json(str(path))
+    assert not Plan.from_json(str(path)).prediction_matches()
+    given = AutoStrategy(cluster=testbed, plan=loaded).plan_for(model, 48)
+    assert any("changed after its prediction was written" in n for n in given.notes)
+    assert loaded.prediction.step_time_s == plan.prediction.step_time_s  # caller's untouched
+
 
 def test_scopes_are_per_thread():
     """A scope applied to the whole process: a model compiled in another thread,

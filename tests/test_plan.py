@@ -59,9 +59,13 @@ def test_damaged_plan_files_get_plan_errors_that_say_what_to_do(graph, testbed, 
     plan = baselines.proportional(graph, testbed, 96)
     text = plan.to_json()
     truncated = tmp_path / "truncated.json"
-    truncated.write_text(text[: len(text) // 2])
-    with pytest.raises(PlanError, match=r"ends early \(truncated\?\).*Received: \d+ characters"):
-        Plan.from_json(truncated)
+    # Wherever the file ends: after a key, inside null / true / a number, or a string.
+    for cut in [len(text) // 2, text.index("null") + 2,
+                text.index('"global_batch_size": ') + len('"global_batch_size": ') + 1,
+                text.index('"groups"') + 3]:
+        truncated.write_text(text[:cut])
+        with pytest.raises(PlanError, match=r"ends early \(truncated\?\).*Received: \d+ charac"):
+            Plan.from_json(truncated)
     binary = tmp_path / "binary.json"
     binary.write_bytes(b'{"schema_version": 1, "notes": ["\xff\xfe"]}')
     with pytest.raises(PlanError, match="not UTF-8 text.*Received: .*binary.json"):

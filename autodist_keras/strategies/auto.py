@@ -596,10 +596,14 @@ class AutoStrategy:
                           "describe the model and cluster it was made for.", stacklevel=4)
         if not self.plan.prediction_matches():
             # Edited after its prediction was written: the recorded figures describe
-            # another plan. Simulate this one instead.
+            # another plan. Simulate this one instead (on a copy: the caller's Plan
+            # object keeps what it had).
+            import copy
+
             from autodist_keras.estimator import simulate
 
             recorded = self.plan.prediction
+            self.plan = self._fixed_plan = copy.deepcopy(self.plan)
             self.plan.prediction = simulate(self.graph, self.cluster, self.plan).to_prediction()
             self.plan.notes = list(self.plan.notes) + [
                 f"plan=: the plan was changed after its prediction was written "

@@ -467,7 +467,10 @@ class Plan:
         """Returns the plan as a JSON-ready dict."""
         data = dataclasses.asdict(self)
         data["order"] = {d: [list(e) for e in entries] for d, entries in self.order.items()}
-        if data.get("prediction") is not None:
+        if data.get("prediction") is not None and data["prediction"].get("plan_digest") is None:
+            # A prediction made in this process describes the plan as it is; one read
+            # from a file keeps the digest it was written with, so that an edit made
+            # since (in the file, or through this object) still shows.
             data["prediction"]["plan_digest"] = self.structure_digest()
         return data
 
@@ -587,7 +590,7 @@ class Plan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            where = "the file ends early (truncated?)" if e.pos >= len(text.rstrip()) else (
+            where = "the file ends early (truncated?)" if _cut_short(text, e) else (
                 f"line {e.lineno}, column {e.colno}")
             raise PlanError(
                 f"{source} is not valid JSON: {e.msg} at {where}. Write plans with "
@@ -720,6 +723,19 @@ def _file_mode(path):
         mask = os.umask(0)
         os.umask(mask)
         return 0o666 & ~mask
+
+
+def _cut_short(text, error):
+    """Whether a `json.JSONDecodeError` is the text ending early: a string left open,
+    or nothing but the start of one literal (`nu` of null, `tr` of true, a number's
+    digits) after the error's position."""
+    import re
+
+    if error.msg.startswith("Unterminated string"):  # no closing quote up to the end
+        return True
+    tail = text[error.pos:].strip()
+    return not tail or re.fullmatch(r"-?[0-9.eE+-]*|n(u(ll?)?)?|t(r(ue?)?)?|f(a(l(se?)?)?)?",
+                                    tail) is not None
 
 
 def write_text_atomic(path, text):
