@@ -209,3 +209,34 @@ def test_a_loss_that_is_nan_on_the_probe_rows_is_not_taken_for_a_sum():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         model_checks.warn_loss_not_per_sample(model, x, y)
+
+
+def test_a_plan_that_does_not_split_the_batch_is_neither_refused_nor_warned_about():
+    """One replica runs each batch whole, as plain Keras does: ignore_class or a summed
+    loss are exact there (the checks ran before planning and warned on one device)."""
+    import warnings
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 6)).astype("float32")
+    y = rng.integers(0, 3, size=(16,)).astype("int32")
+    y[8:14] = -1
+    valid = np.where(y < 0, 0, y)
+    for loss, y in ((keras.losses.SparseCategoricalCrossentropy(ignore_class=-1), y),
+                    (keras.losses.SparseCategoricalCrossentropy(reduction="sum"), valid)):
+        keras.utils.set_random_seed(0)
+        plain = _classifier()
+        plain.compile(optimizer="sgd", loss=loss)
+        plain.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        strategy = AutoStrategy("single_device", cluster=Cluster.cpu_testbed())
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = _classifier()
+            model.compile(optimizer="sgd", loss=loss)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", UserWarning)
+                model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        finally:
+            _close(strategy)
+        for got, want in zip(model.get_weights(), plain.get_weights()):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

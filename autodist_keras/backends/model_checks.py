@@ -1,7 +1,9 @@
 """Checks, before the first step, that a compiled model can be split by batch share.
 
-Both backends run them. A model that cannot be split is refused with what to
-change; one that splits inexactly gets a warning.
+Both backends run them (`check_model_for_plan`) once the plan is made, and only
+for a plan that splits the batch: one replica runs each batch whole, exactly
+as plain Keras. A model that cannot be split is refused with what to change;
+one that splits inexactly gets a warning.
 
 Both runtimes weight each replica's total loss by its share of the global
 batch (`s_r / B`), which gives single-device gradients when the loss is a
@@ -286,3 +288,29 @@ def warn_loss_not_per_sample(model, x, y):
         stacklevel=3,
     )
     return True
+
+
+def splits_batch(plan):
+    """Whether `plan` splits batches over replicas (some group has two or more)."""
+    return any(len(group.replicas) > 1 for group in plan.groups)
+
+
+def check_model_for_plan(model, x, y, plan):
+    """Runs every check above before the first step of a plan that splits the batch.
+
+    A plan with one replica per group runs each batch whole, as plain Keras
+    does, so it is neither refused nor warned about.
+
+    Args:
+        model: A compiled, built Keras model.
+        x: The inputs of one batch.
+        y: Its targets (may be `None`).
+        plan: The `Plan` about to run.
+    """
+    if not splits_batch(plan):
+        return
+    check_loss_reductions(model)  # the specific message first
+    check_stateful_layers(model)
+    check_summed_losses(model, x, y)
+    if not warn_masked_outputs(model):
+        warn_loss_not_per_sample(model, x, y)

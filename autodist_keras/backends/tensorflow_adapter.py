@@ -465,13 +465,10 @@ class _Runtime:
         model = self.model
         with tf.device(self.adapter.home):
             model._symbolic_build(data_batch=data)
-            model_checks.check_loss_reductions(model)  # the specific message first
-            model_checks.check_stateful_layers(model)
-            model_checks.check_summed_losses(model, data[0], data[1])
-            if not model_checks.warn_masked_outputs(model):
-                model_checks.warn_loss_not_per_sample(model, data[0], data[1])
         strategy = self.adapter.strategy
         plan = strategy._plan_for_training(model, batch_size)
+        with tf.device(self.adapter.home):
+            model_checks.check_model_for_plan(model, data[0], data[1], plan)
         if not plan.is_data_parallel:
             self._prepare_placement(plan)
             return
@@ -506,7 +503,6 @@ class _Runtime:
             [v.path for v in variables],
             [_dtype_name(v) for v in variables],
         )
-        model_checks.check_loss_reductions(model)
         if model.optimizer is not None and not model.optimizer.built:
             with tf.device(self.adapter.home):
                 model.optimizer.build(variables)
@@ -548,7 +544,6 @@ class _Runtime:
                 f"that runs. Received: groups {[g.name for g in plan.groups]}"
             )
         model = self.model
-        model_checks.check_loss_reductions(model)
         self.placement = tf_placement.PlacementRuntime(adapter, model, plan, adapter.strategy.graph)
         self.layout = self.placement.layout
         if model.optimizer is not None and not model.optimizer.built:

@@ -432,12 +432,8 @@ class _FitRun:
             raise BackendError("fit received a batch without inputs. Received: x=None")
         batch_size = int(tt.to_torch(leaves[0]).shape[0])
         self.adapter.first_train_batch = batch_size
-        model_checks.check_loss_reductions(self.model)
-        model_checks.check_stateful_layers(self.model)
-        model_checks.check_summed_losses(self.model, x, y)
-        if not model_checks.warn_masked_outputs(self.model):
-            model_checks.warn_loss_not_per_sample(self.model, x, y)
         plan = strategy._plan_for_training(self.model, batch_size)
+        model_checks.check_model_for_plan(self.model, x, y, plan)
         if not plan.is_data_parallel:
             raise BackendError(
                 "The PyTorch runtime runs data-parallel plans (one layer group replicated "
