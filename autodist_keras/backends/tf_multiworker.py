@@ -298,9 +298,9 @@ def make_collective_strategy(timeout_s=300, worker=None):
         print(
             f"autodist_keras: {worker.task_type} {worker.task_index} of TF_CONFIG "
             f"({worker.addresses[worker.rank]}) joins the other tasks it names ({others}). "
-            "TensorFlow waits for them without a time limit and catches SIGTERM meanwhile: "
-            "if TF_CONFIG is left over from an earlier job, unset it, and stop a waiting "
-            f"process with SIGKILL (kill -9 {os.getpid()}).",
+            "(TensorFlow waits for all of them without a time limit, and SIGTERM does not "
+            "stop it meanwhile: if this waits because TF_CONFIG is left over from an earlier "
+            f"job, stop it with kill -9 {os.getpid()} and unset TF_CONFIG.)",
             file=sys.stderr, flush=True,
         )
     try:

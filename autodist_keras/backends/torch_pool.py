@@ -69,7 +69,7 @@ def get_pool(world_size, timeout_s, grad_backend="gloo"):
             if not pool.in_use and not pool.healthy():
                 pools.remove(pool)
                 pool.close(graceful=False)
-        pool = next((p for p in pools if not p.in_use), None)
+        pool = next((p for p in pools if not p.in_use and not p.close_when_released), None)
         if pool is None:
             pool = WorkerPool(world_size, timeout_s, grad_backend)
             pools.append(pool)
@@ -80,9 +80,15 @@ def get_pool(world_size, timeout_s, grad_backend="gloo"):
 def release_pool(pool):
     """Gives back a pool leased with `get_pool` (its workers stay for the next fit,
     unless `shutdown_pools(idle_only=True)` ran meanwhile: then they end now)."""
-    pool.in_use = False
-    if pool.close_when_released:
-        discard_pool(pool, graceful=True)
+    with _pools_lock:
+        pool.in_use = False
+        closing = pool.close_when_released
+        if closing:
+            for pools in _pools.values():
+                if pool in pools:
+                    pools.remove(pool)
+    if closing:
+        pool.close(graceful=True)
 
 
 def discard_pool(pool, graceful=False):

@@ -164,7 +164,9 @@ def warn_if_batch_outgrows_plan(plan, batch_size):
     bucketed by length), every later batch runs that plan's shares scaled up,
     which may be a poor plan for it: `auto` facing a 2-row first batch picks
     one device for the whole fit. Plans given with `plan=` or made by
-    `strategy.plan_for` are not checked.
+    `strategy.plan_for` are not checked. (On TensorFlow a one-device plan runs
+    Keras's own train function after each fit's first step, which this never
+    sees: there only the first batch of each fit is checked.)
 
     Args:
         plan: The `Plan` in force.

@@ -826,11 +826,12 @@ def choose_plan(
             write_text_atomic(path, plan.to_json())
         except OutputError as e:
             # The cache only saves planning time: go on with the plan just made.
+            reason = str(e).split(" Received:")[0]
             warnings.warn(
-                f"autodist_keras could not cache the plan it made ({e}); it is used as is, "
-                "and the next run plans again. Point AUTODIST_KERAS_CACHE at a writable "
-                f"directory to keep plans. Received: AUTODIST_KERAS_CACHE="
-                f"{os.environ.get('AUTODIST_KERAS_CACHE')!r}",
+                f"autodist_keras could not cache the plan it made: {reason} The plan is used "
+                "as is, and the next run plans again; to keep plans, point "
+                "AUTODIST_KERAS_CACHE (or cache_dir=) at a writable directory. "
+                f"Received: cache directory {os.path.dirname(path)!r}",
                 stacklevel=2,
             )
     return plan, candidates
