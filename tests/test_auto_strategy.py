@@ -572,3 +572,21 @@ def test_a_plan_file_matches_keras_per_process_layer_numbering(tmp_path):
         keras.Input((8,))))
     with pytest.raises(PlanError, match="made for another model"):
         AutoStrategy(cluster=testbed, plan=str(path)).plan_for(wider, 48)
+
+
+def test_the_scope_object_can_be_entered_again():
+    """`sc = strategy.scope()` entered twice (to compile again for fine-tuning) raised
+    contextlib's AttributeError: the generator behind it was single-use."""
+    strategy = AutoStrategy("single_device", cluster=Cluster.cpu_testbed())
+    scope = strategy.scope()
+    with scope as entered:
+        assert entered is strategy
+        model = zoo.mlp(input_dim=8, hidden=(16,), num_classes=3, name="scope_twice")
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    with scope:
+        with scope:  # nested re-entry of the same strategy is fine too
+            model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    assert strategy._models == [model]
+    from autodist_keras.strategies import auto
+
+    assert auto._hooks["count"] == 0  # every entry was left

@@ -127,6 +127,25 @@ def _remove_scope_hooks():
         _hooks.pop("owner")
 
 
+class _Scope:
+    """What `AutoStrategy.scope()` returns: a context manager that may be entered
+    again (`sc = strategy.scope(); with sc: ...; with sc: ...`), as users do to
+    compile again for fine-tuning."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self._active = []
+
+    def __enter__(self):
+        context = self.strategy._entered()
+        result = context.__enter__()
+        self._active.append(context)
+        return result
+
+    def __exit__(self, *exc_info):
+        return self._active.pop().__exit__(*exc_info)
+
+
 def _compile_after_scope(model, *args, **kwargs):
     """`compile` of a model built inside `AutoStrategy.scope()`.
 
@@ -391,7 +410,6 @@ class AutoStrategy:
         return self._adapter
 
     # ---------------------------------------------------------------- scope
-    @contextlib.contextmanager
     def scope(self):
         """Context in which models are built and compiled for this strategy.
 
@@ -411,6 +429,10 @@ class AutoStrategy:
             StrategyError: If entered inside another strategy's scope
                 (re-entering this strategy's own scope is fine).
         """
+        return _Scope(self)
+
+    @contextlib.contextmanager
+    def _entered(self):
         adapter = self.adapter
         with _scope_lock:
             active = _active_strategy()
