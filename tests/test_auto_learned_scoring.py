@@ -177,6 +177,23 @@ def test_domain_rule(testbed, wide, torch_estimator):
     mixed = Cluster.from_string("node0:1xV100;node1:1xT4;node2:1xP100;node3:1x1080Ti")
     ok, why = torch_estimator.cluster_in_domain(mixed, backend="torch")
     assert not ok and "and 1 more kind(s)" in why
+    # Layer types its training models lacked: out when they carry the model's FLOPs
+    # (a BiLSTM was predicted 9.4x too fast), in when they are cheap (Dropout, Flatten).
+    import keras
+
+    inputs = keras.Input((32,), dtype="int32")
+    hidden = keras.layers.Embedding(2000, 64)(inputs)
+    hidden = keras.layers.Bidirectional(keras.layers.LSTM(64))(hidden)
+    recurrent = ModelGraph.from_keras(keras.Model(inputs, keras.layers.Dense(2)(hidden)))
+    plan = baselines.data_parallel_even(recurrent, testbed, 96)
+    ok, why = torch_estimator.in_domain(recurrent, testbed, plan, "torch")
+    assert not ok and "layers of types ['Bidirectional'] were not in its training" in why
+    inputs = keras.Input((256,))
+    hidden = keras.layers.Dropout(0.1)(keras.layers.Dense(1024, activation="relu")(inputs))
+    dropout = ModelGraph.from_keras(keras.Model(inputs, keras.layers.Dense(10)(
+        keras.layers.Dense(1024, activation="relu")(hidden))))
+    plan = baselines.data_parallel_even(dropout, testbed, 96)
+    assert torch_estimator.in_domain(dropout, testbed, plan, "torch") == (True, "")
     # A saved estimator keeps its domain.
     again = learned.LearnedEstimator.from_dict(json.loads(json.dumps(torch_estimator.to_dict())))
     assert again.domain == torch_estimator.domain
@@ -256,7 +273,7 @@ def test_a_damaged_cache_entry_is_planned_again_and_overwritten(testbed, wide, t
     assert cands, "the damaged entry was planned again"
     assert again.to_dict()["groups"] == first.to_dict()["groups"]
     with open(os.path.join(cache, entry), encoding="utf-8") as f:
-        assert json.load(f)["schema_version"] == 1
+        assert json.load(f)["schema_version"] == 2
 
 
 def test_named_strategy_is_scored_too(testbed):

@@ -930,6 +930,10 @@ def _torch_available():
 # A graph counts as in the training domain when its parameter bytes and its
 # FLOPs per sample lie within the training models' range widened by this factor.
 DOMAIN_MARGIN = 4.0
+# A model whose layer types absent from the training models carry more than this
+# share of its FLOPs is outside the domain (recurrent layers, say: a BiLSTM model
+# was predicted 9.4x too fast). Cheap unseen layers (Dropout, Flatten) pass.
+UNSEEN_LAYER_SHARE = 0.10
 
 
 def device_signature(device):
@@ -1013,6 +1017,7 @@ def plan_domain(graph, cluster, plan):
         "param_bytes": float(graph.param_bytes),
         "flops_per_sample": float(sum(n.forward_flops + n.backward_flops
                                       for n in graph.nodes.values())),
+        "layer_types": sorted({n.layer_type for n in graph.nodes.values()}),
     }
 
 
@@ -1032,10 +1037,26 @@ def _domain_of(examples):
                         max(e.domain["param_bytes"] for e in examples)],
         "flops_per_sample": [min(e.domain["flops_per_sample"] for e in examples),
                              max(e.domain["flops_per_sample"] for e in examples)],
+        "layer_types": sorted({t for e in examples for t in e.domain.get("layer_types", ())}),
         "margin": DOMAIN_MARGIN,
         # Median log(measured / simulated) per backend: the simulator's calibration.
         "calibration": {b: float(statistics.median(v)) for b, v in by_backend.items()},
     }
+
+
+def unseen_layer_share(graph, trained_types):
+    """`(types, share)`: the graph's layer types absent from `trained_types`, and the
+    share of its forward and backward FLOPs they carry."""
+    trained = set(trained_types)
+    total = unseen = 0.0
+    types = set()
+    for node in graph.nodes.values():
+        flops = node.forward_flops + node.backward_flops
+        total += flops
+        if node.layer_type not in trained:
+            types.add(node.layer_type)
+            unseen += flops
+    return sorted(types), (unseen / total if total else 0.0)
 
 
 def _within(value, bounds, margin):
@@ -1314,6 +1335,12 @@ class LearnedEstimator:
             return False, f"gradient sync {other} was not in its training data (trained: {d['sync']})"
         if mine["op_fusion"] and not d["op_fusion"]:
             return False, "op fusion was not in its training data"
+        if d.get("layer_types"):
+            unseen = unseen_layer_share(graph, d["layer_types"])
+            if unseen[1] > UNSEEN_LAYER_SHARE:
+                return False, (
+                    f"layers of types {unseen[0]} were not in its training models, and they "
+                    f"carry {unseen[1]:.0%} of the model's FLOPs")
         margin = float(d.get("margin", DOMAIN_MARGIN))
         for key, label in (("param_bytes", "parameter bytes"),
                            ("flops_per_sample", "FLOPs per sample"),
