@@ -590,3 +590,13 @@ def test_the_scope_object_can_be_entered_again():
     from autodist_keras.strategies import auto
 
     assert auto._hooks["count"] == 0  # every entry was left
+
+
+def test_a_baseline_shaped_by_options_that_cannot_be_made_is_a_strategy_error():
+    """sync="ps" builds the baseline directly: its PlanError reached the user bare, where
+    the other strategies say the plan could not be made and name auto."""
+    strategy = AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed(), sync="ps")
+    with pytest.raises(StrategyError, match="'data_parallel' plan could not be made.*smaller "
+                                            "than the number of devices.*Received: "
+                                            "batch_size=1.*Try strategy='auto'"):
+        strategy.plan_for(zoo.mlp(input_dim=8, hidden=(16,), name="one_row"), 1)

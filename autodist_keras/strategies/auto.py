@@ -668,11 +668,19 @@ class AutoStrategy:
             from autodist_keras.estimator import simulate
             from autodist_keras.strategies import baselines
 
+            from autodist_keras.errors import PlanError
+
             builder = baselines.BASELINES[BASELINE_FOR_NAME[self.name]]
-            if self.name == "single_device":
-                plan = builder(graph, self.cluster, batch_size, devices=self.devices)
-            else:
-                plan = builder(graph, self.cluster, batch_size, devices=self.devices, **opts)
+            try:
+                if self.name == "single_device":
+                    plan = builder(graph, self.cluster, batch_size, devices=self.devices)
+                else:
+                    plan = builder(graph, self.cluster, batch_size, devices=self.devices, **opts)
+            except PlanError as e:  # as the other strategies say it
+                raise StrategyError(
+                    f"The {self.name!r} plan could not be made for this model and cluster: "
+                    f"{str(e).rstrip('.')}. Try strategy='auto'."
+                ) from None
             plan.prediction = simulate(graph, self.cluster, plan).to_prediction()
         else:
             chosen = [c for c in self.candidates if c.name == wanted]
