@@ -133,13 +133,18 @@ def _classifier():
     return keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(hidden))
 
 
-def test_fit_warns_for_ignore_class():
-    # Rows 8..13 ignored: with shares 8/4/4 one replica has no valid row, and its
-    # loss would be weighted as a quarter of the batch.
+def _rows_8_to_13_ignored():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16, 6)).astype("float32")
     y = rng.integers(0, 3, size=(16,)).astype("int32")
     y[8:14] = -1
+    return x, y
+
+
+def test_fit_warns_for_ignore_class():
+    # Rows 8..13 ignored: with shares 8/4/4 one replica has no valid row, and its
+    # loss would be weighted as a quarter of the batch.
+    x, y = _rows_8_to_13_ignored()
     strategy = AutoStrategy("proportional", cluster=Cluster.cpu_testbed())
     with strategy.scope():
         model = _classifier()
@@ -216,10 +221,7 @@ def test_a_plan_that_does_not_split_the_batch_is_neither_refused_nor_warned_abou
     loss are exact there (the checks ran before planning and warned on one device)."""
     import warnings
 
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(16, 6)).astype("float32")
-    y = rng.integers(0, 3, size=(16,)).astype("int32")
-    y[8:14] = -1
+    x, y = _rows_8_to_13_ignored()
     valid = np.where(y < 0, 0, y)
     for loss, y in ((keras.losses.SparseCategoricalCrossentropy(ignore_class=-1), y),
                     (keras.losses.SparseCategoricalCrossentropy(reduction="sum"), valid)):

@@ -71,14 +71,18 @@ def test_a_first_batch_smaller_than_the_devices_says_the_fit_runs_on_fewer():
         model.fit(_Growing(2), epochs=1, shuffle=False, verbose=0)
 
 
+def _rows(n):
+    rng = np.random.default_rng(1)
+    return (rng.normal(size=(n, 16)).astype("float32"),
+            rng.integers(0, 3, size=(n,)).astype("int32"))
+
+
 def test_a_one_device_plan_reports_larger_batches_of_later_fits():
     """One replica runs Keras's own train function; later fits still check their batches."""
     strategy = AutoStrategy("auto", cluster=Cluster.cpu_testbed(), devices=["node0/cpu0"])
     with strategy.scope():
         model = _model()
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(96, 16)).astype("float32")
-    y = rng.integers(0, 3, size=(96,)).astype("int32")
+    x, y = _rows(96)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*first training batch")
         model.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
@@ -93,9 +97,7 @@ def test_a_forced_single_device_plan_does_not_warn():
     strategy = AutoStrategy("single_device", cluster=Cluster.cpu_testbed())
     with strategy.scope():
         model = _model()
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(48, 16)).astype("float32")
-    y = rng.integers(0, 3, size=(48,)).astype("int32")
+    x, y = _rows(48)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*first training batch")
         model.fit(x, y, batch_size=6, epochs=1, shuffle=False, verbose=0)

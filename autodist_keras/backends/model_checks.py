@@ -108,8 +108,6 @@ def check_summed_losses(model, x, y):
     """
     import keras
 
-    if any(getattr(layer, "stateful", False) for layer in model._flatten_layers()):
-        return
     totals = _probe(model, lambda: [_total_loss(model, x, y, copies) for copies in (1, 2, 3)])
     if totals is None or not all(math.isfinite(t) for t in totals):
         return  # (a NaN or infinite loss says nothing about sums; Keras reports it)
@@ -135,11 +133,14 @@ def _probe(model, compute):
     """Runs `compute()` with the model's metric states restored afterwards.
 
     Returns:
-        What `compute` returned, or `None` when it raised (the probes are
-        safeguards: a model they cannot run is not checked).
+        What `compute` returned, or `None` when it raised or the model has
+        stateful layers, whose state the probe's batches would disturb (the
+        probes are safeguards: a model they cannot run is not checked).
     """
     import keras
 
+    if any(getattr(layer, "stateful", False) for layer in model._flatten_layers()):
+        return None
     metric_variables = list(model.metrics_variables)
     saved = [keras.ops.convert_to_numpy(v) for v in metric_variables]
     try:
@@ -254,8 +255,6 @@ def warn_loss_not_per_sample(model, x, y):
             stacklevel=3,
         )
         return True
-    if any(getattr(layer, "stateful", False) for layer in model._flatten_layers()):
-        return False
     leaves = [v for v in keras.tree.flatten(x) if v is not None]
     if not leaves:
         return False

@@ -364,12 +364,12 @@ class TensorFlowAdapter(BackendAdapter):
                     f"the plan uses {plan.devices}"
                 )
             return True, ""
+        nodes = plan.nodes(self.cluster)
+        if len(nodes) > 1:
+            return False, f"the plan spans nodes {nodes}; one process drives one node"
         names = list(plan.devices) + sorted(
             {s.server for s in plan.sync.values() if s.method == "ps" and s.server}
         )
-        nodes = {self.cluster.device(n).node for n in names if n in self.cluster.names}
-        if len(nodes) > 1:
-            return False, f"the plan spans nodes {sorted(nodes)}; one process drives one node"
         for name in names:
             try:
                 self.tf_device(name)
@@ -574,8 +574,8 @@ class _Runtime:
         from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
         model = self.model
-        compiled = (id(getattr(model, "_compile_config", None)), id(model.optimizer))
-        if compiled != self.compiled:
+        compiled = (getattr(model, "_compile_config", None), model.optimizer)
+        if self.compiled is None or any(a is not b for a, b in zip(compiled, self.compiled)):
             # Compiled again (outside the scope: the model keeps this runtime): the
             # steps traced before hold the old optimizer, losses and metrics.
             self.fns.clear()

@@ -47,18 +47,29 @@ _ATTACHED = "_autodist_keras_torch_adapter"
 _torchrun_comm = None
 
 
-def _checking_batch_size(train_function, plan):
-    """Keras's own one-replica train function, warning once when a batch outgrows `plan`."""
+def _batch(data):
+    """`(x, y, rows)` of the batch Keras's torch trainer passes a train function
+    (`rows` None when the batch has no input tensors)."""
     from keras.src.trainers.data_adapters import data_adapter_utils
 
     from autodist_keras.backends import torch_transport as tt
 
+    x, y, _ = data_adapter_utils.unpack_x_y_sample_weight(data[0])
+    _, leaves = tt.flatten_tree(x)
+    if not leaves:
+        return x, y, None
+    first = leaves[0]
+    return x, y, int(first.shape[0]) if hasattr(first, "shape") else len(first)
+
+
+def _checking_batch_size(train_function, plan):
+    """Keras's own one-replica train function, warning once when a batch outgrows `plan`."""
+
     def function(data):
         if may_outgrow(plan):
-            x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data[0])
-            _, leaves = tt.flatten_tree(x)
-            if leaves:
-                warn_if_batch_outgrows_plan(plan, int(leaves[0].shape[0]))
+            rows = _batch(data)[2]
+            if rows is not None:
+                warn_if_batch_outgrows_plan(plan, rows)
         return train_function(data)
 
     return function
@@ -415,9 +426,6 @@ class _FitRun:
 
     # ------------------------------------------------------------ first step
     def _start(self, data):
-        from keras.src.trainers.data_adapters import data_adapter_utils
-
-        from autodist_keras.backends import torch_transport as tt
         from autodist_keras.backends.torch_device import check_model_device
         from autodist_keras.backends.torch_device import device_info
         from autodist_keras.backends.torch_device import grad_backend
@@ -426,11 +434,9 @@ class _FitRun:
         from autodist_keras.backends.torch_session import StoreReporter
 
         strategy = self.adapter.strategy
-        x, y, _ = data_adapter_utils.unpack_x_y_sample_weight(data[0])
-        _, leaves = tt.flatten_tree(x)
-        if not leaves:
+        x, y, batch_size = _batch(data)
+        if batch_size is None:
             raise BackendError("fit received a batch without inputs. Received: x=None")
-        batch_size = int(tt.to_torch(leaves[0]).shape[0])
         self.adapter.first_train_batch = batch_size
         plan = strategy._plan_for_training(self.model, batch_size)
         model_checks.check_model_for_plan(self.model, x, y, plan)

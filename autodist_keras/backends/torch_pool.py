@@ -84,9 +84,7 @@ def release_pool(pool):
         pool.in_use = False
         closing = pool.close_when_released
         if closing:
-            for pools in _pools.values():
-                if pool in pools:
-                    pools.remove(pool)
+            _forget(pool)
     if closing:
         pool.close(graceful=True)
 
@@ -94,10 +92,15 @@ def release_pool(pool):
 def discard_pool(pool, graceful=False):
     """Ends `pool`'s workers (killed unless `graceful`) and forgets it."""
     with _pools_lock:
-        for pools in _pools.values():
-            if pool in pools:
-                pools.remove(pool)
+        _forget(pool)
     pool.close(graceful=graceful)
+
+
+def _forget(pool):
+    """Drops `pool` from the kept pools. Call with `_pools_lock` held."""
+    for pools in _pools.values():
+        if pool in pools:
+            pools.remove(pool)
 
 
 def shutdown_pools(idle_only=False):

@@ -677,10 +677,7 @@ class AutoStrategy:
                 else:
                     plan = builder(graph, self.cluster, batch_size, devices=self.devices, **opts)
             except PlanError as e:  # as the other strategies say it
-                raise StrategyError(
-                    f"The {self.name!r} plan could not be made for this model and cluster: "
-                    f"{str(e).rstrip('.')}. Try strategy='auto'."
-                ) from None
+                raise self._not_made(str(e).rstrip(".")) from None
             plan.prediction = simulate(graph, self.cluster, plan).to_prediction()
         else:
             chosen = [c for c in self.candidates if c.name == wanted]
@@ -694,11 +691,7 @@ class AutoStrategy:
                               "GPUs, cluster=Cluster.cpu_testbed() gives several CPU devices")
                 else:
                     reason = f"no {wanted} candidate was built for {len(names)} devices"
-                message = (f"The {self.name!r} plan could not be made for this model and "
-                           f"cluster: {reason}. Try strategy='auto'.")
-                if "Received:" not in reason:  # the reason usually names what it received
-                    message += f" Received: strategy={self.name!r}"
-                raise StrategyError(message)
+                raise self._not_made(reason)
             plan = chosen[0].plan
             if chosen[0].executable is False and here:
                 raise StrategyError(
@@ -723,6 +716,14 @@ class AutoStrategy:
             )
         selection.record_candidates(plan, self.candidates)
         return _noted_if_not_here(plan, here)
+
+    def _not_made(self, reason):
+        """The `StrategyError` of a forced strategy whose plan could not be made."""
+        message = (f"The {self.name!r} plan could not be made for this model and "
+                   f"cluster: {reason}. Try strategy='auto'.")
+        if "Received:" not in reason:  # the reason usually names what it received
+            message += f" Received: strategy={self.name!r}"
+        return StrategyError(message)
 
     # -------------------------------------------------------------- explain
     def explain(self, format="text"):

@@ -209,6 +209,13 @@ class Plan:
                     seen.append(replica.device)
         return seen
 
+    def nodes(self, cluster):
+        """Sorted names of the `cluster` nodes the plan uses: its replicas' devices'
+        and its parameter servers' (names the cluster lacks are left out)."""
+        names = set(self.devices) | {
+            s.server for s in self.sync.values() if s.method == "ps" and s.server}
+        return sorted({cluster.device(n).node for n in names if n in cluster.names})
+
     @property
     def is_data_parallel(self):
         """True when the plan is one group replicated over its devices."""

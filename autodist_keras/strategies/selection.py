@@ -538,7 +538,8 @@ def build_candidates(
             )
             _score(graph, cluster, candidate, cost_model, scorer)
             runnable, why = runnable_anywhere(candidate.plan, cluster)
-            if not runnable:
+            if not runnable:  # auto never chooses it, wherever the cluster is
+                candidate.executable, candidate.reason = False, why
                 candidate.plan.notes.append(f"execution: {why}; auto does not choose it.")
             elif not candidate.plan.is_data_parallel:
                 candidate.plan.notes.append(
@@ -557,17 +558,12 @@ def build_candidates(
             progress.update(1)
     if scorer is not None and cost_model is None:
         scorer.finish(candidates)
-    for candidate in candidates:
-        if candidate.plan is None:
-            continue
-        if executable is not None:
-            candidate.executable, why = executable(candidate.plan)
-            if not candidate.executable:
-                candidate.reason = why
-                continue
-        runnable, why = runnable_anywhere(candidate.plan, cluster)
-        if not runnable:  # auto never chooses it, wherever the cluster is
-            candidate.executable, candidate.reason = False, why
+    if executable is not None:
+        for candidate in candidates:  # (baselines are data parallel: runnable anywhere)
+            if candidate.plan is not None and candidate.executable is not False:
+                candidate.executable, why = executable(candidate.plan)
+                if not candidate.executable:
+                    candidate.reason = why
     return candidates
 
 
@@ -588,10 +584,7 @@ def runnable_anywhere(plan, cluster):
     """
     if plan.is_data_parallel:
         return True, ""
-    names = list(plan.devices) + sorted(
-        {s.server for s in plan.sync.values() if s.method == "ps" and s.server}
-    )
-    nodes = sorted({cluster.device(n).node for n in names if n in cluster.names})
+    nodes = plan.nodes(cluster)
     if len(nodes) <= 1:
         return True, ""
     return False, (
