@@ -62,6 +62,27 @@ def test_plan_cache_is_reused(graph, hetero, tmp_path):
     assert len(list(tmp_path.glob("*.json"))) == 2
 
 
+def test_plan_cache_key_includes_the_backend(graph, hetero, tmp_path):
+    """A plan searched for one backend's costs is not reused for another's.
+
+    The backend sets the cost model's host times and Disco's op-fusion rule;
+    `choose_plan` called without `backend` takes the active one, and that must
+    be part of the key (a TensorFlow plan was reused under PyTorch).
+    """
+    active = keras.backend.backend()
+    other = "torch" if active == "tensorflow" else "tensorflow"
+    _, planned = selection.choose_plan(graph, hetero, 128, cache_dir=tmp_path,
+                                       estimator="simulator")
+    assert planned
+    _, again = selection.choose_plan(graph, hetero, 128, cache_dir=tmp_path,
+                                     estimator="simulator", backend=active)
+    assert again == []  # the active backend is the default: the same key
+    _, replanned = selection.choose_plan(graph, hetero, 128, cache_dir=tmp_path,
+                                         estimator="simulator", backend=other)
+    assert replanned  # planned again, not read from the cache
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
 def test_an_unwritable_cache_warns_and_the_plan_is_used(graph, hetero, tmp_path, monkeypatch):
     """The cache only saves planning time: a cache directory that is a file (or read-only)
     must not fail auto at the end of planning."""

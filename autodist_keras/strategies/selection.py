@@ -52,6 +52,7 @@ import os
 import time
 import warnings
 
+from autodist_keras.devices.detect import active_keras_backend
 from autodist_keras.errors import AutodistError
 from autodist_keras.errors import OutputError
 from autodist_keras.errors import StrategyError
@@ -764,11 +765,15 @@ def choose_plan(
     devices = list(devices or cluster.names)
     options = dict(options or {})
     families = available_families() if families is None else list(families)
+    # The backend sets the cost model's host times and Disco's op-fusion rule,
+    # so it is part of what a cached plan was made for.
+    backend = backend or options.get("backend") or active_keras_backend()
+    options["backend"] = backend
     scorer = None
     if cost_model is None:
         # `build_candidates` prepares it (and runs the machine-speed probe once);
         # a plan from the cache needs neither.
-        scorer = resolve_scorer(estimator, backend or options.get("backend"))
+        scorer = resolve_scorer(estimator, backend)
     key = cache_key(graph, cluster, batch_size, devices, families, options,
                     scorer=scorer.identity if scorer is not None else "simulator")
     path = os.path.join(cache_dir or default_cache_dir(), f"{key}.json")
