@@ -13,7 +13,9 @@ the epilogue of the producer's kernel (forward) and the prologue of the
 backward chain. For an absorbed layer:
 
 - no kernel launches, forward or backward (they were `launch_overhead_s`
-  each);
+  each); on PyTorch on a GPU the layer's host dispatch time stays its floor,
+  as for an unfused layer (`torch.compile` regions measured no faster than
+  eager layers, docs/disco.md);
 - forward: its input is read from registers, not memory, for the inputs that
   come from producers in the region (the edge bytes from those producers);
 - backward: the gradient of its output is not read from memory when every
@@ -232,7 +234,10 @@ def roofline_time(analytic, node, device, batch, phase, context=None):
     )
     compute = flops / (peak * efficiency) if flops else 0.0
     memory = moved / (device.memory_bandwidth * analytic.memory_efficiency[kind])
-    return max(compute, memory)
+    # The host's dispatch time stays (PyTorch on a GPU): a torch.compile region
+    # measured no faster than eager layers (docs/disco.md), so fusion is not
+    # credited with removing it.
+    return max(compute, memory, analytic.host_time(node.layer_type, device, phase))
 
 
 class FusionAwareCostModel(WrappedCostModel):
