@@ -242,6 +242,39 @@ def test_model_parallel_chain_matches_its_critical_path(chain):
     )
 
 
+def _fan_out():
+    """`a`'s 16 KiB-per-sample output read by two layers (the shape of a residual block's input)."""
+    inputs = keras.Input((1024,), name="x")
+    a = keras.layers.Dense(4096, name="a")(inputs)
+    b1 = keras.layers.Dense(64, name="b1")(a)
+    b2 = keras.layers.Dense(64, name="b2")(a)
+    joined = keras.layers.Add(name="join")([b1, b2])
+    return keras.Model(inputs, keras.layers.Dense(10, name="out")(joined), name="fan_out")
+
+
+def test_an_output_read_twice_on_another_device_crosses_once():
+    # TensorFlow sends one copy of a tensor per device, and sums the readers'
+    # gradients there before sending them back: one transfer each way, and the
+    # received activation is held once.
+    graph = ModelGraph.from_keras(_fan_out())
+    cluster = Cluster.from_string("2xV100")
+    cost = AnalyticCostModel(cluster)
+    d0, d1 = cluster.names
+    batch = 256
+    plan = _manual_plan(graph, batch, [("g0", ["x", "a"], [(d0, batch)]),
+                                       ("g1", ["b1", "b2", "join", "out"], [(d1, batch)])])
+    result = simulate(graph, cluster, plan)
+    sent = [e for e in result.timeline if e.kind == "transfer" and e.device == d0]
+    assert sorted(e.name for e in sent) == ["a->b1 (+1 more) activations",
+                                            "b1 (+1 more)->a gradients"]
+    one = cost.transfer_time(4096 * 4 * batch, d0, d1)
+    for e in sent:
+        assert e.end - e.start == pytest.approx(one, rel=1e-12)
+    # d1's activations: its own layers' outputs plus one received copy of a's.
+    own = sum(graph.nodes[n].activation_bytes for n in ("b1", "b2", "join", "out")) * batch
+    assert result.per_device[d1].memory_breakdown["activations_peak"] == own + 4096 * 4 * batch
+
+
 def test_split_op_and_hybrid_groups(chain):
     cluster = Cluster.from_string("3xV100")
     cost = AnalyticCostModel(cluster)

@@ -122,6 +122,34 @@ def test_heft_runs_independent_branches_in_parallel(branches):
     assert schedule.makespan < 0.8 * serial
 
 
+def test_an_output_read_twice_on_another_device_is_received_once():
+    # `a`'s output feeds two layers placed on the other device: the list
+    # scheduler counts its memory there once, and the second reader finds
+    # the copy already there (no second transfer), as the simulator does.
+    inputs = keras.Input((1024,), name="x")
+    a = keras.layers.Dense(4096, name="a")(inputs)
+    b1 = keras.layers.Dense(64, name="b1")(a)
+    b2 = keras.layers.Dense(64, name="b2")(a)
+    joined = keras.layers.Add(name="join")([b1, b2])
+    graph = ModelGraph.from_keras(keras.Model(inputs, keras.layers.Dense(10, name="out")(joined)))
+    cluster = _gpus("Fast", 2, memory_gb=16, link_gbs=20.0)
+    tables = CostTables(graph, cluster, AnalyticCostModel(cluster, framework="tensorflow"))
+    batch = 64
+    on = {"x": 0, "a": 0, "b1": 1, "b2": 1, "join": 1, "out": 1}
+    fixed = {tables.index[n]: [(d, batch)] for n, d in on.items()}
+    schedule = list_schedule(tables, batch, "heft", fixed=fixed)
+    own = sum(tables.static[tables.index[n]] + tables.act[tables.index[n]] * batch
+              for n, d in on.items() if d == 1)
+    assert schedule.memory[1] == own + 4096 * 4 * batch
+    # b2 starts no later than the one transfer plus b1 (one device, one stream).
+    meta = schedule.task_meta
+    forward = {tables.layers[i]: k for k, (i, _, phase) in enumerate(meta) if phase == 0}
+    a_end = schedule.end[forward["a"]]
+    transfer = tables.alpha[0][1] + 4096 * 4 * batch * tables.beta[0][1]
+    assert schedule.start[forward["b1"]] == pytest.approx(a_end + transfer, rel=1e-9)
+    assert schedule.start[forward["b2"]] == pytest.approx(schedule.end[forward["b1"]], rel=1e-9)
+
+
 def test_cpop_puts_the_critical_path_on_the_fastest_device(wide):
     cluster = Cluster.from_string("1xV100,1xT4")
     tables = CostTables(wide, cluster, AnalyticCostModel(cluster))

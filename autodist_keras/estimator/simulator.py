@@ -638,7 +638,11 @@ class _Simulation:
             pairs = [(ri, ri, group.replicas[ri].batch_share) for ri in reps]
             same_group_pairs.append([p for p in pairs if p[2] > 0] or pairs)
 
-        # Data dependencies and activation transfers.
+        # Data dependencies and activation transfers. A producer's output is
+        # sent once to each device that consumes it (TensorFlow sends one copy
+        # per tensor and device), however many layers there read it; their
+        # gradients are summed there and sent back once.
+        links = {}  # (src, src device, dst device, first, last sample) -> link
         for src, dst, nbytes in graph.edges:
             gs, gd = layer_group[src], layer_group[dst]
             if gs == gd:
@@ -653,24 +657,46 @@ class _Simulation:
                     T.dep(fs, fd)
                     T.dep(bd, bs)
                     continue
-                size = nbytes * samples
-                fwd = T.add(
-                    _XFER, f"{src}->{dst} activations", cost.transfer_time(size, self.dev_names[ds],
-                                                                            self.dev_names[dd]),
-                    -1, self._p2p_ports(ds, dd), 0, (ds, dd), "transfer",
-                )
-                T.dep(fs, fwd)
+                a0, a1 = group_ranges[gs][rs]
+                b0, b1 = group_ranges[gd][rd]
+                key = (src, ds, dd, max(a0, b0), min(a1, b1))
+                link = links.get(key)
+                if link is None:
+                    link = links[key] = {"bytes": 0, "samples": samples, "fs": fs, "bs": bs,
+                                         "to": []}
+                link["bytes"] += nbytes
+                link["to"].append((dst, fd, bd))
+        for (src, ds, dd, _, _), link in links.items():
+            per_sample = link["bytes"]
+            produced = graph.nodes[src].output_bytes
+            if produced and len(link["to"]) > 1:
+                # The distinct tensors of `src` that reach `dd`: at most all its outputs.
+                per_sample = min(per_sample, produced)
+            size = per_sample * link["samples"]
+            first = link["to"][0][0]
+            more = f" (+{len(link['to']) - 1} more)" if len(link["to"]) > 1 else ""
+            fwd = T.add(
+                _XFER, f"{src}->{first}{more} activations",
+                cost.transfer_time(size, self.dev_names[ds], self.dev_names[dd]),
+                -1, self._p2p_ports(ds, dd), 0, (ds, dd), "transfer",
+            )
+            T.dep(link["fs"], fwd)
+            bwd = T.add(
+                _XFER, f"{first}{more}->{src} gradients",
+                cost.transfer_time(size, self.dev_names[dd], self.dev_names[ds]),
+                -1, self._p2p_ports(dd, ds), 0, (dd, ds), "transfer",
+            )
+            for _, fd, bd in link["to"]:
                 T.dep(fwd, fd)
-                if size:
-                    T.alloc[fwd] = [(dd, size)]
-                    T.free[bd] = (T.free[bd] or []) + [(dd, size)]
-                bwd = T.add(
-                    _XFER, f"{dst}->{src} gradients", cost.transfer_time(size, self.dev_names[dd],
-                                                                          self.dev_names[ds]),
-                    -1, self._p2p_ports(dd, ds), 0, (dd, ds), "transfer",
-                )
                 T.dep(bd, bwd)
-                T.dep(bwd, bs)
+            T.dep(bwd, link["bs"])
+            if size:
+                T.alloc[fwd] = [(dd, size)]
+                # Held until its last reader's backward: with one reader, freed
+                # when that backward ends; with several, after the summed gradient
+                # is sent (which waits for all of them).
+                holder = link["to"][0][2] if len(link["to"]) == 1 else bwd
+                T.free[holder] = (T.free[holder] or []) + [(dd, size)]
 
         # Loss: the backward of every output waits for the forward of every
         # output of its replica.

@@ -448,10 +448,17 @@ def list_schedule(tables, batch, method="heft", fixed=None, memory=True):
     mem = [0] * n_dev
     # Fixed layers reserve their memory up front (counting every input as
     # received from another device), so free layers avoid it.
+    # An output read by several layers on one device is received (and held)
+    # there once: `held` lists the (producer task, device) pairs counted.
+    held = set()
     for k, (i, ri, phase) in enumerate(meta):
         if phase == FORWARD and reps[i] is not None:
             d = dev[k]
-            received = sum(x for p, x in preds[k] if dev[p] != d)
+            received = 0
+            for p, x in preds[k]:
+                if dev[p] != d and (p, d) not in held:
+                    held.add((p, d))
+                    received += x
             mem[d] += t.static[i] + t.act[i] * share[k] + received
     fixed_layer = [r is not None for r in reps]
     # Link ports, as in the simulator: a send and a receive port per device
@@ -462,15 +469,24 @@ def list_schedule(tables, batch, method="heft", fixed=None, memory=True):
     nic_recv = [0.0] * t.n_nodes
     node = t.dev_node
 
+    # Forward outputs already sent to a device: (producer task, device) ->
+    # (arrival, bytes). A second reader there reuses the copy, as TensorFlow
+    # sends one copy of a tensor per device.
+    arrived = {}
+
     def arrival(k, d, commit=False):
         at, who = 0.0, -1
         recv = recv_free[d]
         nd = node[d]
         nrecv = nic_recv[nd]
+        forward = meta[k][2] == FORWARD
         for p, nbytes in preds[k]:
             sp = dev[p]
+            sent = arrived.get((p, d)) if forward else None
             if sp == d or nbytes <= 0:
                 v = end[p]
+            elif sent is not None and sent[1] >= nbytes:
+                v = sent[0]
             else:
                 s = end[p]
                 if send_free[sp] > s:
@@ -491,6 +507,8 @@ def list_schedule(tables, batch, method="heft", fixed=None, memory=True):
                     send_free[sp] = v
                     if ns != nd:
                         nic_send[ns] = v
+                    if forward:
+                        arrived[(p, d)] = (v, nbytes)
             if v > at:
                 at, who = v, p
         if commit:
@@ -498,12 +516,14 @@ def list_schedule(tables, batch, method="heft", fixed=None, memory=True):
             nic_recv[nd] = nrecv
         return at, who
 
-    def mem_need(k, d):
+    def mem_need(k, d, commit=False):
         i = meta[k][0]
         need = t.static[i] + t.act[i] * share[k]
         for p, nbytes in preds[k]:
-            if dev[p] != d:
+            if dev[p] != d and (p, d) not in held:
                 need += nbytes
+                if commit:
+                    held.add((p, d))
         return need
 
     waiting = [len(p) for p in preds]
@@ -533,7 +553,7 @@ def list_schedule(tables, batch, method="heft", fixed=None, memory=True):
         dev_free[d] = e
         last_task[d] = k
         if phase == FORWARD and not fixed_layer[i]:
-            mem[d] += mem_need(k, d)
+            mem[d] += mem_need(k, d, commit=True)
         for v, _ in succs[k]:
             waiting[v] -= 1
             if waiting[v] == 0:
