@@ -574,6 +574,41 @@ def test_a_plan_file_matches_keras_per_process_layer_numbering(tmp_path):
         AutoStrategy(cluster=testbed, plan=str(path)).plan_for(wider, 48)
 
 
+def test_a_plan_file_of_a_sequential_model_matches_its_numbering(tmp_path):
+    """A Sequential model's variable paths start with the model's own name, which
+    Keras numbers too (`sequential/dense/kernel`, then `sequential_1/dense_2/kernel`):
+    its plan file failed with "unknown variable" once another model was built first,
+    even with named layers."""
+    import numpy as np
+
+    testbed = Cluster.cpu_testbed()
+
+    def build(names=(None, None)):
+        return keras.Sequential([keras.Input((8,)),
+                                 keras.layers.Dense(16, activation="relu", name=names[0]),
+                                 keras.layers.Dense(3, name=names[1])])
+
+    for names in ((None, None), ("hidden", "head")):
+        first = build(names)
+        plan = AutoStrategy("proportional", cluster=testbed).plan_for(first, 48)
+        path = tmp_path / f"plan_{names[0]}.json"
+        plan.to_json(str(path))
+        build(names)  # another model first: this process numbers the next one further
+        again = build(names)
+        assert again.name != first.name
+        assert {v.path.split("/")[0] for v in again.trainable_weights} == {again.name}
+        strategy = AutoStrategy(cluster=testbed, plan=str(path))
+        with strategy.scope():
+            again.compile(optimizer="sgd",
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        given = strategy.plan_for(again, 48)
+        assert sorted(given.sync) == sorted(v.path for v in again.trainable_weights)
+        note = [n for n in given.notes if "per-process numbering" in n]
+        assert note and f"{first.name} -> {again.name}" in note[0]
+        x = np.random.default_rng(0).normal(size=(48, 8)).astype("float32")
+        again.fit(x, np.arange(48) % 3, batch_size=48, epochs=1, verbose=0)
+
+
 def test_the_scope_object_can_be_entered_again():
     """`sc = strategy.scope()` entered twice (to compile again for fine-tuning) raised
     contextlib's AttributeError: the generator behind it was single-use."""

@@ -599,8 +599,8 @@ class AutoStrategy:
             # The same model, built after another in this process: Keras numbered
             # its unnamed layers differently.
             renamed.notes = list(renamed.notes) + [
-                "plan=: layers matched by Keras's per-process numbering: " + ", ".join(
-                    f"{old} -> {new}" for old, new in list(renames.items())[:6])
+                "plan=: layer (and model) names matched by Keras's per-process numbering: "
+                + ", ".join(f"{old} -> {new}" for old, new in list(renames.items())[:6])
                 + (" ..." if len(renames) > 6 else "")]
             self.plan = self._fixed_plan = renamed
         try:

@@ -637,13 +637,27 @@ class Plan:
                 or self.provenance.graph_fingerprint != graph.fingerprint()):
             return None, {}
         renames = {old: new for old, new in zip(order, here) if old != new}
-        if not renames:
+        # A Sequential model's variable paths start with the model's own name,
+        # which Keras numbers too (`sequential/dense/kernel` here may be
+        # `sequential_1/dense_2/kernel` there).
+        old_vars = list(self.sync) or [v for bucket in self.buckets for v in bucket]
+        here_vars = [v.name for v in graph.variables]
+        old_root, here_root = _model_root(old_vars, order), _model_root(here_vars, here)
+        roots = ({old_root: here_root}
+                 if old_root and here_root and old_root != here_root else {})
+
+        def path(name):  # rename the segments that name a layer, or the model
+            parts = name.split("/")
+            parts = [renames.get(p, p) for p in parts]
+            if roots and len(parts) > 1:
+                parts[0] = roots.get(parts[0], parts[0])
+            return "/".join(parts)
+
+        if not renames and not roots:
             return None, {}
-
-        def path(name):  # a variable's path starts with its layer's name
-            layer, _, rest = name.partition("/")
-            return renames.get(layer, layer) + ("/" + rest if rest else "")
-
+        if old_vars and not {path(v) for v in old_vars} <= set(here_vars):
+            return None, {}  # the variables do not map one to one: not matched
+        renames = dict(renames, **roots)
         matched = self.prediction_matches()
         plan = copy.deepcopy(self)
         for group in plan.groups:
@@ -686,6 +700,19 @@ class Plan:
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines)
+
+
+def _model_root(variable_names, layer_names):
+    """The first path segment every variable shares when it is not a layer: the model's name.
+
+    Keras paths of a Sequential model's variables start with the model's name
+    (`sequential/dense/kernel`); a Functional model's start with the layer.
+    """
+    roots = {name.split("/", 1)[0] for name in variable_names if "/" in name}
+    if len(roots) != 1:
+        return None
+    root = roots.pop()
+    return None if root in set(layer_names) else root
 
 
 def split_batch(weights, batch_size):
