@@ -221,6 +221,25 @@ def test_estimator_option_validation(tmp_path):
     assert selection.resolve_scorer("simulator", backend="torch").estimator is None
 
 
+def test_a_forced_strategy_says_how_its_learned_times_were_scaled(testbed, tmp_path):
+    """explain() of a forced strategy named the learned estimator but not the
+    machine-speed scaling of its figures, which only auto's "why" mentioned."""
+    import keras
+
+    backend = keras.backend.backend()
+    fast_day = learned.load_default(backend)
+    fast_day.machine_probe_s[backend] = 0.25e-3  # as if trained on a far faster machine
+    path = tmp_path / "measured_on_a_fast_day.json"
+    fast_day.save(path)
+    strategy = AutoStrategy("proportional", cluster=testbed, estimator=str(path))
+    strategy.plan_for(zoo.mlp(input_dim=256, hidden=(1024, 1024)), 96)
+    data = explanation(strategy.plan, testbed, strategy_name="proportional")
+    why = " | ".join(data["why"])
+    assert "proportional plan requested" in why
+    assert "scaled x" in why and "machine-speed probe" in why
+    assert not any(n.startswith("scored: ") for n in data["notes"])
+
+
 def test_explain_names_the_scorer(testbed, wide, tmp_path):
     plan, candidates = selection.choose_plan(wide, testbed, 96, backend="torch",
                                              cache_dir=str(tmp_path), use_cache=False)

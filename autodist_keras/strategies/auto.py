@@ -656,10 +656,11 @@ class AutoStrategy:
             return _noted_if_not_here(plan, here)
         families = [self.name] if self.name in FAMILY_NAMES else []
         sync_opts = {k: opts[k] for k in ("algorithm", "bucket_bytes", "step_costs") if k in opts}
+        scorer = selection.resolve_scorer(estimator, self.adapter.name)
         self.candidates = selection.build_candidates(
             graph, self.cluster, batch_size, devices=self.devices, families=families,
             options=dict(sync_opts, backend=self.adapter.name, **fusion), executable=executable,
-            scorer=selection.resolve_scorer(estimator, self.adapter.name),
+            scorer=scorer,
         )
         wanted = BASELINE_FOR_NAME.get(self.name, self.name)
         if self.name in BASELINE_FOR_NAME and set(opts) - {"algorithm", "bucket_bytes",
@@ -693,6 +694,9 @@ class AutoStrategy:
                     reason = f"no {wanted} candidate was built for {len(names)} devices"
                 raise self._not_made(reason)
             plan = chosen[0].plan
+            # Which predictor gave its time, and any machine-speed scaling (as auto says).
+            plan.notes = [n for n in plan.notes if not n.startswith("scored: ")] + [
+                "scored: " + scorer.summary(self.candidates)]
             if chosen[0].executable is False and here:
                 raise StrategyError(
                     f"The {self.name!r} plan cannot run here on the {self.adapter.name} "

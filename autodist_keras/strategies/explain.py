@@ -106,6 +106,7 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
         why = [f"{plan.provenance.planner} plan requested with strategy={strategy_name!r}"]
         if prediction is not None:
             why.append(f"its predicted step time is from the {prediction.source}")
+        why += [n[len("scored: "):] for n in plan.notes if n.startswith("scored: ")]
     entry = candidates.get(chosen)
     scorer_why = entry.get("scorer_why") if isinstance(entry, dict) else None
     if scorer_why:
@@ -115,7 +116,7 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
         "chosen": chosen,
         "fixed_plan": bool(fixed),
         "why": why,
-        "notes": [n for n in plan.notes if not n.startswith("auto: ")],
+        "notes": [n for n in plan.notes if not n.startswith(("auto: ", "scored: "))],
         "global_batch_size": plan.global_batch_size,
         "predicted": None if prediction is None else {
             "step_time_ms": _ms(prediction.step_time_s),
