@@ -9,7 +9,8 @@ autodist-keras profile --model MODEL [--cluster cpu_testbed] [--batch-sizes 8,32
 autodist-keras launch --nprocs N script.py [args...]
 ```
 
-Every step time these commands print is predicted by the simulator, not measured.
+Every step time these commands print is predicted (by the learned estimator or
+the simulator, as each output names), not measured.
 
 MODEL is a keras.applications name (e.g. `ResNet50`, built without weights),
 a built-in zoo name (`mlp`, `small_cnn`, `transformer_encoder`, `bert_large`),

@@ -22,7 +22,7 @@ Example:
 
 ```python
 graph = ModelGraph.from_keras(keras.applications.ResNet50(weights=None))
-print(graph.forward_flops / 2e9, "G multiply-adds and elementwise ops per image")
+print(graph.forward_flops / 1e9, "GFLOPs per image (multiply-adds count 2, elementwise ops 1)")
 print(graph.summary())
 ```
 """

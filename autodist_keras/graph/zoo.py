@@ -179,7 +179,7 @@ def bert_large(seq_len=512, vocab=30522, num_classes=2, dropout=0.1,
                initializer="zeros", name="bert_large"):
     """BERT-large-shaped encoder: 24 blocks, d_model 1024, 16 heads, ff 4096.
 
-    For planning and graph benchmarks (335M parameters, about 1.3 GB of
+    For planning and graph benchmarks (334M parameters, about 1.3 GB of
     float32 weights). The default `initializer="zeros"` makes building fast;
     pass `"glorot_uniform"` to train it.
 
