@@ -400,12 +400,14 @@ class _Space:
         for m in sorted({1, max(n // 2, 1)}):
             sets.append(tuple(sorted(order[:m])))
         if len(nodes) > 2:
-            # Devices of the best-connected nodes (fastest links to other nodes):
-            # partial replication that drops the badly connected ones.
+            # Devices of the best-connected nodes: partial replication that
+            # drops the badly connected ones. A node's reach is its best link
+            # to another node (its worst is the slowest NIC of the cluster for
+            # every node alike, since a link runs at the slower end's speed).
             probe = float(2**26)
             heads = {k: v[0] for k, v in nodes.items()}
             reach = {
-                k: max(t.transfer(h, o, probe) for j, o in heads.items() if j != k)
+                k: min(t.transfer(h, o, probe) for j, o in heads.items() if j != k)
                 for k, h in heads.items()
             }
             best = min(reach.values())
@@ -753,30 +755,40 @@ class _Space:
 
     # ----------------------------------------------------------- search
     def initial_states(self):
-        """Uniform starting points: every group replicated on all devices."""
+        """Uniform starting points: every group replicated on all devices (each
+        sync option), and on each smaller replica set of two or more devices
+        (ring all-reduce; the search then tries the other options). Moves
+        change one group's set at a time, so "every group on the well-connected
+        nodes" is reachable only from such a start."""
         states = []
         for sync in self.sync_options(0):
             states.append(tuple((0, sync) for _ in self.units))
+        for set_id in range(1, len(self.sets)):
+            if len(self.sets[set_id]) >= 2:
+                sync = self.sync_options(set_id)[0]
+                states.append(tuple((set_id, sync) for _ in self.units))
         return states
 
     def search(self, max_work, passes, budget, reserve):
         """Local search; returns (best state, its score, log lines).
 
-        Starts from the best uniform state (every group on all devices, each
-        sync option) or, when nothing fits, from a memory-aware state. Then,
-        group by group (largest gradients first), tries the other sync
-        options and, for the groups holding most of the gradient bytes or
-        too much state for the smallest device, the other replica sets;
-        keeps the best improving move. Stops after `passes` passes, at
-        `max_work` estimated microseconds, or when the budget (less
-        `reserve` seconds) is spent.
+        Starts from the best uniform state with every group on all devices
+        (each sync option) or, when none fits, from a memory-aware state;
+        and, when it scores differently, also from the best uniform state on
+        a smaller replica set (the well-connected nodes, say), which single
+        moves from the first cannot reach. From each start, group by group
+        (largest gradients first), it tries the other sync options and, for
+        the groups holding most of the gradient bytes or too much state for
+        the smallest device, the other replica sets; keeps the best
+        improving move. Stops after `passes` passes, at `max_work` estimated
+        microseconds (a second start gets half as much again), or when the
+        budget (less `reserve` seconds) is spent. The better result wins.
         """
         log = []
-        best, best_score = None, (True, math.inf)
+        everywhere, subset = [], []
         for state in self.initial_states():
-            score = self.evaluate(state)
-            if score < best_score:
-                best, best_score = state, score
+            (everywhere if state[0][0] == 0 else subset).append((self.evaluate(state), state))
+        best_score, best = min(everywhere, key=lambda x: x[0])
         if best_score[0]:
             state = self.memory_state()
             if state is not None:
@@ -784,9 +796,14 @@ class _Space:
                 if score < best_score:
                     best, best_score = state, score
                     log.append("memory-aware start: groups replicated where they fit")
-        if best is None or best_score[1] == math.inf:
+        starts = [(best, best_score)]
+        if subset:
+            other_score, other = min(subset, key=lambda x: x[0])
+            if other_score[1] < math.inf and other_score != best_score:
+                starts.append((other, other_score))
+        starts = [(s, sc) for s, sc in starts if s is not None and sc[1] < math.inf]
+        if not starts:
             return None, best_score, log
-        start = best_score[1]
         order = sorted(
             range(len(self.units)),
             key=lambda i: (-self.grad_bytes[i], -self.f[(i, 0)][-1], i),
@@ -801,6 +818,22 @@ class _Space:
             acc += self.grad_bytes[i]
         smallest = min(self.capacity)
         heavy |= {i for i in range(len(self.units)) if self.static[i] > smallest / 4}
+        results = []
+        for n, (state, score) in enumerate(starts):
+            # The first start searches as it always did; a second gets half as much more.
+            cap = max_work if n == 0 else self.work + max_work / 2
+            lines = [] if n == 0 else [
+                f"second start: every group on {self._label(state[0])}"]
+            found, found_score = self._descend(state, score, order, heavy, cap, passes,
+                                               budget, reserve, lines)
+            lines.insert(0, f"coarse step {_common.ms(score[1])} -> "
+                            f"{_common.ms(found_score[1])}")
+            results.append((found_score, n, found, lines))
+        best_score, _, best, lines = min(results, key=lambda x: (x[0], x[1]))
+        return best, best_score, log + lines
+
+    def _descend(self, best, best_score, order, heavy, max_work, passes, budget, reserve, log):
+        """Best-improvement passes from `(best, best_score)`; see `search`."""
         # Each pass: first the sync of every group (cheap: the shares and the
         # LP stay, the plan usually stays one data-parallel group), then the
         # replica sets of the heavy groups (a new LP and a full simulation each).
@@ -821,8 +854,7 @@ class _Space:
                         improved = True
             if not improved or self.work >= max_work or budget.hit:
                 break
-        log.insert(0, f"coarse step {_common.ms(start)} -> {_common.ms(best_score[1])}")
-        return best, best_score, log
+        return best, best_score
 
     def _improve_group(self, state, score, i, max_work, phase):
         set_id, sync = state[i]
