@@ -558,7 +558,7 @@ class _Space:
             if len(members) == 1:
                 d = members[0]
                 fixed_time[d] += sum(self.f[(i, t.dev_class[d])][-1] for i in chunk_ids)
-                fixed_act[d] += sum(self.act[i] for i in chunk_ids) * B
+                fixed_act[d] += self._class_act(c, chunk_ids, state) * B
             else:
                 var_classes.append((c, members, chunk_ids))
         room = np.array(self.capacity, dtype=float) - static - fixed_act
@@ -579,7 +579,7 @@ class _Space:
         per_device = [[] for _ in range(n)]
         time_rows = {}
         for ci, (c, members, chunk_ids) in enumerate(var_classes):
-            act = float(sum(self.act[i] for i in chunk_ids))
+            act = float(self._class_act(c, chunk_ids, state))
             for d in members:
                 si, ti = index[(c, d)]
                 eq_rows.append(ci)
@@ -892,6 +892,21 @@ class _Space:
                     f"{self._label(cand)}: {_common.ms(score[1])} -> {_common.ms(s[1])}"
                 )
         return best_state, best_score, line
+
+    def _class_act(self, c, chunk_ids, state):
+        """Activation bytes per sample that the groups on replica set `c` keep.
+
+        Their own outputs, and each input they receive from a group on
+        another set, once per producer (a producer on the same set hands its
+        output over in place).
+        """
+        t = self.tables
+        received = {}
+        for i in chunk_ids:
+            for j, nbytes in t.preds[i]:
+                if state[j][0] != c:
+                    received[j] = max(received.get(j, 0), nbytes)
+        return sum(t.act[i] for i in chunk_ids) + sum(received.values())
 
     def memory_state(self):
         """Groups on the largest candidate set whose devices still have room.
