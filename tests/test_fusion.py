@@ -344,7 +344,15 @@ def test_overlapped_bound_closed_form():
     )
     # E = max(1 + A(3), 3 + A(1)) = max(5, 5) = 5; bound = max(max(4, 5), max(3.5, 5)) + 0.5
     assert bound.comm_end_s == 5.0 and bound.step_time_s == 5.5
-    assert bound.comm_s == 4.0 and bound.tail_s == 2.0 and bound.binding == "communication"
+    assert bound.comm_s == 4.0 and bound.tail_s == 2.0
+    assert bound.binding == "last all-reduce"  # E = last ready (3) + its all-reduce (2)
+    # Gradients queue up: the first all-reduce (1 + 11 bytes) ends after the last's.
+    queued = tensor_fusion.overlapped_bound(
+        {"a": 4.0}, {"a": 0.5}, [(1.0, 10), (3.0, 1)], lambda s: 1.0 + s)
+    assert queued.comm_end_s == 13.0 and queued.binding == "communication"
+    hidden = tensor_fusion.overlapped_bound(
+        {"a": 9.0}, {"a": 0.5}, [(1.0, 2), (3.0, 1)], lambda s: 1.0 + s)
+    assert hidden.binding == "compute"
 
 
 def test_overlapped_bound_rejects_ps_plans(cnn):

@@ -271,7 +271,11 @@ class OverlappedBound:
         comm_end_s: `E`, the earliest the gradient all-reduces can end.
         comm_s: `A(S)`, one all-reduce of every gradient.
         tail_s: The all-reduce of the gradients ready last.
-        binding: `"compute"` when `max C_d >= E`, else `"communication"`.
+        binding: `"compute"` when `max C_d >= E`; `"last all-reduce"` when
+            only the all-reduce of the gradients ready last sticks out
+            (`E` = their ready time + `tail_s`: every earlier all-reduce is
+            hidden, and no bucket layout can hide that one); else
+            `"communication"` (all-reduces queue up behind each other).
     """
 
     step_time_s: float
@@ -302,7 +306,7 @@ def overlapped_bound(compute, update, ready, allreduce):
     """
     total = float(sum(b for _, b in ready))
     comm_all = allreduce(total) if total > 0 else 0.0
-    comm_end, tail = 0.0, 0.0
+    comm_end, tail, last = 0.0, 0.0, 0.0
     if ready:
         by_time = sorted(ready, key=lambda rb: rb[0])
         remaining = total
@@ -311,7 +315,7 @@ def overlapped_bound(compute, update, ready, allreduce):
             t = by_time[i][0]
             cost = allreduce(remaining) if remaining > 0 else 0.0
             comm_end = max(comm_end, t + cost)
-            tail = cost
+            tail, last = cost, t
             while i < len(by_time) and by_time[i][0] == t:
                 remaining -= by_time[i][1]
                 i += 1
@@ -325,7 +329,9 @@ def overlapped_bound(compute, update, ready, allreduce):
         comm_end_s=comm_end,
         comm_s=comm_all,
         tail_s=tail,
-        binding="compute" if max_compute >= comm_end else "communication",
+        binding=("compute" if max_compute >= comm_end
+                 else "last all-reduce" if comm_end <= (last + tail) * (1 + 1e-9)
+                 else "communication"),
     )
 
 

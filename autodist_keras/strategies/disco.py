@@ -810,11 +810,19 @@ def _notes(timeline, state, bounds, bucket_algorithm, plan, sim, bound, start_ti
         )
     if bound.step_time_s > 0:
         text += (
-            f"; fully-overlapped bound {bound.step_time_s * 1e3:.3f} ms ({bound.binding}-bound)"
+            f"; fully-overlapped bound {bound.step_time_s * 1e3:.3f} ms ({_binding(bound)})"
             f", Disco {max(step / bound.step_time_s - 1, 0.0) * 100:.1f}% above it"
         )
     notes.append(text + ".")
     return notes
+
+
+def _binding(bound):
+    """What sets the fully-overlapped bound, in words."""
+    if bound.binding == "last all-reduce":
+        return (f"compute-bound but for the last gradients' all-reduce, "
+                f"{bound.tail_s * 1e3:.3f} ms after backward, which no layout hides")
+    return f"{bound.binding}-bound"
 
 
 def _figures(prediction):
