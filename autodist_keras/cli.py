@@ -94,8 +94,9 @@ def _cmd_plan(args):
     else:
         families = [args.strategy] if args.strategy in FAMILY_NAMES else []
         # Scored as `auto` scores them, so a plan shows the same prediction either way.
+        scorer = selection.resolve_scorer("learned")
         candidates = selection.build_candidates(graph, cluster, batch_size, families=families,
-                                                scorer=selection.resolve_scorer("learned"))
+                                                scorer=scorer)
         wanted = BASELINE_FOR_NAME.get(args.strategy, args.strategy)
         chosen = [c for c in candidates if c.name == wanted and c.plan is not None]
         if not chosen:
@@ -103,6 +104,7 @@ def _cmd_plan(args):
             raise StrategyError(f"No {args.strategy} plan: {str(reason).rstrip('.')}. "
                                 f"Received: {args.strategy!r}")
         plan = chosen[0].plan
+        selection.note_scoring(plan, scorer, candidates)
         selection.record_candidates(plan, candidates)
     planning_time = time.perf_counter() - started
     runnable, why = selection.runnable_anywhere(plan, cluster)

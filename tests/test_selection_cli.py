@@ -427,6 +427,11 @@ def test_cli_scores_a_plan_the_same_whatever_the_strategy_and_simulate_flags_a_m
     # under load, e.g. the other pytest worker, one run may rescale learned times 2x.)
     assert forced["scorer"].split(" (")[0] == (
         auto["baselines"]["single_device"]["scorer"].split(" (")[0])
+    # ... and it says how its times were scored, as auto does (machine-speed scaling included).
+    scored = [n for n in forced["notes"] if n.startswith("scored: ")]
+    assert len(scored) == 1 and "scored by the" in scored[0]
+    text = cli("plan", "--model", "mlp", "--cluster", testbed, "--strategy", "proportional").stdout
+    assert "why: scored by the" in text
     out = tmp_path / "plan.json"
     assert cli("plan", "--model", "mlp", "--cluster", HETERO, "--out", str(out)).returncode == 0
     other = "node0:2xT4;node1:2xT4;node2:2xT4;node3:2xT4"

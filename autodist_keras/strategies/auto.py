@@ -695,8 +695,7 @@ class AutoStrategy:
                 raise self._not_made(reason)
             plan = chosen[0].plan
             # Which predictor gave its time, and any machine-speed scaling (as auto says).
-            plan.notes = [n for n in plan.notes if not n.startswith("scored: ")] + [
-                "scored: " + scorer.summary(self.candidates)]
+            selection.note_scoring(plan, scorer, self.candidates)
             if chosen[0].executable is False and here:
                 raise StrategyError(
                     f"The {self.name!r} plan cannot run here on the {self.adapter.name} "

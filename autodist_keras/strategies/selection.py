@@ -670,6 +670,22 @@ def record_candidates(plan, candidates):
     plan.prediction.baselines = figures
 
 
+def note_scoring(plan, scorer, candidates):
+    """Notes on a forced strategy's plan which predictor scored the candidates.
+
+    `explain()` adds it to the plan's "why", as `auto` says it in its own
+    lines: the learned estimator or the simulator, and any machine-speed
+    scaling of the learned times.
+
+    Args:
+        plan: The chosen `Plan` (its notes are replaced, not appended to twice).
+        scorer: The `Scorer` that scored `candidates`.
+        candidates: The `Candidate` list of the search.
+    """
+    plan.notes = [n for n in plan.notes if not n.startswith("scored: ")] + [
+        "scored: " + scorer.summary(candidates)]
+
+
 def _explain_choice(best, candidates, scorer=None):
     by_name = {c.name: c for c in candidates}
     even = by_name.get("data_parallel_even") or by_name.get("single_device")
