@@ -345,7 +345,11 @@ def test_overlapped_bound_closed_form():
     # E = max(1 + A(3), 3 + A(1)) = max(5, 5) = 5; bound = max(max(4, 5), max(3.5, 5)) + 0.5
     assert bound.comm_end_s == 5.0 and bound.step_time_s == 5.5
     assert bound.comm_s == 4.0 and bound.tail_s == 2.0
-    assert bound.binding == "last all-reduce"  # E = last ready (3) + its all-reduce (2)
+    # E = last ready (3) + its all-reduce (2), but 1 s of 5.5 is exposed: communication binds.
+    assert bound.binding == "communication"
+    small_tail = tensor_fusion.overlapped_bound(
+        {"a": 4.9}, {"a": 0.5}, [(1.0, 2), (3.0, 1)], lambda s: 1.0 + s)
+    assert small_tail.binding == "last all-reduce"  # 0.1 s of 5.5 exposed
     # Gradients queue up: the first all-reduce (1 + 11 bytes) ends after the last's.
     queued = tensor_fusion.overlapped_bound(
         {"a": 4.0}, {"a": 0.5}, [(1.0, 10), (3.0, 1)], lambda s: 1.0 + s)

@@ -57,6 +57,10 @@ from autodist_keras.strategies.baselines import DDP_BUCKET_BYTES
 from autodist_keras.strategies.baselines import HOROVOD_FUSION_BYTES
 from autodist_keras.strategies.baselines import gradient_buckets
 
+# Exposed communication up to this share of the bound still counts as compute-bound
+# when it is only the last gradients' all-reduce (`OverlappedBound.binding`).
+MINOR_EXPOSURE = 0.1
+
 
 def launch_order(graph):
     """Trainable tensors in the order backward produces their gradients.
@@ -272,10 +276,10 @@ class OverlappedBound:
         comm_s: `A(S)`, one all-reduce of every gradient.
         tail_s: The all-reduce of the gradients ready last.
         binding: `"compute"` when `max C_d >= E`; `"last all-reduce"` when
-            only the all-reduce of the gradients ready last sticks out
-            (`E` = their ready time + `tail_s`: every earlier all-reduce is
-            hidden, and no bucket layout can hide that one); else
-            `"communication"` (all-reduces queue up behind each other).
+            only the all-reduce of the gradients ready last sticks out, and
+            by at most `MINOR_EXPOSURE` of the bound (`E` = their ready time
+            + `tail_s`: every earlier all-reduce is hidden, and no bucket
+            layout can hide that one); else `"communication"`.
     """
 
     step_time_s: float
@@ -330,7 +334,8 @@ def overlapped_bound(compute, update, ready, allreduce):
         comm_s=comm_all,
         tail_s=tail,
         binding=("compute" if max_compute >= comm_end
-                 else "last all-reduce" if comm_end <= (last + tail) * (1 + 1e-9)
+                 else "last all-reduce" if (comm_end <= (last + tail) * (1 + 1e-9)
+                                            and comm_end - max_compute <= MINOR_EXPOSURE * step)
                  else "communication"),
     )
 
