@@ -148,6 +148,42 @@ def test_an_output_read_twice_on_another_device_is_received_once():
     transfer = tables.alpha[0][1] + 4096 * 4 * batch * tables.beta[0][1]
     assert schedule.start[forward["b1"]] == pytest.approx(a_end + transfer, rel=1e-9)
     assert schedule.start[forward["b2"]] == pytest.approx(schedule.end[forward["b1"]], rel=1e-9)
+    # Backward: the readers' gradients are summed on their device and sent back once.
+    backward = {tables.layers[i]: k for k, (i, _, phase) in enumerate(meta) if phase == 1}
+    last_reader = max(schedule.end[backward["b1"]], schedule.end[backward["b2"]])
+    back = tables.alpha[1][0] + 4096 * 4 * batch * tables.beta[1][0]
+    assert schedule.start[backward["a"]] == pytest.approx(last_reader + back, rel=1e-9)
+
+
+def test_split_readers_of_other_rows_get_their_own_copy():
+    # b1 is split rows 0-31 on dev1 and 32-63 on dev2, b2 the other way round:
+    # dev1 needs both halves of a's output, so both are sent and held.
+    inputs = keras.Input((1024,), name="x")
+    a = keras.layers.Dense(4096, name="a")(inputs)
+    b1 = keras.layers.Dense(64, name="b1")(a)
+    b2 = keras.layers.Dense(64, name="b2")(a)
+    joined = keras.layers.Add(name="join")([b1, b2])
+    graph = ModelGraph.from_keras(keras.Model(inputs, keras.layers.Dense(10, name="out")(joined)))
+    cluster = _gpus("Fast", 3, memory_gb=16, link_gbs=20.0)
+    tables = CostTables(graph, cluster, AnalyticCostModel(cluster, framework="tensorflow"))
+    batch = 64
+    fixed = {tables.index[n]: [(0, batch)] for n in ("x", "a", "join", "out")}
+    fixed[tables.index["b1"]] = [(1, 32), (2, 32)]
+    fixed[tables.index["b2"]] = [(2, 32), (1, 32)]
+    schedule = list_schedule(tables, batch, "heft", fixed=fixed)
+    b_own = sum(tables.static[tables.index[n]] + tables.act[tables.index[n]] * 32
+                for n in ("b1", "b2"))
+    half = 4096 * 4 * 32
+    assert schedule.memory[1] == b_own + 2 * half
+    meta = schedule.task_meta
+    starts = {(tables.layers[i], r): schedule.start[k]
+              for k, (i, r, phase) in enumerate(meta) if phase == 0}
+    a_end = schedule.end[[k for k, (i, r, ph) in enumerate(meta)
+                          if ph == 0 and tables.layers[i] == "a"][0]]
+    one = tables.alpha[0][1] + half * tables.beta[0][1]
+    # four 32-row copies leave a's device one after another
+    assert max(starts[("b1", 0)], starts[("b1", 1)], starts[("b2", 0)],
+               starts[("b2", 1)]) >= a_end + 4 * one * (1 - 1e-9)
 
 
 def test_cpop_puts_the_critical_path_on_the_fastest_device(wide):

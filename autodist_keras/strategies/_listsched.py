@@ -446,18 +446,29 @@ def list_schedule(tables, batch, method="heft", fixed=None, memory=True):
     dev_free = [0.0] * n_dev
     last_task = [-1] * n_dev
     mem = [0] * n_dev
+
+    def rows(a, b):
+        """The samples two tasks' replicas share (the rows that move between them)."""
+        ia, ra, _ = meta[a]
+        ib, rb, _ = meta[b]
+        a0, a1 = ranges[ia][ra]
+        b0, b1 = ranges[ib][rb]
+        return max(a0, b0), min(a1, b1)
+
+    # An output read by several layers on one device is received there once
+    # (TensorFlow sends one copy of a tensor per device), and held once:
+    # `held` lists the (producer task, device, rows) counted in `mem`.
+    held = set()
     # Fixed layers reserve their memory up front (counting every input as
     # received from another device), so free layers avoid it.
-    # An output read by several layers on one device is received (and held)
-    # there once: `held` lists the (producer task, device) pairs counted.
-    held = set()
     for k, (i, ri, phase) in enumerate(meta):
         if phase == FORWARD and reps[i] is not None:
             d = dev[k]
             received = 0
             for p, x in preds[k]:
-                if dev[p] != d and (p, d) not in held:
-                    held.add((p, d))
+                key = (p, d) + rows(p, k)
+                if dev[p] != d and key not in held:
+                    held.add(key)
                     received += x
             mem[d] += t.static[i] + t.act[i] * share[k] + received
     fixed_layer = [r is not None for r in reps]
@@ -469,9 +480,8 @@ def list_schedule(tables, batch, method="heft", fixed=None, memory=True):
     nic_recv = [0.0] * t.n_nodes
     node = t.dev_node
 
-    # Forward outputs already sent to a device: (producer task, device) ->
-    # (arrival, bytes). A second reader there reuses the copy, as TensorFlow
-    # sends one copy of a tensor per device.
+    # Forward outputs already sent: (producer task, device, rows) -> (arrival,
+    # bytes); a second reader of those rows there reuses the copy.
     arrived = {}
 
     def arrival(k, d, commit=False):
@@ -480,35 +490,51 @@ def list_schedule(tables, batch, method="heft", fixed=None, memory=True):
         nd = node[d]
         nrecv = nic_recv[nd]
         forward = meta[k][2] == FORWARD
+        sends = {}  # (source device, rows) -> [ready, bytes, task, reuse key]
         for p, nbytes in preds[k]:
             sp = dev[p]
-            sent = arrived.get((p, d)) if forward else None
             if sp == d or nbytes <= 0:
-                v = end[p]
-            elif sent is not None and sent[1] >= nbytes:
-                v = sent[0]
+                if end[p] > at:
+                    at, who = end[p], p
+                continue
+            if forward:
+                key = (p, d) + rows(p, k)
+                sent = arrived.get(key)
+                if sent is not None and sent[1] >= nbytes:
+                    if sent[0] > at:
+                        at, who = sent[0], p
+                    continue
+                sends[(p,) + key[2:]] = [end[p], nbytes, p, key]
             else:
-                s = end[p]
-                if send_free[sp] > s:
-                    s = send_free[sp]
-                if recv > s:
-                    s = recv
-                ns = node[sp]
+                # The gradients of this layer's readers on one device are
+                # summed there and sent once, when the last of them is done.
+                group = sends.setdefault((sp,) + rows(k, p), [end[p], nbytes, p, None])
+                if end[p] > group[0]:
+                    group[0], group[2] = end[p], p
+                group[1] = max(group[1], nbytes)
+        for ready_at, nbytes, p, key in sends.values():
+            sp = dev[p]
+            s = ready_at
+            if send_free[sp] > s:
+                s = send_free[sp]
+            if recv > s:
+                s = recv
+            ns = node[sp]
+            if ns != nd:
+                if nic_send[ns] > s:
+                    s = nic_send[ns]
+                if nrecv > s:
+                    s = nrecv
+            v = s + alpha[sp][d] + nbytes * beta[sp][d]
+            recv = v
+            if ns != nd:
+                nrecv = v
+            if commit:
+                send_free[sp] = v
                 if ns != nd:
-                    if nic_send[ns] > s:
-                        s = nic_send[ns]
-                    if nrecv > s:
-                        s = nrecv
-                v = s + alpha[sp][d] + nbytes * beta[sp][d]
-                recv = v
-                if ns != nd:
-                    nrecv = v
-                if commit:
-                    send_free[sp] = v
-                    if ns != nd:
-                        nic_send[ns] = v
-                    if forward:
-                        arrived[(p, d)] = (v, nbytes)
+                    nic_send[ns] = v
+                if key is not None:
+                    arrived[key] = (v, nbytes)
             if v > at:
                 at, who = v, p
         if commit:
@@ -520,10 +546,11 @@ def list_schedule(tables, batch, method="heft", fixed=None, memory=True):
         i = meta[k][0]
         need = t.static[i] + t.act[i] * share[k]
         for p, nbytes in preds[k]:
-            if dev[p] != d and (p, d) not in held:
+            key = (p, d) + rows(p, k)
+            if dev[p] != d and key not in held:
                 need += nbytes
                 if commit:
-                    held.add((p, d))
+                    held.add(key)
         return need
 
     waiting = [len(p) for p in preds]
