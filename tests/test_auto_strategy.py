@@ -574,37 +574,48 @@ def test_a_plan_file_matches_keras_per_process_layer_numbering(tmp_path):
         AutoStrategy(cluster=testbed, plan=str(path)).plan_for(wider, 48)
 
 
-def test_a_plan_file_of_a_sequential_model_matches_its_numbering(tmp_path):
-    """A Sequential model's variable paths start with the model's own name, which
-    Keras numbers too (`sequential/dense/kernel`, then `sequential_1/dense_2/kernel`):
-    its plan file failed with "unknown variable" once another model was built first,
-    even with named layers."""
+def test_a_plan_file_of_a_sequential_or_nested_model_matches_its_numbering(tmp_path):
+    """Variable paths start with the names of the models they sit in, which Keras
+    numbers too (`sequential/dense/kernel`, then `sequential_1/dense_2/kernel`): plan
+    files of a Sequential model, or of a model with a nested one, failed with
+    "unknown variable" once another model was built first, named layers or not."""
     import numpy as np
 
     testbed = Cluster.cpu_testbed()
 
-    def build(names=(None, None)):
+    def sequential(names=(None, None)):
         return keras.Sequential([keras.Input((8,)),
                                  keras.layers.Dense(16, activation="relu", name=names[0]),
                                  keras.layers.Dense(3, name=names[1])])
 
-    for names in ((None, None), ("hidden", "head")):
+    def nested(names=(None, None)):
+        inputs = keras.Input((8,))
+        body = keras.Sequential([keras.layers.Dense(16, activation="relu", name=names[0]),
+                                 keras.layers.Dense(16)])
+        return keras.Model(inputs, keras.layers.Dense(3, name=names[1])(body(inputs)))
+
+    for build, names in ((sequential, (None, None)), (sequential, ("hidden", "head")),
+                         (nested, (None, None))):
         first = build(names)
         plan = AutoStrategy("proportional", cluster=testbed).plan_for(first, 48)
-        path = tmp_path / f"plan_{names[0]}.json"
+        path = tmp_path / f"plan_{build.__name__}_{names[0]}.json"
         plan.to_json(str(path))
         build(names)  # another model first: this process numbers the next one further
         again = build(names)
-        assert again.name != first.name
-        assert {v.path.split("/")[0] for v in again.trainable_weights} == {again.name}
+        old_roots = {v.path.split("/")[0] for v in first.trainable_weights}
+        new_roots = {v.path.split("/")[0] for v in again.trainable_weights}
+        assert old_roots != new_roots  # the model names in the paths moved
         strategy = AutoStrategy(cluster=testbed, plan=str(path))
         with strategy.scope():
             again.compile(optimizer="sgd",
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         given = strategy.plan_for(again, 48)
         assert sorted(given.sync) == sorted(v.path for v in again.trainable_weights)
-        note = [n for n in given.notes if "per-process numbering" in n]
-        assert note and f"{first.name} -> {again.name}" in note[0]
+        # each variable keeps its shape under its new path
+        shapes = {v.path: tuple(v.shape) for v in again.trainable_weights}
+        old_shapes = sorted(tuple(v.shape) for v in first.trainable_weights)
+        assert sorted(shapes[v] for v in given.sync) == old_shapes
+        assert any("per-process numbering" in n for n in given.notes)
         x = np.random.default_rng(0).normal(size=(48, 8)).astype("float32")
         again.fit(x, np.arange(48) % 3, batch_size=48, epochs=1, verbose=0)
 

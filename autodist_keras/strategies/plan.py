@@ -618,16 +618,20 @@ class Plan:
         its layer names in that order (`provenance.layer_order`), each layer
         is mapped to the one at the same index here, and the plan's layer
         lists, execution order, sync, buckets and op-fusion regions are
-        renamed.
+        renamed. Variable paths also hold the names of the models they sit
+        in (a Sequential's own name, a nested model's), numbered too: each
+        variable is paired with the one here whose path has the same layers
+        and leaf, one to one.
 
         Args:
             graph: The `ModelGraph` of the model here.
 
         Returns:
-            `(plan, renames)`: a renamed copy and the `{old: new}` layer names
-            that changed, or `(None, {})` when the names match already or
-            cannot be matched (another structure, or a plan without
-            `layer_order`, as written before session 19).
+            `(plan, renames)`: a renamed copy and the `{old: new}` layer (and
+            model) names that changed, or `(None, {})` when the names match
+            already or cannot be matched (another structure, a plan without
+            `layer_order`, as written before session 19, or variables that do
+            not pair one to one).
         """
         import copy
 
@@ -637,35 +641,46 @@ class Plan:
                 or self.provenance.graph_fingerprint != graph.fingerprint()):
             return None, {}
         renames = {old: new for old, new in zip(order, here) if old != new}
-        # A Sequential model's variable paths start with the model's own name,
-        # which Keras numbers too (`sequential/dense/kernel` here may be
-        # `sequential_1/dense_2/kernel` there).
-        old_vars = list(self.sync) or [v for bucket in self.buckets for v in bucket]
-        here_vars = [v.name for v in graph.variables]
-        old_root, here_root = _model_root(old_vars, order), _model_root(here_vars, here)
-        roots = ({old_root: here_root}
-                 if old_root and here_root and old_root != here_root else {})
+        # Variable paths hold layer names, and also the names of the models
+        # they sit in (`sequential/dense/kernel`, `outer/inner/dense/kernel`),
+        # which Keras numbers too. Each variable of the plan is paired with the
+        # one here whose path has the same layers (renamed) and leaf, the
+        # model segments left open; every pairing must be one to one.
+        old_layers, here_layers = set(order), set(here)
 
-        def path(name):  # rename the segments that name a layer, or the model
+        def skeleton(name, layers, rename):
             parts = name.split("/")
-            parts = [renames.get(p, p) for p in parts]
-            if roots and len(parts) > 1:
-                parts[0] = roots.get(parts[0], parts[0])
-            return "/".join(parts)
+            last = len(parts) - 1
+            return tuple(rename.get(p, p) if p in layers else (p if j == last else None)
+                         for j, p in enumerate(parts))
 
-        if not renames and not roots:
+        here_by_skeleton = {}
+        for v in graph.variables:
+            here_by_skeleton.setdefault(skeleton(v.name, here_layers, {}), []).append(v.name)
+        old_vars = list(dict.fromkeys(
+            list(self.sync) + [v for bucket in self.buckets for v in bucket]))
+        variables, models = {}, {}
+        for name in old_vars:
+            match = here_by_skeleton.get(skeleton(name, old_layers, renames), [])
+            if len(match) != 1:
+                return None, {}  # no variable, or several, fit: not matched
+            variables[name] = match[0]
+            for a, b in zip(name.split("/"), match[0].split("/")):
+                if a not in old_layers and a != b and models.setdefault(a, b) != b:
+                    return None, {}
+        if len(set(variables.values())) != len(variables):
             return None, {}
-        if old_vars and not {path(v) for v in old_vars} <= set(here_vars):
-            return None, {}  # the variables do not map one to one: not matched
-        renames = dict(renames, **roots)
+        if not renames and all(a == b for a, b in variables.items()):
+            return None, {}
+        renames = dict(renames, **models)
         matched = self.prediction_matches()
         plan = copy.deepcopy(self)
         for group in plan.groups:
             group.layers = [renames.get(n, n) for n in group.layers]
         plan.order = {d: [(renames.get(layer, layer), phase) for layer, phase in entries]
                       for d, entries in plan.order.items()}
-        plan.sync = {path(k): v for k, v in plan.sync.items()}
-        plan.buckets = [[path(v) for v in bucket] for bucket in plan.buckets]
+        plan.sync = {variables[k]: v for k, v in plan.sync.items()}
+        plan.buckets = [[variables[v] for v in bucket] for bucket in plan.buckets]
         plan.op_fusion = [[renames.get(n, n) for n in region] for region in plan.op_fusion]
         plan.provenance.layer_order = here
         if matched and plan.prediction is not None:
@@ -700,19 +715,6 @@ class Plan:
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines)
-
-
-def _model_root(variable_names, layer_names):
-    """The first path segment every variable shares when it is not a layer: the model's name.
-
-    Keras paths of a Sequential model's variables start with the model's name
-    (`sequential/dense/kernel`); a Functional model's start with the layer.
-    """
-    roots = {name.split("/", 1)[0] for name in variable_names if "/" in name}
-    if len(roots) != 1:
-        return None
-    root = roots.pop()
-    return None if root in set(layer_names) else root
 
 
 def split_batch(weights, batch_size):
