@@ -77,12 +77,15 @@ def _cmd_plan(args):
     from autodist_keras.errors import StrategyError
     from autodist_keras.strategies.explain import explanation
     from autodist_keras.strategies.explain import planner_internal
+    from autodist_keras.strategies.plan import output_target
 
     if args.strategy not in STRATEGY_NAMES:
         raise StrategyError(
             f"Unknown strategy; valid names: {', '.join(STRATEGY_NAMES)}. "
             f"Received: {args.strategy!r}"
         )
+    if args.out:  # a bad output path fails before the planning
+        output_target(args.out, "plan.json")
     cluster = _cluster(args.cluster)
     graph = _load_graph(args.model, args.imports)
     batch_size = args.batch_size or 32 * len(cluster)

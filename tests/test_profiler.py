@@ -257,3 +257,10 @@ def test_profile_main_writes_json(tmp_path, capsys):
     assert "measured" in capsys.readouterr().out
     with pytest.raises(EstimatorError, match="--batch-sizes must be comma-separated"):
         profiler.profile_main(["--model", "mlp", "--batch-sizes", "eight"])
+    # An output directory is refused by its own name, before anything is measured.
+    from autodist_keras.errors import OutputError
+
+    with pytest.raises(OutputError, match=r"it is a directory.*profile\.json'\. Received: "):
+        profiler.profile_main(["--model", "mlp", "--batch-sizes", "4", "--out", str(tmp_path),
+                               "--cache-dir", str(tmp_path / "cache2"), "--quiet"])
+    assert not (tmp_path / "cache2").exists()  # nothing was measured

@@ -392,6 +392,20 @@ def test_cli_file_errors_modes_and_infeasible_plans(cli, tmp_path):
         assert (os.stat(out).st_mode & 0o777) == 0o644
     finally:
         os.umask(old)
+    # A symbolic link is written through: the link stays, its target gets the plan.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "plan.json").write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(shared / "plan.json")
+    assert cli("plan", "--model", "mlp", "--cluster", HETERO, "--out", str(link)).returncode == 0
+    assert link.is_symlink() and json.loads((shared / "plan.json").read_text())["groups"]
+    # A pipe (as a device) is never replaced by a file; the error comes before planning.
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    run = cli("plan", "--model", "mlp", "--cluster", HETERO, "--out", str(fifo))
+    assert run.returncode == 2 and "is not a regular file" in run.stderr
+    assert not os.path.isfile(fifo) and "planning time" not in run.stdout
     # A forced plan that does not fit says so in the text output.
     run = cli("plan", "--model", "ResNet50", "--cluster", HETERO, "--strategy",
               "single_device", "--batch-size", "256")

@@ -2017,7 +2017,14 @@ def profile_main(args):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from autodist_keras.graph import ModelGraph
     from autodist_keras.graph import load_model
+    from autodist_keras.strategies.plan import output_target
+    from autodist_keras.strategies.plan import write_text_atomic
 
+    # Bad output paths fail now, not after the measurements.
+    if args.out:
+        output_target(args.out, "profile.json")
+    if getattr(args, "train_cost_model", None):
+        output_target(args.train_cost_model, "cost_model.json")
     batch_sizes = _int_list(args.batch_sizes, "--batch-sizes")
     cluster = _resolve_cluster(args.cluster)
     model = load_model(args.model)
@@ -2052,6 +2059,6 @@ def profile_main(args):
             f"{report.get('analytic_mape', float('nan')):.1f}% (measured on this machine)."
         )
     if args.out:
-        write_json_atomic(args.out, result)
+        write_text_atomic(args.out, json.dumps(result, indent=1, sort_keys=True))
         print(f"Profile written to {args.out}")
     return 0

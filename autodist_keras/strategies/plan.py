@@ -800,6 +800,32 @@ def refuse_directory(path, example_name):
                           f"as {os.path.join(path, example_name)!r}. Received: {path!r}")
 
 
+def output_target(path, example_name):
+    """The file that writing `path` replaces; raises `OutputError` if it must not be.
+
+    A symbolic link is written through (its target gets the new content, the
+    link stays); a directory, device, pipe or socket is refused (a rename
+    would replace a device with a file). Call it before long work whose
+    result goes to `path`, so a bad path fails first.
+
+    Args:
+        path: The path to be written.
+        example_name: A file name to suggest inside a directory.
+
+    Returns:
+        The path of the file to replace.
+    """
+    path = os.fspath(path)
+    refuse_directory(path, example_name)
+    target = os.path.realpath(path) if os.path.islink(path) else path
+    refuse_directory(target, example_name)
+    if os.path.exists(target) and not os.path.isfile(target):
+        raise OutputError(f"Cannot write {path!r}: it exists and is not a regular file (a "
+                          "device, pipe or socket), which the output would replace. Give the "
+                          f"path of a file. Received: {path!r}")
+    return target
+
+
 def write_atomic(path, write, suffix=""):
     """Writes a file through a temporary file in its directory and a rename.
 
@@ -809,22 +835,25 @@ def write_atomic(path, write, suffix=""):
         suffix: Ending of the temporary file's name (some writers, such as
             matplotlib, pick the format from it).
 
+    A symbolic link is written through to its target.
+
     Raises:
-        OutputError: If `path` is a directory, or the file or its directory
-            cannot be written (nothing is left behind).
+        OutputError: If `path` is a directory, a device, pipe or socket, or
+            the file or its directory cannot be written (nothing is left
+            behind).
     """
     path = os.fspath(path)
-    refuse_directory(path, "out" + suffix)
-    directory = os.path.dirname(os.path.abspath(path))
+    target = output_target(path, "out" + suffix)
+    directory = os.path.dirname(os.path.abspath(target))
     tmp = None
     try:
         os.makedirs(directory, exist_ok=True)
-        mode = _file_mode(path)
+        mode = _file_mode(target)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=suffix)
         with os.fdopen(fd, "wb") as f:
             write(f)
         os.chmod(tmp, mode)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except OSError as e:
         raise OutputError(f"Cannot write {path!r}: {e.strerror or e}. Check the path and its "
                           f"directory's permissions. Received: {path!r}") from e
