@@ -195,6 +195,11 @@ def test_bad_yaml_specs_name_file_field_and_value(tmp_path, text, field, needle)
     ("nodes:\n\t- gpus: [T4]\n", "Not valid YAML"),
     ("nodes: [{gpus: [T4]}]\nnodes: {\n", "Not valid YAML"),
     ("!!python/object:os.system {}\n", "Not valid YAML"),  # safe_load refuses objects
+    # A repeated key would silently drop the first (YAML keeps the last).
+    ("nodes:\n  - {name: a, gpus: [2xV100]}\nnodes:\n  - {name: b, gpus: [2xT4]}\n",
+     r"line 3, column 1: duplicate key 'nodes' \(first at line 1\).*merge them"),
+    ("nodes:\n  - name: n0\n    gpus: [4xV100]\n    gpus: [4xT4]\n",
+     r"duplicate key 'gpus' \(first at line 3\)"),
 ])
 def test_malformed_yaml(tmp_path, text, needle):
     path = _write(tmp_path, text)

@@ -649,6 +649,33 @@ def cluster_from_dict(spec, source="<dict>"):
     return _cluster_from_spec(spec, source)
 
 
+def _unique_key_loader():
+    """A `yaml.SafeLoader` subclass that refuses a key repeated in one mapping.
+
+    Plain YAML loading keeps the last of repeated keys: a spec with two
+    `nodes:` blocks would lose the first block's GPUs without a word.
+    """
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    first = seen.setdefault(key, key_node)
+                except TypeError:  # an unhashable key: the base class reports it
+                    continue
+                if first is not key_node:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"duplicate key {key!r} (first at line {first.start_mark.line + 1})",
+                        key_node.start_mark)
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
 def cluster_from_yaml(path):
     """A `Cluster` from a YAML resource spec file (read with `yaml.safe_load`)."""
     import yaml
@@ -676,14 +703,17 @@ def cluster_from_yaml(path):
             source=path,
         ) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        fix = ("YAML keeps only the last of repeated keys, so the earlier one would be "
+               "dropped silently: merge them into one"
+               if problem.startswith("duplicate key") else
+               "Fix the syntax (indentation, colons, brackets)")
         raise ClusterSpecError(
-            f"Not valid YAML{where}: {problem}. Fix the syntax (indentation, colons, "
-            "brackets). Received: the file's text",
+            f"Not valid YAML{where}: {problem}. {fix}. Received: the file's text",
             source=path,
         ) from None
     except RecursionError:
