@@ -74,6 +74,7 @@ def _cmd_plan(args):
     from autodist_keras.strategies.auto import BASELINE_FOR_NAME
     from autodist_keras.strategies.auto import FAMILY_NAMES
     from autodist_keras.strategies.auto import STRATEGY_NAMES
+    from autodist_keras.strategies.auto import not_made_error
     from autodist_keras.errors import StrategyError
     from autodist_keras.strategies.explain import explanation
     from autodist_keras.strategies.explain import planner_internal
@@ -103,9 +104,7 @@ def _cmd_plan(args):
         wanted = BASELINE_FOR_NAME.get(args.strategy, args.strategy)
         chosen = [c for c in candidates if c.name == wanted and c.plan is not None]
         if not chosen:
-            reason = next((c.reason for c in candidates if c.name == wanted), "not built")
-            raise StrategyError(f"No {args.strategy} plan: {str(reason).rstrip('.')}. "
-                                f"Received: {args.strategy!r}")
+            raise not_made_error(args.strategy, candidates, cluster.names)
         plan = chosen[0].plan
         selection.note_scoring(plan, scorer, candidates)
         selection.record_candidates(plan, candidates)
@@ -258,6 +257,18 @@ def _positive_int(text):
     return value
 
 
+def _positive_seconds(text):
+    """argparse type: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds. "
+                                         f"Received: {text!r}")
+    return value
+
+
 _MODEL_HELP = "ResNet50, mlp, a .keras file or module:function"
 _CLUSTER_HELP = "YAML spec, '2xV100,4x1080Ti' or 'cpu_testbed'"
 _IMPORT_HELP = ("import this module first (repeatable), e.g. one that registers the custom "
@@ -317,7 +328,8 @@ def build_parser():
 
     p = sub.add_parser("launch", help="run a script as N ranks on this machine (torchrun-style)")
     p.add_argument("--nprocs", type=int, required=True, help="number of ranks (one per device)")
-    p.add_argument("--timeout-s", type=float, default=None, help="kill all ranks after this")
+    p.add_argument("--timeout-s", type=_positive_seconds, default=None,
+                   help="kill all ranks after this many seconds")
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=_cmd_launch)

@@ -166,6 +166,23 @@ def test_no_runtime_runs_a_placement_plan_spanning_nodes(graph, hetero):
         assert hybrid.step_time_s < chosen.step_time_s
 
 
+def test_when_only_plans_spanning_nodes_fit_the_error_names_them():
+    """Eight 0.25 GB GPUs on two nodes: only FastT's placement fits ResNet50, and no
+    runtime runs it across nodes. The error said "cannot be executed by this backend
+    on this machine", also when planning for a cluster that is not here."""
+    cluster = Cluster.from_dict({"nodes": [
+        {"name": n, "gpus": [{"name": "Tiny", "memory_gb": 0.25, "fp32_tflops": 8,
+                              "bandwidth_gbps": 300, "count": 4}]} for n in ("t0", "t1")]})
+    graph = ModelGraph.from_keras(keras.applications.ResNet50(weights=None))
+    with pytest.raises(StrategyError) as info:
+        selection.choose_plan(graph, cluster, 8, use_cache=False, estimator="simulator")
+    message = str(info.value)
+    assert message.startswith("No plan that fits can run: fastt fit (predicted), but this "
+                              "placement/hybrid plan"), message
+    assert "spans nodes ['t0', 't1']" in message and "on one node" in message
+    assert "this machine" not in message
+
+
 def test_explain_labels_predictions(graph, hetero):
     plan, _ = selection.choose_plan(graph, hetero, 256, use_cache=False)
     data = explanation(plan, hetero, measured={"step_time_s": 0.01, "steps": 30})
@@ -375,6 +392,10 @@ def test_cli_launch_starts_ranks_with_torchrun_variables(cli, tmp_path):
     run = cli("launch", "--nprocs", "2", "--timeout-s", "120", str(script))
     assert run.returncode == 1
     assert "rank 1 failed first" in run.stderr and "rank 1: 3" in run.stderr
+    for bad in ("0", "-5", "nan", "soon"):  # started the ranks and killed them at once
+        with pytest.raises(SystemExit) as info:
+            cli("launch", "--nprocs", "2", "--timeout-s", bad, str(script))
+        assert info.value.code == 2
 
 
 def test_cli_file_errors_modes_and_infeasible_plans(cli, tmp_path):
@@ -422,6 +443,15 @@ def test_cli_batch_size_must_be_positive_and_the_chosen_candidate_is_named(cli):
     assert run.returncode == 0, run.stderr
     data = json.loads(run.stdout)
     assert data["strategy"] in data["baselines"]  # a candidate's name, e.g. data_parallel_even_ps
+    # A forced strategy that cannot be made says why, as the Python API does, with one
+    # "Received:" (it said "No data_parallel plan: not built" on one device).
+    run = cli("plan", "--model", "mlp", "--cluster", "1xV100", "--strategy", "data_parallel")
+    assert run.returncode == 2
+    assert "the cluster has one device (node0/gpu0)" in run.stderr, run.stderr
+    run = cli("plan", "--model", "mlp", "--cluster", HETERO, "--strategy", "proportional",
+              "--batch-size", "4")
+    assert run.returncode == 2 and "smaller than the number of devices" in run.stderr
+    assert run.stderr.count("Received:") == 1, run.stderr
 
 
 def test_missing_plan_file_says_what_to_pass(tmp_path):

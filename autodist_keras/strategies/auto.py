@@ -683,16 +683,8 @@ class AutoStrategy:
         else:
             chosen = [c for c in self.candidates if c.name == wanted]
             if not chosen or chosen[0].plan is None:
-                names = list(self.devices or self.cluster.names)
-                if chosen:
-                    reason = str(chosen[0].reason).rstrip(".")
-                elif len(names) < 2:
-                    reason = (f"the cluster has one device ({names[0]}), and a "
-                              f"{self.name} plan needs two or more. On a machine without "
-                              "GPUs, cluster=Cluster.cpu_testbed() gives several CPU devices")
-                else:
-                    reason = f"no {wanted} candidate was built for {len(names)} devices"
-                raise self._not_made(reason)
+                raise not_made_error(self.name, self.candidates,
+                                     list(self.devices or self.cluster.names))
             plan = chosen[0].plan
             # Which predictor gave its time, and any machine-speed scaling (as auto says).
             selection.note_scoring(plan, scorer, self.candidates)
@@ -722,11 +714,7 @@ class AutoStrategy:
 
     def _not_made(self, reason):
         """The `StrategyError` of a forced strategy whose plan could not be made."""
-        message = (f"The {self.name!r} plan could not be made for this model and "
-                   f"cluster: {reason}. Try strategy='auto'.")
-        if "Received:" not in reason:  # the reason usually names what it received
-            message += f" Received: strategy={self.name!r}"
-        return StrategyError(message)
+        return _not_made_message(self.name, reason)
 
     # -------------------------------------------------------------- explain
     def explain(self, format="text"):
@@ -821,6 +809,38 @@ class AutoStrategy:
 
 NOT_HERE_NOTE = ("planned for a cluster whose devices are not on this machine: every candidate "
                  "was considered, as by `autodist-keras plan`; fit here would refuse to run it")
+
+
+def _not_made_message(name, reason):
+    message = (f"The {name!r} plan could not be made for this model and "
+               f"cluster: {reason}. Try strategy='auto'.")
+    if "Received:" not in reason:  # the reason usually names what it received
+        message += f" Received: strategy={name!r}"
+    return StrategyError(message)
+
+
+def not_made_error(name, candidates, device_names):
+    """The `StrategyError` of a forced strategy whose candidate was not built.
+
+    Args:
+        name: The strategy name asked for (`"data_parallel"`, `"fastt"`, ...).
+        candidates: The search's `Candidate` list.
+        device_names: The devices planned for.
+
+    Returns:
+        A `StrategyError` giving the candidate's reason, or why none was built.
+    """
+    wanted = BASELINE_FOR_NAME.get(name, name)
+    chosen = [c for c in candidates if c.name == wanted]
+    if chosen and chosen[0].reason:
+        reason = str(chosen[0].reason).rstrip(".")
+    elif len(device_names) < 2:
+        reason = (f"the cluster has one device ({device_names[0]}), and a {name} plan "
+                  "needs two or more. On a machine without GPUs, "
+                  "cluster=Cluster.cpu_testbed() gives several CPU devices")
+    else:
+        reason = f"no {wanted} candidate was built for {len(device_names)} devices"
+    return _not_made_message(name, reason)
 
 
 def _noted_if_not_here(plan, here):

@@ -616,11 +616,13 @@ def pick(candidates, fits_hint=""):
     if not usable:
         reasons = "; ".join(f"{c.name}: {_common.shorten(c.reason)}" for c in candidates
                             if c.reason)
-        if any(c.feasible and c.executable is False for c in candidates):
+        blocked = [c for c in candidates if c.feasible and c.executable is False]
+        if blocked:
             raise StrategyError(
-                "No candidate plan can run here: those that fit cannot be executed by this "
-                "backend on this machine (the reasons follow). "
-                f"Received: {reasons}"
+                f"No plan that fits can run: {', '.join(c.name for c in blocked)} fit "
+                f"(predicted), but {_common.shorten(str(blocked[0].reason)).rstrip('.')}; "
+                "the plans that can run do not fit. Use more or larger devices (on one node, "
+                f"for a placement plan), or a smaller batch.{fits_hint} Received: {reasons}"
             )
         raise StrategyError(
             "No candidate plan fits this model on this cluster (predicted). Use more or "
