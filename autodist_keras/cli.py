@@ -3,8 +3,8 @@
 ```
 autodist-keras devices [--cluster SPEC] [--json]
 autodist-keras graph --model MODEL [--import MODULE] [--json]
-autodist-keras plan --model MODEL --cluster SPEC [--strategy NAME] [--batch-size N] [--json] [--out plan.json] [--import MODULE]
-autodist-keras simulate --model MODEL --cluster SPEC --plan PLAN.json [--trace out.json] [--json] [--import MODULE]
+autodist-keras plan --model MODEL --cluster SPEC [--strategy NAME] [--batch-size N] [--backend B] [--json] [--out plan.json] [--import MODULE]
+autodist-keras simulate --model MODEL --cluster SPEC --plan PLAN.json [--backend B] [--trace out.json] [--json] [--import MODULE]
 autodist-keras profile --model MODEL [--cluster cpu_testbed] [--batch-sizes 8,32] [--budget-s 60]
 autodist-keras launch --nprocs N script.py [args...]
 ```
@@ -78,6 +78,7 @@ def _cmd_plan(args):
     from autodist_keras.errors import StrategyError
     from autodist_keras.strategies.explain import explanation
     from autodist_keras.strategies.explain import planner_internal
+    from autodist_keras.devices.detect import active_keras_backend
     from autodist_keras.strategies.plan import output_target
 
     if args.strategy not in STRATEGY_NAMES:
@@ -106,6 +107,7 @@ def _cmd_plan(args):
         if not chosen:
             raise not_made_error(args.strategy, candidates, cluster.names)
         plan = chosen[0].plan
+        plan.provenance.backend = active_keras_backend()
         selection.note_scoring(plan, scorer, candidates)
         selection.record_candidates(plan, candidates)
     planning_time = time.perf_counter() - started
@@ -121,6 +123,7 @@ def _cmd_plan(args):
         "batch_size": batch_size,
         "predicted_step_time_s": plan.prediction.step_time_s,
         "scorer": plan.prediction.source,
+        "backend": plan.provenance.backend,
         "baselines": {
             c.name: {"predicted_step_time_s": c.step_time_s, "feasible": c.feasible,
                      # False: built, but no runtime can run it (auto never chooses it);
@@ -176,6 +179,15 @@ def _cmd_simulate(args):
         if made_for and made_for != here:
             print(f"note: {args.plan} was made for another {what} (fingerprint {made_for[:12]}, "
                   f"this one {here[:12]}); simulating it here anyway", file=sys.stderr)
+    from autodist_keras.devices.detect import active_keras_backend
+
+    backend = active_keras_backend()
+    if plan.provenance.backend and plan.provenance.backend != backend:
+        print(f"note: {args.plan} was planned and predicted for the {plan.provenance.backend} "
+              f"backend; this simulation is for {backend} (PyTorch pays eager host time per "
+              "layer on GPUs, and plans no op fusion by default), so the figures differ. "
+              f"Pass --backend {plan.provenance.backend} to compare like with like",
+              file=sys.stderr)
     renamed, renames = plan.renamed_for(graph)
     if renamed is not None:  # the same model, numbered differently by Keras here
         plan = renamed
@@ -196,6 +208,8 @@ def _cmd_simulate(args):
             "peak_memory_bytes": prediction.peak_memory_bytes,
             "trace": args.trace,
             "source": prediction.source,
+            "backend": backend,
+            "plan_file_backend": plan.provenance.backend,
             # The plan file's own headline figure (e.g. the learned estimator's), when
             # it was written for this very plan.
             "plan_file_prediction": (
@@ -308,6 +322,7 @@ def build_parser():
                    help="global batch (default 32 x devices)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--out", default=None, help="write the plan as JSON to this file")
+    _add_backend(p)
     _add_import(p)
     p.set_defaults(func=_cmd_plan)
 
@@ -317,6 +332,7 @@ def build_parser():
     p.add_argument("--plan", required=True, help="plan JSON file (from `plan --out`)")
     p.add_argument("--trace", default=None, help="write a Chrome trace JSON here")
     p.add_argument("--json", action="store_true", help="print JSON")
+    _add_backend(p)
     _add_import(p)
     p.set_defaults(func=_cmd_simulate)
 
@@ -336,11 +352,32 @@ def build_parser():
     return parser
 
 
+def _add_backend(p):
+    p.add_argument("--backend", choices=("tensorflow", "torch"), default=None,
+                   help="the Keras backend the plan is for: its predictions differ (PyTorch "
+                        "pays eager host time per layer on GPUs and compiles no op fusion by "
+                        "default). Default: KERAS_BACKEND, else keras.json, else tensorflow")
+
+
+def _use_backend(backend):
+    """Makes `backend` the Keras backend of this process, before Keras is imported."""
+    if backend is None:
+        return
+    keras = sys.modules.get("keras")
+    if keras is not None and keras.backend.backend() != backend:
+        raise AutodistError(
+            f"--backend {backend} needs a process where Keras is not imported yet; this one "
+            f"runs Keras on {keras.backend.backend()}. Run the command on its own, or set "
+            f"KERAS_BACKEND={backend}. Received: --backend {backend}")
+    os.environ["KERAS_BACKEND"] = backend
+
+
 def main(argv=None):
     """Runs the command line; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _use_backend(getattr(args, "backend", None))
         return args.func(args)
     except AutodistError as e:
         print(f"autodist-keras {args.command}: error: {e}", file=sys.stderr)

@@ -483,6 +483,37 @@ def test_cli_scores_a_plan_the_same_whatever_the_strategy_and_simulate_flags_a_m
     assert "was made for another cluster" in run.stderr
 
 
+def test_cli_plans_for_the_backend_asked_and_simulate_names_a_mismatch(tmp_path):
+    """Predictions depend on the Keras backend (PyTorch's host time on GPUs, op
+    fusion): `--backend` picks it in a fresh process, the plan file records it, and
+    `simulate` under another backend says so. Real CLI processes: the backend is
+    fixed per process."""
+    import subprocess
+    import sys
+
+    def run(*args, backend_env):
+        env = dict(os.environ, KERAS_BACKEND=backend_env)
+        return subprocess.run([sys.executable, "-m", "autodist_keras.cli", *args],
+                              capture_output=True, text=True, env=env, timeout=300)
+
+    out = tmp_path / "plan.json"
+    made = run("plan", "--model", "mlp", "--cluster", "2xV100", "--backend", "torch",
+               "--json", "--out", str(out), backend_env="tensorflow")
+    assert made.returncode == 0, made.stderr
+    assert json.loads(made.stdout)["backend"] == "torch"
+    assert Plan.from_json(str(out)).provenance.backend == "torch"
+    other = run("simulate", "--model", "mlp", "--cluster", "2xV100", "--plan", str(out),
+                "--json", backend_env="tensorflow")
+    assert other.returncode == 0, other.stderr
+    assert "was planned and predicted for the torch backend; this simulation is for " \
+           "tensorflow" in other.stderr
+    data = json.loads(other.stdout)
+    assert data["backend"] == "tensorflow" and data["plan_file_backend"] == "torch"
+    same = run("simulate", "--model", "mlp", "--cluster", "2xV100", "--plan", str(out),
+               "--backend", "torch", "--json", backend_env="tensorflow")
+    assert same.returncode == 0 and "was planned and predicted" not in same.stderr
+
+
 def test_cli_output_piped_into_a_reader_that_stops_early_ends_quietly(tmp_path):
     """`autodist-keras devices --json | head` closes the pipe early: no traceback
     and no 'cannot use the file' error on stderr."""

@@ -709,6 +709,7 @@ class AutoStrategy:
                 "devices with more memory. "
                 f"Received: strategy={self.name!r}, batch_size={batch_size}"
             )
+        plan.provenance.backend = self.adapter.name
         selection.record_candidates(plan, self.candidates)
         return _noted_if_not_here(plan, here)
 

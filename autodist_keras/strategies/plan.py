@@ -150,6 +150,9 @@ class Provenance:
         layer_order: The planned model's layer (graph node) names in the
             graph's order, which the fingerprint covers by index: the same
             model numbered differently by Keras maps onto it (`renamed_for`).
+        backend: The Keras backend the plan was made and predicted for
+            (`"tensorflow"` or `"torch"`; None in files written before
+            session 20): predictions differ between backends.
     """
 
     planner: str
@@ -158,6 +161,7 @@ class Provenance:
     graph_fingerprint: Optional[str] = None
     cluster_fingerprint: Optional[str] = None
     layer_order: Optional[list] = None
+    backend: Optional[str] = None
 
     @property
     def candidate(self):

@@ -829,6 +829,7 @@ def choose_plan(
         graph, cluster, devices, batch_size)
     best = pick(candidates, hint)
     plan = best.plan
+    plan.provenance.backend = backend
     record_candidates(plan, candidates)
     plan.notes = [n for n in plan.notes if not n.startswith("auto:")]
     plan.notes += ["auto: " + line for line in _explain_choice(best, candidates, scorer)]
