@@ -381,3 +381,19 @@ def test_the_share_lp_charges_received_inputs_only_between_replica_sets():
     plan = heterog.plan(graph, cluster, batch, cost_model=cost)
     assert plan.prediction.feasible
     assert plan.groups[0].shares[0] >= fits
+
+
+def test_a_straggler_type_can_leave_every_group():
+    """Eight V100s and one 0.05 TFLOP/s card: HeteroG's sets had all devices, the
+    fastest one, the fastest half and per-node sets, so it used four V100s; a set of
+    all but the slowest type lets every group drop the straggler alone."""
+    from autodist_keras.graph import zoo
+
+    cluster = Cluster.from_dict({"nodes": [{"name": "n0", "gpus": [
+        {"type": "V100-PCIE-16GB", "count": 8},
+        {"name": "Crawl", "memory_gb": 16, "fp32_tflops": 0.05, "bandwidth_gbps": 20}]}]})
+    graph = ModelGraph.from_keras(zoo.small_cnn(input_shape=(32, 32, 3), filters=(16, 32)))
+    cost = AnalyticCostModel(cluster, framework="tensorflow")
+    plan = heterog.plan(graph, cluster, 512, cost_model=cost)
+    used = {d for group in plan.groups for d in group.devices}
+    assert used == {f"n0/gpu{i}" for i in range(8)}

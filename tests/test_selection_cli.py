@@ -114,7 +114,7 @@ def test_executable_predicate_excludes_plans(graph, hetero, tmp_path):
         graph, hetero, 256, use_cache=False, executable=only_even
     )
     assert plan.provenance.planner == "data_parallel_even"
-    with pytest.raises(StrategyError, match="No candidate plan"):
+    with pytest.raises(StrategyError, match="No plan that fits can run"):
         selection.pick([c for c in candidates if c.name == "single_device"])
 
 

@@ -53,6 +53,7 @@ import time
 
 import numpy as np
 
+from autodist_keras.errors import AutodistError
 from autodist_keras.errors import StrategyError
 from autodist_keras.estimator.cost_model import AnalyticCostModel
 from autodist_keras.fusion import op_fusion as op_fusion_lib
@@ -502,7 +503,10 @@ def plan(
         batch_size: Global batch size.
         cost_model: Cost model for the estimator (default
             `AnalyticCostModel(cluster)`).
-        devices: Device names to use (default: all).
+        devices: Device names it may use (default: all). A device type too
+            slow to pay for its share (at least one sample) and its
+            all-reduce is left out, slowest first, when that predicts a
+            faster step; a note names the devices.
         time_budget_s: Wall-time budget for the whole call (default 2 s).
             The search stops when it is spent (then the result may depend on
             the machine's speed; the plan's notes say so).
@@ -577,6 +581,23 @@ def plan(
     ring = timeline.with_algorithms(["ring"])
     start_time = ring.step(unfused, ddp_bounds) if ddp_bounds is not None else None
     shares_from = "proportional"
+    # A device type too slow to pay for its share (at least one sample) and its
+    # all-reduce is left out, slowest type first, while that predicts a faster start.
+    left_out, with_all = [], start_time
+    while start_time is not None and options.get("speeds") is None:
+        trimmed = _without_slowest_type(base, graph, cluster, batch_size)
+        if trimmed is None:
+            break
+        other = _Timeline(graph, cluster, trimmed.replicas, cost, algorithms)
+        other_unfused = other.state(())
+        other_ring = other.with_algorithms(["ring"])
+        other_bounds = tensor_fusion.bounds_of(other.var_names, trimmed.buckets)
+        other_start = other_ring.step(other_unfused, other_bounds)
+        if not other_start < start_time * (1.0 - 1e-9):
+            break
+        left_out += [d for d in base.devices if d not in trimmed.devices]
+        base, timeline, ring, start_time = trimmed, other, other_ring, other_start
+        unfused, ddp_bounds = other_unfused, other_bounds
     if options.get("speeds") is None and len(base.replicas) > 1 and start_time is not None:
         # Shares that balance the predicted per-device step (compute and update):
         # kept when they predict a faster start than the speed-proportional ones.
@@ -651,6 +672,12 @@ def plan(
         prediction.baselines["overlapped_bound_no_op_fusion"] = timeline.bound(unfused).to_dict()
     result.prediction = prediction
 
+    if left_out:
+        notes.append(
+            f"Left out {', '.join(left_out)}: too slow to pay for a share (at least one sample) "
+            f"and its all-reduce; the start without them is predicted "
+            f"{start_time * 1e3:.3f} ms, with them {with_all * 1e3:.3f} ms."
+        )
     notes += _notes(timeline, state, bounds, bucket_algorithm, result, sim, bound, start_time,
                     use_op, shares_from)
     if fusion_not_searched:
@@ -695,6 +722,27 @@ def plan(
     result.provenance.cluster_fingerprint = base.provenance.cluster_fingerprint
     result.provenance.planning_time_s = time.perf_counter() - started
     return result
+
+
+def _without_slowest_type(base, graph, cluster, batch_size):
+    """`base`'s proportional plan without its slowest device type, or None.
+
+    The slowest type is the one whose devices get the fewest samples each.
+    None when one type is left, or the rest cannot hold the batch.
+    """
+    shares = {r.device: r.batch_share for r in base.replicas}
+    by_type = {}
+    for name in shares:
+        by_type.setdefault(cluster.device(name).model, []).append(name)
+    if len(by_type) < 2:
+        return None
+    slowest = min(by_type.values(),
+                  key=lambda names: (sum(shares[n] for n in names) / len(names), names))
+    keep = [n for n in shares if n not in slowest]
+    try:
+        return baselines.proportional(graph, cluster, batch_size, devices=keep)
+    except AutodistError:
+        return None
 
 
 def _balanced_base(base, graph, cluster, cost, batch_size):

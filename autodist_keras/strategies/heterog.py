@@ -399,6 +399,16 @@ class _Space:
             sets += [tuple(v) for v in nodes.values()]
         for m in sorted({1, max(n // 2, 1)}):
             sets.append(tuple(sorted(order[:m])))
+        # All but the slowest device types (a straggler type leaves the set).
+        types = []
+        for d in order:  # fastest first
+            model = t.dev[d].model
+            if model not in types:
+                types.append(model)
+        for j in range(1, len(types)):
+            kept = tuple(sorted(d for d in range(n) if t.dev[d].model in types[:-j]))
+            if len(kept) >= 2:
+                sets.append(kept)
         if len(nodes) > 2:
             # Devices of the best-connected nodes: partial replication that
             # drops the badly connected ones. A node's reach is its best link
