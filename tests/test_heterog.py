@@ -397,3 +397,17 @@ def test_a_straggler_type_can_leave_every_group():
     plan = heterog.plan(graph, cluster, 512, cost_model=cost)
     used = {d for group in plan.groups for d in group.devices}
     assert used == {f"n0/gpu{i}" for i in range(8)}
+
+
+def test_says_so_when_no_group_arrangement_fits(wide):
+    """When nothing HeteroG builds fits, the note said "no group strategy found by the
+    search was predicted faster" over an infeasible seed; it now says nothing fits
+    and points to FastT's layer placement."""
+    cluster = Cluster.from_dict({"nodes": [{"name": "n0", "gpus": [
+        {"name": "Tiny", "memory_gb": 0.05, "fp32_tflops": 10, "bandwidth_gbps": 500,
+         "count": 2}]}]})
+    plan = heterog.plan(wide, cluster, 64, time_budget_s=BIG)
+    assert not plan.prediction.feasible
+    note = [n for n in plan.notes if n.startswith("No plan found fits in memory")]
+    assert note and "strategy='fastt'" in note[0], plan.notes
+    assert not any("was predicted faster" in n for n in plan.notes)

@@ -209,10 +209,19 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
         notes.extend(space.describe(state, found_shares))
     else:
         chosen = _as_heterog(chosen, record)
-        notes.append(
-            f"The best candidate was the seed {label!r}: no group strategy found by the "
-            "search was predicted faster."
-        )
+        if result.feasible:
+            notes.append(
+                f"The best candidate was the seed {label!r}: no group strategy found by the "
+                "search was predicted faster."
+            )
+        else:
+            notes.append(
+                f"No plan found fits in memory (predicted); the seed {label!r} is shown, and "
+                f"it does not fit either ({result.infeasible_reason}). HeteroG places "
+                f"{len(space.units)} layer groups of about equal compute, whole or replicated, "
+                "and none of its memory-aware arrangements fit these devices; "
+                "strategy='fastt' places single layers, a smaller batch needs less memory."
+            )
     figures = {name: {"step_time_s": r.step_time_s, "feasible": r.feasible}
                for name, _, r in seeds}
     for name, value in (options.get("baselines") or {}).items():
