@@ -356,3 +356,7 @@ def test_a_device_type_too_slow_for_its_share_is_left_out(cnn):
     # Mixed devices that all pay their way keep every device.
     mixed = Cluster.from_string("2xV100,2xT4")
     assert len(disco.plan(cnn, mixed, 256).devices) == 4
+    # One device: no all-reduce to name.
+    one = disco.plan(cnn, Cluster.from_string("1xV100"), 32)
+    note = [n for n in one.notes if n.startswith("Tensor fusion")][0]
+    assert "one device, so no all-reduce" in note and "ring x" not in note

@@ -833,7 +833,8 @@ def _notes(timeline, state, bounds, bucket_algorithm, plan, sim, bound, start_ti
         f"Tensor fusion: {len(bounds)} gradient bucket(s)"
         + (f" of {min(sizes):.2f} to {max(sizes):.2f} MiB" if sizes else "")
         + (f", all-reduce by {', '.join(f'{a} x{n}' for a, n in sorted(counts.items()))}"
-           if counts else "")
+           if counts and len(plan.devices) > 1 else "")
+        + ("; one device, so no all-reduce" if len(plan.devices) == 1 else "")
         + "."
     )
     if plan.op_fusion:
