@@ -214,3 +214,40 @@ def test_graph_and_cluster_fingerprints_stable_across_processes(graph, testbed):
     g, c = out.stdout.split()[-2:]
     assert g == graph.fingerprint()
     assert c == testbed.fingerprint()
+
+
+@pytest.mark.parametrize("build", ["attention", "bidirectional"])
+def test_renamed_for_matches_numbered_sublayers(build):
+    """Variables of MultiHeadAttention (`mha/query/kernel`, `mha/key/kernel`, ...) and
+    of Bidirectional (`bidirectional/forward_lstm/...`) sit under sublayers that are
+    not graph layers; the pairing of the plan's variables with a renumbered model's
+    must keep them apart (query with query, forward with forward)."""
+
+    def model():
+        inputs = keras.Input((6, 8))
+        if build == "attention":
+            x = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(inputs, inputs)
+        else:
+            x = keras.layers.Bidirectional(keras.layers.LSTM(5))(inputs)
+        return keras.Model(inputs, keras.layers.Dense(3)(x))
+
+    cluster = Cluster.from_string("2xV100")
+    first = model()
+    plan = Plan.from_json(baselines.proportional(ModelGraph.from_keras(first), cluster,
+                                                 8).to_json())
+    model()
+    again = model()  # numbered further by this process
+    graph = ModelGraph.from_keras(again)
+    assert not set(plan.sync) & {v.name for v in graph.variables}
+    renamed, renames = plan.renamed_for(graph)
+    assert renamed is not None and renamed.validate(graph, cluster) == []
+    old_shapes = {v.path: tuple(v.shape) for v in first.trainable_weights}
+    new_shapes = {v.path: tuple(v.shape) for v in again.trainable_weights}
+    pairs = dict(zip(plan.sync, renamed.sync))  # dicts keep the plan's order
+    def stem(segment):  # without Keras's _N suffix
+        head, _, number = segment.rpartition("_")
+        return head if head and number.isdigit() else segment
+
+    for old, new in pairs.items():
+        assert old_shapes[old] == new_shapes[new]
+        assert [stem(p) for p in old.split("/")] == [stem(p) for p in new.split("/")]

@@ -645,17 +645,21 @@ class Plan:
                 or self.provenance.graph_fingerprint != graph.fingerprint()):
             return None, {}
         renames = {old: new for old, new in zip(order, here) if old != new}
-        # Variable paths hold layer names, and also the names of the models
-        # they sit in (`sequential/dense/kernel`, `outer/inner/dense/kernel`),
-        # which Keras numbers too. Each variable of the plan is paired with the
-        # one here whose path has the same layers (renamed) and leaf, the
-        # model segments left open; every pairing must be one to one.
+        # Variable paths hold layer names, and also other segments that Keras
+        # may number: the models they sit in (`sequential/dense/kernel`,
+        # `outer/inner/dense/kernel`) and a layer's own sublayers
+        # (`bidirectional/forward_lstm_1/...`; MultiHeadAttention's `query`,
+        # `key`, ...). Each variable of the plan is paired with the one here
+        # whose path has the same layers (renamed), the same leaf, and other
+        # segments equal but for Keras's `_N` suffix; every pairing must be one
+        # to one.
         old_layers, here_layers = set(order), set(here)
 
         def skeleton(name, layers, rename):
             parts = name.split("/")
             last = len(parts) - 1
-            return tuple(rename.get(p, p) if p in layers else (p if j == last else None)
+            return tuple(rename.get(p, p) if p in layers
+                         else (p if j == last else ("~", _unnumbered(p)))
                          for j, p in enumerate(parts))
 
         here_by_skeleton = {}
@@ -719,6 +723,12 @@ class Plan:
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines)
+
+
+def _unnumbered(name):
+    """A name without Keras's per-process `_N` suffix (`sequential_3` -> `sequential`)."""
+    stem, _, number = name.rpartition("_")
+    return stem if stem and number.isdigit() else name
 
 
 def split_batch(weights, batch_size):
