@@ -208,6 +208,17 @@ def test_malformed_yaml(tmp_path, text, needle):
     assert info.value.source == path and "Received" in str(info.value)
 
 
+def test_yaml_merge_keys_still_load(tmp_path):
+    """`<<: *anchor` may be overridden by the mapping's own keys (YAML's merge rule):
+    the repeated-key check must not refuse it."""
+    path = _write(tmp_path, "nodes:\n"
+                            "  - &first {name: a, nic_gbps: 25, gpus: [{type: V100, count: 2}]}\n"
+                            "  - {<<: *first, name: b, gpus: [{type: T4, count: 2}]}\n")
+    cluster = Cluster.from_yaml(path)
+    assert cluster.names == ["a/gpu0", "a/gpu1", "b/gpu0", "b/gpu1"]
+    assert cluster.device("b/gpu0").model == "T4"
+
+
 def test_unreadable_files(tmp_path):
     with pytest.raises(ClusterSpecError, match="No such file"):
         Cluster.from_yaml(tmp_path / "nope.yaml")

@@ -661,6 +661,8 @@ def _unique_key_loader():
         def construct_mapping(self, node, deep=False):
             seen = {}
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *anchor`: its keys may be overridden, as YAML allows
                 key = self.construct_object(key_node, deep=deep)
                 try:
                     first = seen.setdefault(key, key_node)
