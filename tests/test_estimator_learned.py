@@ -459,3 +459,26 @@ def test_saved_estimators_predict_with_numpy_only(records, tmp_path):
     assert out["modules"] == []
     for variant in variants:
         assert np.allclose(out[variant], expected[variant], rtol=1e-12)
+
+
+def test_save_writes_through_a_symbolic_link(tmp_path):
+    """The JSON writers of the estimator side replaced a link with a 0600 file."""
+    import os
+
+    from autodist_keras.estimator import learned as learned_module
+
+    estimator = learned_module.load_default("tensorflow")
+    (tmp_path / "shared").mkdir()
+    target = tmp_path / "shared" / "estimator.json"
+    target.write_text("old")
+    link = tmp_path / "estimator.json"
+    link.symlink_to(target)
+    old = os.umask(0o022)
+    try:
+        estimator.save(str(link))
+    finally:
+        os.umask(old)
+    assert link.is_symlink()
+    assert learned_module.LearnedEstimator.load(str(target)).to_dict() == estimator.to_dict()
+    assert (os.stat(target).st_mode & 0o777) == 0o644
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]

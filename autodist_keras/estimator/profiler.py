@@ -62,6 +62,7 @@ import traceback
 from autodist_keras.devices.detect import host_cpu_name
 from autodist_keras.errors import AutodistError
 from autodist_keras.errors import EstimatorError
+from autodist_keras.errors import OutputError
 
 CACHE_ENV = "AUTODIST_KERAS_CACHE"
 CACHE_VERSION = 1
@@ -101,20 +102,16 @@ def write_json_atomic(path, data):
     """Writes `data` as JSON to `path` through a temporary file and a rename.
 
     A reader never sees a partial file, and concurrent writers of the same
-    path leave one complete version.
+    path leave one complete version. A symbolic link is written through
+    (`strategies.plan.write_atomic`).
+
+    Raises:
+        OutputError: If the file cannot be written (nothing is left behind).
     """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    from autodist_keras.strategies.plan import write_atomic
+
+    text = json.dumps(data, indent=1, sort_keys=True)
+    write_atomic(path, lambda f: f.write(text.encode("utf-8")), suffix=".json")
 
 
 def read_json(path, what, hint=""):
@@ -192,9 +189,10 @@ class ProfileCache:
             write_json_atomic(
                 self.path(fields), {"key": _canonical_json(fields), "record": record}
             )
-        except OSError as e:
+        except OutputError as e:
+            reason = str(e).split(" Received:")[0]
             raise EstimatorError(
-                f"Cannot write the profile cache in {self.directory}: {e.strerror}. Set "
+                f"Cannot write the profile cache in {self.directory} ({reason}). Set "
                 f"{CACHE_ENV} or pass cache_dir= to a writable directory. "
                 f"Received: {self.directory!r}"
             ) from None
