@@ -65,9 +65,11 @@ FAMILIES = ("fastt", "heterog", "disco")
 FAMILY_BUDGET_S = {"fastt": 3.0, "heterog": 4.0, "disco": 2.0}
 # Bumped when planners or the simulator change what they would plan (3: session 14's
 # parameter-server host time and HeteroG share balancing; 4: session 15's attention
-# memory, FastT's data-parallel seed and the planners' step host time); the package
-# version is in the key too, so an upgrade never reuses an older release's plans.
-CACHE_VERSION = 4
+# memory, FastT's data-parallel seed and the planners' step host time; 5: session 20's
+# fan-out transfers, HeteroG's sets, starts and LP memory, Disco's straggler types, the
+# backend in the key and in plans); the package version is in the key too, so an
+# upgrade never reuses an older release's plans.
+CACHE_VERSION = 5
 ESTIMATOR_CHOICES = ("learned", "simulator")
 TIE_RTOL = 1e-6
 SCORER_SIMULATOR = "simulator (predicted)"
@@ -805,6 +807,7 @@ def choose_plan(
                 raise StrategyError("the cached plan cannot run here; planning again")
             plan.notes = [n for n in plan.notes if not n.startswith("cache:")]
             plan.notes.append(f"cache: reused plan {key[:12]} from {path}")
+            plan.provenance.backend = plan.provenance.backend or backend
             return plan, []
         except AutodistError:
             pass  # a stale or damaged cache entry: plan again and overwrite it
