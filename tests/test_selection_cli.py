@@ -421,6 +421,12 @@ def test_cli_file_errors_modes_and_infeasible_plans(cli, tmp_path):
     link.symlink_to(shared / "plan.json")
     assert cli("plan", "--model", "mlp", "--cluster", HETERO, "--out", str(link)).returncode == 0
     assert link.is_symlink() and json.loads((shared / "plan.json").read_text())["groups"]
+    # Links that loop are refused (an ordinary write would fail), not replaced.
+    loop_a, loop_b = tmp_path / "loop_a.json", tmp_path / "loop_b.json"
+    loop_a.symlink_to(loop_b)
+    loop_b.symlink_to(loop_a)
+    run = cli("plan", "--model", "mlp", "--cluster", HETERO, "--out", str(loop_a))
+    assert run.returncode == 2 and "form a loop" in run.stderr and loop_a.is_symlink()
     # A pipe (as a device) is never replaced by a file; the error comes before planning.
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)

@@ -31,6 +31,7 @@ print(plan.summary())
 """
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -831,6 +832,14 @@ def output_target(path, example_name):
     """
     path = os.fspath(path)
     refuse_directory(path, example_name)
+    if os.path.islink(path):
+        try:
+            os.stat(path)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise OutputError(f"Cannot write {path!r}: its symbolic links form a loop. "
+                                  "Remove the link or give another path. "
+                                  f"Received: {path!r}") from None
     target = os.path.realpath(path) if os.path.islink(path) else path
     refuse_directory(target, example_name)
     if os.path.exists(target) and not os.path.isfile(target):
