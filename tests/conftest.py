@@ -146,3 +146,20 @@ def hetero():
     from autodist_keras.devices import Cluster
 
     return Cluster.from_yaml("examples/clusters/hetero_testbed.yaml")
+
+
+@pytest.fixture(scope="module")
+def fan_out():
+    """`a`'s 16 KiB-per-sample output read by two layers, `b1` and `b2` (the shape of a
+    residual block's input), joined and classified, as a `ModelGraph`."""
+    import keras
+
+    from autodist_keras.graph import ModelGraph
+
+    inputs = keras.Input((1024,), name="x")
+    a = keras.layers.Dense(4096, name="a")(inputs)
+    b1 = keras.layers.Dense(64, name="b1")(a)
+    b2 = keras.layers.Dense(64, name="b2")(a)
+    joined = keras.layers.Add(name="join")([b1, b2])
+    outputs = keras.layers.Dense(10, name="out")(joined)
+    return ModelGraph.from_keras(keras.Model(inputs, outputs, name="fan_out"))

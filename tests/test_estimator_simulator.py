@@ -242,21 +242,11 @@ def test_model_parallel_chain_matches_its_critical_path(chain):
     )
 
 
-def _fan_out():
-    """`a`'s 16 KiB-per-sample output read by two layers (the shape of a residual block's input)."""
-    inputs = keras.Input((1024,), name="x")
-    a = keras.layers.Dense(4096, name="a")(inputs)
-    b1 = keras.layers.Dense(64, name="b1")(a)
-    b2 = keras.layers.Dense(64, name="b2")(a)
-    joined = keras.layers.Add(name="join")([b1, b2])
-    return keras.Model(inputs, keras.layers.Dense(10, name="out")(joined), name="fan_out")
-
-
-def test_an_output_read_twice_on_another_device_crosses_once():
+def test_an_output_read_twice_on_another_device_crosses_once(fan_out):
     # TensorFlow sends one copy of a tensor per device, and sums the readers'
     # gradients there before sending them back: one transfer each way, and the
     # received activation is held once.
-    graph = ModelGraph.from_keras(_fan_out())
+    graph = fan_out
     cluster = Cluster.from_string("2xV100")
     cost = AnalyticCostModel(cluster)
     d0, d1 = cluster.names

@@ -122,16 +122,11 @@ def test_heft_runs_independent_branches_in_parallel(branches):
     assert schedule.makespan < 0.8 * serial
 
 
-def test_an_output_read_twice_on_another_device_is_received_once():
+def test_an_output_read_twice_on_another_device_is_received_once(fan_out):
     # `a`'s output feeds two layers placed on the other device: the list
     # scheduler counts its memory there once, and the second reader finds
     # the copy already there (no second transfer), as the simulator does.
-    inputs = keras.Input((1024,), name="x")
-    a = keras.layers.Dense(4096, name="a")(inputs)
-    b1 = keras.layers.Dense(64, name="b1")(a)
-    b2 = keras.layers.Dense(64, name="b2")(a)
-    joined = keras.layers.Add(name="join")([b1, b2])
-    graph = ModelGraph.from_keras(keras.Model(inputs, keras.layers.Dense(10, name="out")(joined)))
+    graph = fan_out
     cluster = _gpus("Fast", 2, memory_gb=16, link_gbs=20.0)
     tables = CostTables(graph, cluster, AnalyticCostModel(cluster, framework="tensorflow"))
     batch = 64
@@ -155,15 +150,10 @@ def test_an_output_read_twice_on_another_device_is_received_once():
     assert schedule.start[backward["a"]] == pytest.approx(last_reader + back, rel=1e-9)
 
 
-def test_split_readers_of_other_rows_get_their_own_copy():
+def test_split_readers_of_other_rows_get_their_own_copy(fan_out):
     # b1 is split rows 0-31 on dev1 and 32-63 on dev2, b2 the other way round:
     # dev1 needs both halves of a's output, so both are sent and held.
-    inputs = keras.Input((1024,), name="x")
-    a = keras.layers.Dense(4096, name="a")(inputs)
-    b1 = keras.layers.Dense(64, name="b1")(a)
-    b2 = keras.layers.Dense(64, name="b2")(a)
-    joined = keras.layers.Add(name="join")([b1, b2])
-    graph = ModelGraph.from_keras(keras.Model(inputs, keras.layers.Dense(10, name="out")(joined)))
+    graph = fan_out
     cluster = _gpus("Fast", 3, memory_gb=16, link_gbs=20.0)
     tables = CostTables(graph, cluster, AnalyticCostModel(cluster, framework="tensorflow"))
     batch = 64
