@@ -250,8 +250,10 @@ def test_explain_names_the_scorer(testbed, wide, tmp_path):
     assert data["predicted"]["simulated_step_time_ms"] is not None
     assert {c["name"]: c["scorer"] for c in data["candidates"] if c["name"] in BASES} == {
         n: "learned estimator (ensemble, torch); predicted" for n in BASES}
+    assert data["predicted"]["backend"] == "torch"  # the backend the figures are for
     text = render_text(data, use_rich=False)
     assert "scored by" in text and "learned (ensemble)" in text
+    assert "for the torch backend)" in text
     assert "simulator's breakdown" in text
     plan, _ = selection.choose_plan(wide, testbed, 96, backend="torch", estimator="simulator",
                                     use_cache=False)

@@ -126,6 +126,8 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
             "feasible": prediction.feasible,
             "infeasible_reason": prediction.infeasible_reason,
             "source": prediction.source,
+            # The Keras backend the prediction is for (None in plan files before session 20).
+            "backend": plan.provenance.backend,
             "simulated_step_time_ms": _ms(getattr(prediction, "simulated_step_time_s", None)),
             # compute / exposed comm / idle come from the simulator whatever `source` is.
             "breakdown_source": "simulator",
@@ -243,8 +245,9 @@ def _header_lines(data):
     p = data["predicted"]
     if p is not None and p.get("feasible") is False:
         lines.append(f"  INFEASIBLE (predicted): {p.get('infeasible_reason') or 'out of memory'}")
+    for_backend = f", for the {p['backend']} backend" if p is not None and p.get("backend") else ""
     if p is not None and p.get("simulated_step_time_ms") is not None:
-        lines.append(f"  predicted step time: {p['step_time_ms']} ms ({p['source']})")
+        lines.append(f"  predicted step time: {p['step_time_ms']} ms ({p['source']}{for_backend})")
         lines.append(
             f"  simulator's breakdown of its {p['simulated_step_time_ms']} ms step (predicted): "
             f"compute {p['compute_ms']} ms, exposed communication {p['exposed_comm_ms']} ms, "
@@ -254,7 +257,7 @@ def _header_lines(data):
         lines.append(
             f"  predicted step time: {p['step_time_ms']} ms (compute {p['compute_ms']} ms, "
             f"exposed communication {p['exposed_comm_ms']} ms, idle {p['idle_ms']} ms; "
-            f"{p['source']})"
+            f"{p['source']}{for_backend})"
         )
     m = data["measured"]
     if m.get("step_time_s") is not None:
