@@ -649,33 +649,46 @@ def cluster_from_dict(spec, source="<dict>"):
     return _cluster_from_spec(spec, source)
 
 
-def _unique_key_loader():
-    """A `yaml.SafeLoader` subclass that refuses a key repeated in one mapping.
+def _repeated_key(text):
+    """The first key repeated in one mapping of a YAML text, or None.
 
-    Plain YAML loading keeps the last of repeated keys: a spec with two
-    `nodes:` blocks would lose the first block's GPUs without a word.
+    `yaml.safe_load` keeps the last of repeated keys: a spec with two
+    `nodes:` blocks would lose the first block's GPUs without a word. The
+    text is composed (not constructed) with PyYAML's `SafeLoader` and its
+    mappings' scalar keys compared; merge keys (`<<: *anchor`) may be
+    overridden, as YAML allows.
+
+    Returns:
+        `(key, first_line, line, column)` (1-based) or None.
     """
     import yaml
 
-    class UniqueKeyLoader(yaml.SafeLoader):
-        def construct_mapping(self, node, deep=False):
+    loader = yaml.SafeLoader(text)
+    try:
+        root = loader.get_single_node()
+    finally:
+        loader.dispose()
+    stack, visited = ([root] if root is not None else []), set()
+    while stack:
+        node = stack.pop()
+        if id(node) in visited:  # an alias of an anchored node
+            continue
+        visited.add(id(node))
+        if isinstance(node, yaml.MappingNode):
             seen = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue  # `<<: *anchor`: its keys may be overridden, as YAML allows
-                key = self.construct_object(key_node, deep=deep)
-                try:
-                    first = seen.setdefault(key, key_node)
-                except TypeError:  # an unhashable key: the base class reports it
+            for key, value in node.value:
+                stack.append(value)
+                if key.tag == "tag:yaml.org,2002:merge":
                     continue
-                if first is not key_node:
-                    raise yaml.constructor.ConstructorError(
-                        "while constructing a mapping", node.start_mark,
-                        f"duplicate key {key!r} (first at line {first.start_mark.line + 1})",
-                        key_node.start_mark)
-            return super().construct_mapping(node, deep=deep)
-
-    return UniqueKeyLoader
+                if isinstance(key, yaml.ScalarNode):
+                    first = seen.setdefault((key.tag, key.value), key)
+                    if first is not key:
+                        return (key.value, first.start_mark.line + 1,
+                                key.start_mark.line + 1, key.start_mark.column + 1)
+                stack.append(key)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+    return None
 
 
 def cluster_from_yaml(path):
@@ -705,17 +718,15 @@ def cluster_from_yaml(path):
             source=path,
         ) from None
     try:
-        data = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader
+        data = yaml.safe_load(text)
+        repeated = _repeated_key(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        fix = ("YAML keeps only the last of repeated keys, so the earlier one would be "
-               "dropped silently: merge them into one"
-               if problem.startswith("duplicate key") else
-               "Fix the syntax (indentation, colons, brackets)")
         raise ClusterSpecError(
-            f"Not valid YAML{where}: {problem}. {fix}. Received: the file's text",
+            f"Not valid YAML{where}: {problem}. Fix the syntax (indentation, colons, "
+            "brackets). Received: the file's text",
             source=path,
         ) from None
     except RecursionError:
@@ -723,6 +734,14 @@ def cluster_from_yaml(path):
             "The YAML nests too deeply to be a cluster spec. Received: the file's text",
             source=path,
         ) from None
+    if repeated is not None:
+        key, first, line, column = repeated
+        raise ClusterSpecError(
+            f"Not valid YAML at line {line}, column {column}: duplicate key {key!r} (first "
+            f"at line {first}). YAML keeps only the last of repeated keys, so the earlier "
+            "one would be dropped silently: merge them into one. Received: the file's text",
+            source=path,
+        )
     if data is None:
         raise ClusterSpecError(
             "The file is empty. A spec needs a `nodes` list, e.g. `nodes: [{gpus: [V100, "
