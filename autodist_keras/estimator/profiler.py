@@ -2016,7 +2016,6 @@ def profile_main(args):
     from autodist_keras.graph import ModelGraph
     from autodist_keras.graph import load_model
     from autodist_keras.strategies.plan import output_target
-    from autodist_keras.strategies.plan import write_text_atomic
 
     # Bad output paths fail now, not after the measurements.
     if args.out:
@@ -2057,6 +2056,6 @@ def profile_main(args):
             f"{report.get('analytic_mape', float('nan')):.1f}% (measured on this machine)."
         )
     if args.out:
-        write_text_atomic(args.out, json.dumps(result, indent=1, sort_keys=True))
+        write_json_atomic(args.out, result)
         print(f"Profile written to {args.out}")
     return 0

@@ -466,10 +466,11 @@ def list_schedule(tables, batch, method="heft", fixed=None, memory=True):
             d = dev[k]
             received = 0
             for p, x in preds[k]:
-                key = (p, d) + rows(p, k)
-                if dev[p] != d and key not in held:
-                    held.add(key)
-                    received += x
+                if dev[p] != d:
+                    key = (p, d) + rows(p, k)
+                    if key not in held:
+                        held.add(key)
+                        received += x
             mem[d] += t.static[i] + t.act[i] * share[k] + received
     fixed_layer = [r is not None for r in reps]
     # Link ports, as in the simulator: a send and a receive port per device
@@ -546,8 +547,10 @@ def list_schedule(tables, batch, method="heft", fixed=None, memory=True):
         i = meta[k][0]
         need = t.static[i] + t.act[i] * share[k]
         for p, nbytes in preds[k]:
+            if dev[p] == d:
+                continue
             key = (p, d) + rows(p, k)
-            if dev[p] != d and key not in held:
+            if key not in held:
                 need += nbytes
                 if commit:
                     held.add(key)

@@ -678,7 +678,7 @@ class AutoStrategy:
                 else:
                     plan = builder(graph, self.cluster, batch_size, devices=self.devices, **opts)
             except PlanError as e:  # as the other strategies say it
-                raise self._not_made(str(e).rstrip(".")) from None
+                raise _not_made_error(self.name, str(e).rstrip(".")) from None
             plan.prediction = simulate(graph, self.cluster, plan).to_prediction()
         else:
             chosen = [c for c in self.candidates if c.name == wanted]
@@ -712,10 +712,6 @@ class AutoStrategy:
         plan.provenance.backend = self.adapter.name
         selection.record_candidates(plan, self.candidates)
         return _noted_if_not_here(plan, here)
-
-    def _not_made(self, reason):
-        """The `StrategyError` of a forced strategy whose plan could not be made."""
-        return _not_made_message(self.name, reason)
 
     # -------------------------------------------------------------- explain
     def explain(self, format="text"):
@@ -812,7 +808,8 @@ NOT_HERE_NOTE = ("planned for a cluster whose devices are not on this machine: e
                  "was considered, as by `autodist-keras plan`; fit here would refuse to run it")
 
 
-def _not_made_message(name, reason):
+def _not_made_error(name, reason):
+    """The `StrategyError` of a forced strategy whose plan could not be made."""
     message = (f"The {name!r} plan could not be made for this model and "
                f"cluster: {reason}. Try strategy='auto'.")
     if "Received:" not in reason:  # the reason usually names what it received
@@ -841,7 +838,7 @@ def not_made_error(name, candidates, device_names):
                   "cluster=Cluster.cpu_testbed() gives several CPU devices")
     else:
         reason = f"no {wanted} candidate was built for {len(device_names)} devices"
-    return _not_made_message(name, reason)
+    return _not_made_error(name, reason)
 
 
 def _noted_if_not_here(plan, here):

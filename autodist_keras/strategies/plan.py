@@ -831,7 +831,8 @@ def output_target(path, example_name):
         The path of the file to replace.
     """
     path = os.fspath(path)
-    refuse_directory(path, example_name)
+    refuse_directory(path, example_name)  # (isdir, like exists below, follows links)
+    target = path
     if os.path.islink(path):
         try:
             os.stat(path)
@@ -840,9 +841,8 @@ def output_target(path, example_name):
                 raise OutputError(f"Cannot write {path!r}: its symbolic links form a loop. "
                                   "Remove the link or give another path. "
                                   f"Received: {path!r}") from None
-    target = os.path.realpath(path) if os.path.islink(path) else path
-    refuse_directory(target, example_name)
-    if os.path.exists(target) and not os.path.isfile(target):
+        target = os.path.realpath(path)
+    if os.path.exists(path) and not os.path.isfile(path):
         raise OutputError(f"Cannot write {path!r}: it exists and is not a regular file (a "
                           "device, pipe or socket), which the output would replace. Give the "
                           f"path of a file. Received: {path!r}")
