@@ -327,6 +327,69 @@ def test_learning_rate_schedule_reaches_every_worker(plan):
     np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
 
 
+class _SetOptimizerAttribute(keras.callbacks.Callback):
+    """Sets an optimizer setting at the start of an epoch (rank 0 runs callbacks)."""
+
+    def __init__(self, name, value, epoch=1):
+        super().__init__()
+        self.name, self.value, self.epoch = name, value, epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            setattr(self.model.optimizer, self.name, self.value)
+
+
+def _fit_with_optimizer(make_optimizer, strategy=None, callbacks=()):
+    """Trains the MLP with `make_optimizer()`, under `strategy` or on one device."""
+    import contextlib
+
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = _build("mlp")
+        model.compile(optimizer=make_optimizer(),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data("mlp", n=96)
+    history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+                        callbacks=list(callbacks))
+    return model, history
+
+
+@pytest.mark.parametrize("plan", ["proportional", "ps"])
+def test_optimizer_settings_changed_by_a_callback_reach_every_worker(plan, recwarn):
+    """Settings other than the learning rate (momentum, weight decay, clipping) set
+    by a callback on rank 0 reach the workers' optimizers before the next step."""
+    def make():
+        return keras.optimizers.SGD(0.1, momentum=0.9)
+
+    def callbacks():
+        return [_SetOptimizerAttribute("momentum", 0.0), _SetOptimizerAttribute("clipnorm", 0.05, 2)]
+
+    strategy = _strategy(plan, 3)
+    model, history = _fit_with_optimizer(make, strategy, callbacks())
+    reference, ref_history = _fit_with_optimizer(make, callbacks=callbacks())
+    assert model.optimizer.momentum == 0.0 and model.optimizer.clipnorm == 0.05
+    assert strategy.adapter.last_run["in_sync"] is True
+    assert not [w for w in recwarn if "differ" in str(w.message)]
+    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
+    _assert_same_weights(model, reference)
+
+
+def test_weights_excluded_from_weight_decay_stay_excluded_on_every_worker(recwarn):
+    """`exclude_from_weight_decay` is optimizer state outside its config, which the
+    spawned workers rebuild the optimizer from; rank 0 sends the excluded variables."""
+    def make():
+        optimizer = keras.optimizers.AdamW(0.05, weight_decay=0.5)
+        optimizer.exclude_from_weight_decay(var_names=["bias"])
+        return optimizer
+
+    strategy = _strategy("proportional", 3)
+    model, history = _fit_with_optimizer(make, strategy)
+    reference, ref_history = _fit_with_optimizer(make)
+    assert strategy.adapter.last_run["in_sync"] is True
+    assert not [w for w in recwarn if "differ" in str(w.message)]
+    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
+    _assert_same_weights(model, reference)
+
+
 def test_ema_optimizer_ends_fit_with_the_replicas_in_sync(recwarn):
     """With use_ema=True Keras swaps the moving averages into the weights at the end of
     fit; the workers do the same, so no 'replicas differ' warning and one-device weights."""

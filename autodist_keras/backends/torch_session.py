@@ -43,7 +43,11 @@ from autodist_keras.backends.torch_device import pin
 from autodist_keras.backends.torch_device import unpin
 from autodist_keras.backends.torch_shm import SharedSlots
 from autodist_keras.backends.torch_shm_reduce import ReduceArea
+from autodist_keras.backends.torch_state_watch import OptimizerSettingsWatch
 from autodist_keras.backends.torch_state_watch import StateWatch
+from autodist_keras.backends.torch_state_watch import apply_settings
+from autodist_keras.backends.torch_state_watch import decay_excluded
+from autodist_keras.backends.torch_state_watch import exclude_from_decay
 from autodist_keras.backends.torch_step import ReplicaTrainer
 from autodist_keras.errors import BackendError
 from autodist_keras.errors import WorkerError
@@ -357,6 +361,7 @@ class Driver:
         self.devices = [device_info(cluster.device(r.device)) for r in plan.replicas]
         self.trainer = None
         self._watch = None  # a StateWatch over the weights and optimizer variables, after SETUP
+        self._settings = None  # an OptimizerSettingsWatch over rank 0's optimizer, after SETUP
         self.in_step = False
         self.in_sync = None
         self.replica_checksums = None
@@ -411,6 +416,9 @@ class Driver:
             # The plan names variables by rank 0's paths; a replica rebuilt from the
             # config may path them differently (a Sequential's layers lose its prefix).
             "trainable_paths": [v.path for v in model.trainable_weights],
+            # Optimizer state outside its config (`exclude_from_weight_decay`),
+            # as indices into "weights".
+            "decay_excluded": decay_excluded(optimizer, weights),
             "timeout_s": self.timeout_s,
             "profile_dir": self.trainer.profile.directory,
             # Rank 0 decided whether the plan's op-fusion regions are compiled.
@@ -473,6 +481,7 @@ class Driver:
             self.gradient_transport = "shared_memory"
         self.trainer.attach()
         self._watch = StateWatch(weights + opt_vars)
+        self._settings = OptimizerSettingsWatch(optimizer)
 
     def _nodes(self):
         return [d["node"] for d in self.devices]
@@ -647,22 +656,25 @@ class Driver:
         return done["logs"]
 
     def _send_changed_state(self):
-        """Sends the workers the variables rank 0 wrote since its last step.
+        """Sends the workers the variables and optimizer settings rank 0 changed
+        since its last step.
 
         Callbacks run between steps on rank 0 only: `set_weights` in
         `on_epoch_end`, `EarlyStopping(restore_best_weights=True)`, a new
-        learning rate. Without this the workers would go on from their old
-        values (`torch_state_watch`).
+        learning rate, a new `optimizer.momentum`. Without this the workers
+        would go on from their old values (`torch_state_watch`).
         """
         changed = self._watch.changed()
-        if not changed:
+        settings = self._settings.changed()
+        if not changed and not settings:
             return
-        payload = {"indices": changed}
-        values = tt.pack([_value(self._watch.variables[i]) for i in changed])
+        payload = {"indices": changed, "optimizer": settings}
         self.comm.broadcast_command(tt.CMD_STATE, tt.json_length(payload))
         self.comm.broadcast_json(payload)
-        self.comm.broadcast(values, 0)
+        if changed:
+            self.comm.broadcast(tt.pack([_value(self._watch.variables[i]) for i in changed]), 0)
         self._watch.mark()
+        self._settings.mark()
 
     def _predict_spec(self, leaves, spec):
         import torch
@@ -764,8 +776,12 @@ def _differ_message(model, own, others):
             "a count of rows does not). Rank 0's values, which you hold, are those of its "
             "own shards.")
     return message + (
-        "Something changed rank 0's weights during fit outside the training step (a "
-        "callback, say). Rank 0's weights, which you hold, are the ones fit trained.")
+        "Something changed rank 0's replica during fit in a way the runtime does not "
+        "send to the workers: rank 0 sends the variables and the optimizer's config "
+        "settings that callbacks change between steps, not other attributes of the "
+        "optimizer or the layers. The weights you hold are rank 0's; the gradients "
+        "the replicas summed came from different weights, so they may differ from "
+        "one-device training.")
 
 
 # ---------------------------------------------------------------- ranks > 0
@@ -955,6 +971,7 @@ def serve(comm, reporter, model=None, on_model=None):
         elif not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         variables = _check_metas(model, setup, rank)
+        exclude_from_decay(model.optimizer, [variables[i] for i in setup.get("decay_excluded", [])])
         check_model_device(model, setup["devices"][rank], rank)
         with torch.no_grad():
             for v, value in zip(variables, tt.unpack(state, metas)):
@@ -1002,7 +1019,7 @@ def serve(comm, reporter, model=None, on_model=None):
                 comm.wait(comm.isend(checksums(model), 0, tag=3), peer=0)
                 return model, payload
             if kind == tt.CMD_STATE:
-                _receive_state(comm, variables, metas, int(command[1]))
+                _receive_state(comm, model, variables, metas, int(command[1]))
                 profile.end()
                 continue
             if kind != tt.CMD_TRAIN:
@@ -1056,11 +1073,15 @@ def serve(comm, reporter, model=None, on_model=None):
         unpin(token)
 
 
-def _receive_state(comm, variables, metas, length):
-    """A worker takes the values of the variables rank 0 changed between steps."""
+def _receive_state(comm, model, variables, metas, length):
+    """A worker takes the variables and optimizer settings rank 0 changed between steps."""
     import torch
 
-    indices = comm.broadcast_json(length=length)["indices"]
+    payload = comm.broadcast_json(length=length)
+    apply_settings(model.optimizer, payload.get("optimizer") or {})
+    indices = payload["indices"]
+    if not indices:
+        return
     chosen = [metas[i] for i in indices]
     buf = torch.empty(tt.packed_size(chosen), dtype=torch.uint8)
     comm.broadcast(buf, 0)

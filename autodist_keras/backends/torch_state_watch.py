@@ -24,6 +24,8 @@ watch.changed()           # indices of the variables written since `mark()`
 ```
 """
 
+from autodist_keras.errors import BackendError
+
 
 class StateWatch:
     """Notices writes to Keras variables (PyTorch backend) made since `mark()`.
@@ -51,3 +53,120 @@ class StateWatch:
         """Indices of the variables written (or replaced) since the last `mark()`."""
         return [i for i, (v, stamp) in enumerate(zip(self.variables, self._stamps))
                 if self._stamp(v) != stamp]
+
+
+# Settings that never change how an update is computed (the learning rate
+# travels with every TRAIN command instead).
+_NOT_SETTINGS = ("name", "learning_rate")
+_SCALARS = (bool, int, float, str, type(None))
+
+
+class OptimizerSettingsWatch:
+    """Notices changes to an optimizer's scalar settings made since `mark()`.
+
+    The spawned workers rebuild the optimizer from its config, once, at
+    setup; a callback on rank 0 that sets `optimizer.momentum`,
+    `optimizer.weight_decay` or `optimizer.clipnorm` between steps changes
+    rank 0's updates only. The settings watched are the optimizer config's
+    keys whose values are plain Python scalars and that the optimizer holds
+    as attributes of the same name (those `get_config()` reads back). The
+    check reads each one per step (microseconds).
+
+    Args:
+        optimizer: The Keras optimizer on rank 0.
+
+    Example:
+
+    ```python
+    watch = OptimizerSettingsWatch(model.optimizer)
+    model.optimizer.momentum = 0.0      # a callback, between steps
+    watch.changed()                     # {"momentum": 0.0}
+    watch.mark()
+    ```
+    """
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        try:
+            config = optimizer.get_config()
+        except (NotImplementedError, TypeError, ValueError):
+            config = {}
+        self.keys = tuple(
+            key for key, value in config.items()
+            if key not in _NOT_SETTINGS and isinstance(value, _SCALARS)
+            and hasattr(optimizer, key) and _same(getattr(optimizer, key), value))
+        self._values = ()
+        self.mark()
+
+    def _read(self):
+        return tuple(getattr(self.optimizer, key, None) for key in self.keys)
+
+    def mark(self):
+        """Records the settings as the ones the workers hold."""
+        self._values = self._read()
+
+    def changed(self):
+        """The settings changed since the last `mark()`, as `{name: value}`.
+
+        Raises:
+            BackendError: When a setting was given a value that cannot be sent
+                (anything but a Python or NumPy scalar).
+        """
+        values = self._read()
+        if values == self._values:
+            return {}
+        changed = {}
+        for key, old, new in zip(self.keys, self._values, values):
+            if not _same(old, new):
+                changed[key] = _scalar(key, new)
+        return changed
+
+
+def _same(a, b):
+    return type(a) is type(b) and a == b
+
+
+def _scalar(key, value):
+    if isinstance(value, _SCALARS):
+        return value
+    item = getattr(value, "item", None)
+    if callable(item) and getattr(value, "ndim", None) == 0:
+        return item()
+    raise BackendError(
+        f"The optimizer's setting {key!r} was changed during fit to a value the "
+        "PyTorch runtime cannot send to its worker processes, which hold their "
+        "own optimizers. Set it to a Python number. "
+        f"Received: {type(value).__name__}"
+    )
+
+
+def apply_settings(optimizer, settings):
+    """Sets the optimizer settings rank 0 sent (`OptimizerSettingsWatch.changed`)."""
+    for key, value in settings.items():
+        setattr(optimizer, key, value)
+
+
+def decay_excluded(optimizer, variables):
+    """Indices of `variables` the optimizer leaves out of its weight decay.
+
+    `optimizer.exclude_from_weight_decay(...)` is state outside the config, so
+    spawned workers, which rebuild the optimizer from the config, would not
+    have it; rank 0 sends these indices at setup.
+    """
+    use = getattr(optimizer, "_use_weight_decay", None)
+    if use is None:
+        return []
+    return [i for i, v in enumerate(variables) if not use(v)]
+
+
+def exclude_from_decay(optimizer, variables):
+    """Makes the optimizer leave exactly `variables` out of its weight decay.
+
+    Works on a built optimizer too (Keras's public method refuses one), by
+    setting what that method sets.
+    """
+    if not hasattr(optimizer, "_use_weight_decay"):
+        return
+    optimizer._exclude_from_weight_decay = {optimizer._var_key(v) for v in variables}
+    optimizer._exclude_from_weight_decay_pattern = None
+    optimizer._exclude_from_weight_decay_cache = {}

@@ -551,10 +551,24 @@ def plan(
     use_tensor = bool(options.get("tensor_fusion", True))
     compare = bool(options.get("compare_baselines", False))
 
-    # Replicas and shares: the proportional baseline (memory-capped, speed-weighted).
-    base = baselines.proportional(
-        graph, cluster, batch_size, devices=devices, speeds=options.get("speeds")
-    )
+    cost = cost_model if cost_model is not None else AnalyticCostModel(cluster)
+    if isinstance(cost, op_fusion_lib.FusionAwareCostModel):
+        cost = cost.base
+    if hasattr(cost, "with_cluster"):
+        cost = cost.with_cluster(cluster)
+
+    priced = time.perf_counter()
+    # Replicas and shares: the proportional baseline (memory-capped, speed-weighted)
+    # on the device subset whose start is predicted fastest (`_choose_devices`).
+    chosen = _choose_devices(graph, cluster, batch_size, devices, options.get("speeds"), cost,
+                             algorithms, use_tensor)
+    start = chosen.start
+    base, timeline, ring = start.base, start.timeline, start.ring
+    unfused, ddp_bounds, start_time = start.unfused, start.ddp_bounds, start.ring_time
+    algorithms = list(timeline.algorithms)
+    pricing = time.perf_counter() - priced
+    names = timeline.var_names
+    shares_from = "proportional"
     fusion_not_searched = False
     if use_op is None:
         # Plan regions only where the runtimes compile them by default (GPUs,
@@ -563,41 +577,6 @@ def plan(
             [cluster.device(d).kind for d in base.devices], framework=options.get("backend"))
         fusion_not_searched = not use_op
     use_op = bool(use_op)
-    cost = cost_model if cost_model is not None else AnalyticCostModel(cluster)
-    if isinstance(cost, op_fusion_lib.FusionAwareCostModel):
-        cost = cost.base
-    if hasattr(cost, "with_cluster"):
-        cost = cost.with_cluster(cluster)
-    if len(base.replicas) == 1:
-        algorithms = algorithms[:1]
-
-    priced = time.perf_counter()
-    timeline = _Timeline(graph, cluster, base.replicas, cost, algorithms)
-    pricing = time.perf_counter() - priced
-    names = timeline.var_names
-    unfused = timeline.state(())
-    ddp_bounds = tensor_fusion.bounds_of(names, base.buckets)
-    # The start: proportional shares with DDP buckets, ring all-reduce (the baseline plan).
-    ring = timeline.with_algorithms(["ring"])
-    start_time = ring.step(unfused, ddp_bounds) if ddp_bounds is not None else None
-    shares_from = "proportional"
-    # A device type too slow to pay for its share (at least one sample) and its
-    # all-reduce is left out, slowest type first, while that predicts a faster start.
-    left_out, with_all = [], start_time
-    while start_time is not None and options.get("speeds") is None:
-        trimmed = _without_slowest_type(base, graph, cluster, batch_size)
-        if trimmed is None:
-            break
-        other = _Timeline(graph, cluster, trimmed.replicas, cost, algorithms)
-        other_unfused = other.state(())
-        other_ring = other.with_algorithms(["ring"])
-        other_bounds = tensor_fusion.bounds_of(other.var_names, trimmed.buckets)
-        other_start = other_ring.step(other_unfused, other_bounds)
-        if not other_start < start_time * (1.0 - 1e-9):
-            break
-        left_out += [d for d in base.devices if d not in trimmed.devices]
-        base, timeline, ring, start_time = trimmed, other, other_ring, other_start
-        unfused, ddp_bounds = other_unfused, other_bounds
     if options.get("speeds") is None and len(base.replicas) > 1 and start_time is not None:
         # Shares that balance the predicted per-device step (compute and update):
         # kept when they predict a faster start than the speed-proportional ones.
