@@ -4,7 +4,8 @@ Each replica's loss is weighted by its share of the batch, which is exact for
 batch means. A term that sums over the batch would train silently wrong, so
 `fit` refuses it before the first step; masked outputs, `ignore_class` and
 other losses that are not a mean of per-sample losses get a warning. The
-probes must leave ordinary models alone and their metric states untouched.
+probes must leave ordinary models alone, and their metric states and the
+variables their layers assign untouched.
 """
 
 import keras
@@ -84,6 +85,49 @@ def test_probe_leaves_means_and_in_batch_losses_alone_and_metrics_untouched(loss
     model_checks.check_summed_losses(model, x, y)
     for variable, state in zip(model.metrics_variables, states):
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), state)
+
+
+@keras.saving.register_keras_serializable(package="test_model_checks")
+class CallCounter(keras.layers.Layer):
+    """Adds 1 to a non-trainable variable on every call, inference mode included."""
+
+    def build(self, input_shape):
+        self.count = self.add_weight(shape=(), initializer="zeros", trainable=False,
+                                     name="count")
+
+    def call(self, inputs):
+        self.count.assign(self.count + 1.0)
+        return inputs
+
+
+def _counting_model():
+    inputs = keras.Input((6,))
+    hidden = CallCounter(name="counter")(keras.layers.Dense(8, name="hidden")(inputs))
+    return keras.Model(inputs, keras.layers.Dense(2, name="out")(hidden))
+
+
+def test_probes_undo_what_the_model_assigns_in_call():
+    x, y = _data()
+    model = _counting_model()
+    model.compile(optimizer="sgd", loss="mse")
+    plan = AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed()).plan_for(model, 24)
+    model_checks.check_model_for_plan(model, x, y, plan)
+    assert float(keras.ops.convert_to_numpy(model.get_layer("counter").count)) == 0.0
+
+
+def test_a_counter_assigned_in_call_counts_the_steps_as_on_one_device():
+    """The loss probes before the first step ran the model 8 times and left their
+    writes in place: the counter read 9 after one step."""
+    x, y = _data(48)
+    strategy = AutoStrategy("proportional", cluster=Cluster.cpu_testbed())
+    with strategy.scope():
+        model = _counting_model()
+        model.compile(optimizer="sgd", loss="mse")
+    try:
+        model.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0)
+    finally:
+        _close(strategy)
+    assert float(keras.ops.convert_to_numpy(model.get_layer("counter").count)) == 2.0
 
 
 def test_sum_reduction_is_refused_inside_a_loss_dict():

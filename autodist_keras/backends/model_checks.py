@@ -97,9 +97,9 @@ def check_summed_losses(model, x, y):
     terms). A batch mean gives the same value each time; a term that sums
     over the batch grows by the same amount each time. Only the latter is
     refused: other changes (losses that compare samples within the batch)
-    are left alone. Metric states are restored afterwards. A model the probe
-    cannot run (no loss, sparse or ragged inputs, stateful layers) is not
-    checked.
+    are left alone. Metric states and non-trainable variables are restored
+    afterwards. A model the probe cannot run (no loss, sparse or ragged
+    inputs, stateful layers) is not checked.
 
     Args:
         model: A compiled, built Keras model.
@@ -130,7 +130,13 @@ def check_summed_losses(model, x, y):
 
 
 def _probe(model, compute):
-    """Runs `compute()` with the model's metric states restored afterwards.
+    """Runs `compute()` with the model's metric states and non-trainable
+    variables restored afterwards.
+
+    The probes call the model in inference mode, but a layer may still
+    assign its own variables in `call` (a step counter, a custom moving
+    average, a seed generator's state): those writes are undone, so the
+    first training step starts from the state plain Keras would.
 
     Returns:
         What `compute` returned, or `None` when it raised or the model has
@@ -141,15 +147,15 @@ def _probe(model, compute):
 
     if any(getattr(layer, "stateful", False) for layer in model._flatten_layers()):
         return None
-    metric_variables = list(model.metrics_variables)
-    saved = [keras.ops.convert_to_numpy(v) for v in metric_variables]
+    kept = list(model.metrics_variables) + list(model.non_trainable_variables)
+    saved = [keras.ops.convert_to_numpy(v) for v in kept]
     try:
         return compute()
     except Exception as e:  # noqa: BLE001
         logger.debug("loss probe skipped: %s", e)
         return None
     finally:
-        for variable, value in zip(metric_variables, saved):
+        for variable, value in zip(kept, saved):
             variable.assign(value)
 
 
@@ -222,7 +228,7 @@ def warn_loss_not_per_sample(model, x, y):
     with in-batch negatives. Losses with `ignore_class` are named from the
     compiled losses; the others are found by a probe: the total loss of the
     batch's first rows (inference mode) against the mean of each row's own
-    total loss. Metric states are restored afterwards.
+    total loss. Metric states and non-trainable variables are restored afterwards.
 
     Call it after `check_summed_losses` (a summed term is refused there, and
     would also differ here), and skip it when `warn_masked_outputs` warned.
