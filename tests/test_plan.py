@@ -74,6 +74,41 @@ def test_damaged_plan_files_get_plan_errors_that_say_what_to_do(graph, testbed, 
         Plan.from_json('{"a": 1}')
 
 
+def _no_groups(plan):
+    plan.groups = []
+
+
+def _no_replicas(plan):
+    plan.groups[0].replicas = []
+
+
+def _layers_as_a_string(plan):
+    plan.groups[0].layers = "dense"
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_no_groups, r"no layer groups.*Re-create the plan"),
+    (_no_replicas, r"groups\[0\].*at least one replica"),
+    (_layers_as_a_string, r"groups\[0\].*'layers' must be a list.*Received: 'dense'"),
+])
+def test_hand_edited_plan_structure_is_refused_before_any_model_exists(graph, testbed, tmp_path,
+                                                                       edit, message):
+    """A file edited into a shape no model fits is refused when it is read, and by
+    AutoStrategy(plan=...) before scope(); on TensorFlow an empty plan crashed
+    entering scope() with an IndexError, and a string of layers was read letter
+    by letter ("unknown layer 'd'")."""
+    from autodist_keras import AutoStrategy
+
+    plan = baselines.proportional(graph, testbed, 96)
+    edit(plan)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(plan.to_dict()))
+    with pytest.raises(PlanError, match=message):
+        Plan.from_json(path)
+    with pytest.raises(PlanError, match=message):
+        AutoStrategy(plan=plan, cluster=testbed)
+
+
 def test_a_plan_report_passed_as_a_plan_says_to_write_the_plan_with_out(tmp_path):
     report = {"strategy": "proportional", "predicted_step_time_s": 0.1, "baselines": {},
               "plan_file": "plan.json"}

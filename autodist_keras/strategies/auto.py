@@ -358,6 +358,7 @@ class AutoStrategy:
 
     def _check_fixed_plan(self, plan, strategy, devices):
         """A plan given with `plan=` must run on this cluster and the devices asked for."""
+        plan.check_structure()
         missing = sorted(set(plan.devices) - set(self.cluster.names))
         made_for = plan.provenance.cluster_fingerprint
         if missing:

@@ -257,6 +257,29 @@ class Plan:
         return split_batch([r.batch_share for r in self.replicas], batch_size)
 
     # ------------------------------------------------------------ validation
+    def check_structure(self):
+        """Checks what needs neither the model nor the cluster: the plan has
+        groups, each group names its layers as a list of strings and has at
+        least one replica.
+
+        Raises:
+            PlanError: Naming the first group that is malformed.
+        """
+        if not self.groups:
+            raise PlanError(
+                "The plan has no layer groups; every layer of the model belongs to one. "
+                "Re-create the plan (`autodist-keras plan ... --out`, Plan.to_json()). "
+                "Received: groups=[]")
+        for gi, group in enumerate(self.groups):
+            where = f"groups[{gi}] ({group.name!r})"
+            if not isinstance(group.layers, (list, tuple)) or not all(
+                    isinstance(layer, str) for layer in group.layers):
+                raise PlanError(
+                    f"{where}: 'layers' must be a list of layer names. "
+                    f"Received: {group.layers!r}")
+            if not group.replicas:
+                raise PlanError(f"{where}: a group needs at least one replica. Received: []")
+
     def validate(self, graph, cluster):
         """Check the plan against a model graph and a cluster.
 
@@ -284,8 +307,7 @@ class Plan:
         device_names = set(cluster.names)
         layer_names = list(graph.nodes)
         layer_set = set(layer_names)
-        if not self.groups:
-            raise PlanError("The plan has no layer groups. Received: groups=[]")
+        self.check_structure()
         group_names = set()
         placed = {}
         for gi, group in enumerate(self.groups):
@@ -293,8 +315,6 @@ class Plan:
             if group.name in group_names:
                 raise PlanError(f"{where}: duplicate group name. Received: {group.name!r}")
             group_names.add(group.name)
-            if not group.replicas:
-                raise PlanError(f"{where}: a group needs at least one replica. Received: []")
             for layer in group.layers:
                 if layer not in layer_set:
                     raise PlanError(
@@ -420,19 +440,9 @@ class Plan:
                 "`buckets` (one bucket per variable means no tensor fusion). Received: []"
             )
 
-        fused = {}
-        for fi, region in enumerate(self.op_fusion):
-            for layer in region:
-                if layer not in layer_set:
-                    raise PlanError(
-                        f"op_fusion[{fi}]: unknown layer {layer!r}. Received: {layer!r}"
-                    )
-                if layer in fused:
-                    raise PlanError(
-                        f"op_fusion[{fi}]: layer {layer!r} is already fused in region "
-                        f"{fused[layer]}. Received: {layer!r}"
-                    )
-                fused[layer] = fi
+        from autodist_keras.fusion.op_fusion import check_regions
+
+        check_regions(graph, self.op_fusion)
 
         warnings = []
         fp = getattr(graph, "fingerprint", None)
@@ -525,7 +535,7 @@ class Plan:
             groups = [
                 LayerGroup(
                     name=g["name"],
-                    layers=list(g["layers"]),
+                    layers=g["layers"] if isinstance(g["layers"], str) else list(g["layers"]),
                     replicas=[Replica(r["device"], r["batch_share"]) for r in g["replicas"]],
                 )
                 for g in data["groups"]
@@ -534,7 +544,7 @@ class Plan:
             prediction = data.get("prediction")
             prediction = Prediction(**prediction) if prediction is not None else None
             provenance = Provenance(**data.get("provenance") or {"planner": "manual"})
-            return cls(
+            plan = cls(
                 global_batch_size=data["global_batch_size"],
                 groups=groups,
                 sync=sync,
@@ -553,6 +563,11 @@ class Plan:
                 f"{source}: malformed plan ({type(e).__name__}: {e}). Write plans with "
                 f"Plan.to_json(). Received: an object with keys {sorted(data)}"
             ) from None
+        try:
+            plan.check_structure()
+        except PlanError as e:
+            raise PlanError(f"{source}: {e}") from None
+        return plan
 
     def to_json(self, path=None, indent=2):
         """Serialises the plan to JSON.
