@@ -189,6 +189,27 @@ def test_check_regions_rejects_unknown_and_repeated_layers(res):
         op_fusion.check_regions(res, ["res_b0_conv1"])
 
 
+def test_a_region_naming_a_shared_layers_extra_call_is_refused_by_plan_validation():
+    """Regions compile layers with all their calls; 'sh#1' passed validation and the
+    runtimes then said the model had no such layer ("make the plan for this model")."""
+    import keras
+
+    a, b = keras.Input((8,), name="xa"), keras.Input((8,), name="xb")
+    shared = keras.layers.Dense(16, name="sh")
+    ha = keras.layers.Activation("tanh", name="ta")(shared(a))
+    hb = keras.layers.Activation("tanh", name="tb")(shared(b))
+    model = keras.Model([a, b], keras.layers.Concatenate(name="cat")([ha, hb]))
+    graph = ModelGraph.from_keras(model)
+    cluster = Cluster.cpu_testbed()
+    plan = baselines.data_parallel_even(graph, cluster, 24)
+    plan.op_fusion = [["sh#1", "tb"]]
+    with pytest.raises(PlanError, match=r"'sh#1' is call 2 of the shared layer 'sh'.*first "
+                                        r"call, 'sh'.*Received: 'sh#1'"):
+        plan.validate(graph, cluster)
+    plan.op_fusion = [["sh", "ta"]]
+    plan.validate(graph, cluster)
+
+
 def test_simulate_honours_op_fusion(res):
     cluster = Cluster.from_string(V100x4)
     plan = baselines.data_parallel_even(res, cluster, 32, bucket_bytes=0)

@@ -93,8 +93,8 @@ def check_regions(graph, regions):
         The regions as a list of lists.
 
     Raises:
-        PlanError: If a region is not a list, names an unknown layer, or a
-            layer is in two regions.
+        PlanError: If a region is not a list, names an unknown layer or a
+            shared layer's extra call, or a layer is in two regions.
     """
     seen = {}
     out = []
@@ -109,6 +109,14 @@ def check_regions(graph, regions):
                 raise PlanError(
                     f"op_fusion[{ri}]: unknown layer {layer!r}; fusion regions name graph "
                     f"nodes such as {list(graph.nodes)[:4]}. Received: {layer!r}"
+                )
+            first_call, _, k = layer.rpartition("#")
+            if k.isdigit() and first_call in graph.nodes:
+                raise PlanError(
+                    f"op_fusion[{ri}]: {layer!r} is call {int(k) + 1} of the shared layer "
+                    f"{first_call!r}. Regions compile layers, with all their calls, so name "
+                    f"the layer by its first call, {first_call!r}, or leave it out. "
+                    f"Received: {layer!r}"
                 )
             if layer in seen:
                 raise PlanError(
