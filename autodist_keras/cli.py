@@ -101,7 +101,8 @@ def _cmd_plan(args):
         # Scored as `auto` scores them, so a plan shows the same prediction either way.
         scorer = selection.resolve_scorer("learned")
         candidates = selection.build_candidates(graph, cluster, batch_size, families=families,
-                                                scorer=scorer)
+                                                scorer=scorer,
+                                                options={"backend": active_keras_backend()})
         wanted = BASELINE_FOR_NAME.get(args.strategy, args.strategy)
         chosen = [c for c in candidates if c.name == wanted and c.plan is not None]
         if not chosen:
@@ -111,7 +112,7 @@ def _cmd_plan(args):
         selection.note_scoring(plan, scorer, candidates)
         selection.record_candidates(plan, candidates)
     planning_time = time.perf_counter() - started
-    runnable, why = selection.runnable_anywhere(plan, cluster)
+    runnable, why = selection.runnable_anywhere(plan, cluster, plan.provenance.backend)
     by_name = {c.name: c for c in candidates}
     even = by_name.get("data_parallel_even") or by_name.get("single_device")
     result = {

@@ -489,6 +489,33 @@ def test_cli_scores_a_plan_the_same_whatever_the_strategy_and_simulate_flags_a_m
     assert "was made for another cluster" in run.stderr
 
 
+def test_placement_plans_are_not_runnable_when_planning_for_the_torch_backend(graph, hetero):
+    """`plan --backend torch` chose a FastT placement and said `runnable: true`,
+    while the PyTorch runtime runs data-parallel plans only."""
+    from autodist_keras.strategies import baselines
+
+    dp = baselines.data_parallel_even(graph, hetero, 16)
+    one_node = _two_groups(dp, ["node0/gpu0", "node0/gpu1"])
+    assert selection.runnable_anywhere(one_node, hetero, "tensorflow") == (True, "")
+    ok, why = selection.runnable_anywhere(one_node, hetero, "torch")
+    assert not ok and "the PyTorch runtime runs one process per device" in why
+    assert selection.runnable_anywhere(dp, hetero, "torch") == (True, "")
+
+    # FastT's best plan for this encoder under PyTorch's costs is a placement.
+    import subprocess
+    import sys
+
+    made = subprocess.run(
+        [sys.executable, "-m", "autodist_keras.cli", "plan", "--model", "transformer_encoder",
+         "--cluster", "node0:2xA100@100", "--batch-size", "64", "--backend", "torch", "--json"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, KERAS_BACKEND="torch"))
+    assert made.returncode == 0, made.stderr
+    data = json.loads(made.stdout)
+    fastt = data["baselines"]["fastt"]
+    assert fastt["runnable"] is False and "cannot place layer groups" in fastt["reason"]
+    assert data["runnable"] is True and data["strategy"] != "fastt"
+
+
 def test_cli_plans_for_the_backend_asked_and_simulate_names_a_mismatch(tmp_path):
     """Predictions depend on the Keras backend (PyTorch's host time on GPUs, op
     fusion): `--backend` picks it in a fresh process, the plan file records it, and

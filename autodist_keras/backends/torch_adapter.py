@@ -191,6 +191,34 @@ def _not_joined(rank, world, timeout_s, error):
     )
 
 
+
+def plan_kind_runs_on_torch(plan):
+    """Whether the PyTorch runtime runs plans of this kind, on any machine.
+
+    It runs one process per device, each with a whole replica of the model,
+    so it runs data-parallel plans whose PS servers (if any) hold a replica.
+
+    Args:
+        plan: A `Plan`.
+
+    Returns:
+        `(True, "")`, or `(False, reason)`.
+    """
+    if not plan.is_data_parallel:
+        return False, (
+            "the PyTorch runtime runs one process per device, each with a whole replica of "
+            "the model (data parallelism), so it cannot place layer groups on different "
+            f"devices; this {plan.provenance.planner} plan has {len(plan.groups)} layer "
+            "groups. Run it with KERAS_BACKEND=tensorflow (one process drives every local "
+            "device), or use a data-parallel strategy ('data_parallel', 'proportional', "
+            "'disco' or 'auto')"
+        )
+    devices = set(plan.devices)
+    servers = sorted({s.server for s in plan.sync.values() if s.method == "ps"} - devices)
+    if servers:
+        return False, f"PS server(s) {servers} run no replica; the PyTorch runtime hosts PS in a replica"
+    return True, ""
+
 class TorchAdapter(BackendAdapter):
     """Realises data-parallel plans on the PyTorch backend (gloo on CPU, NCCL on GPU).
 
@@ -348,21 +376,12 @@ class TorchAdapter(BackendAdapter):
 
         Returns:
             `(True, "")`, or `(False, reason)` for plans with several layer
-            groups (placement) or a PS server that runs no replica.
+            groups (placement), a PS server that runs no replica, or a
+            replica count other than torchrun's WORLD_SIZE.
         """
-        if not plan.is_data_parallel:
-            return False, (
-                "the PyTorch runtime runs one process per device, each with a whole replica of "
-                "the model (data parallelism), so it cannot place layer groups on different "
-                f"devices; this {plan.provenance.planner} plan has {len(plan.groups)} layer "
-                "groups. Run it with KERAS_BACKEND=tensorflow (one process drives every local "
-                "device), or use a data-parallel strategy ('data_parallel', 'proportional', "
-                "'disco' or 'auto')"
-            )
-        devices = set(plan.devices)
-        servers = sorted({s.server for s in plan.sync.values() if s.method == "ps"} - devices)
-        if servers:
-            return False, f"PS server(s) {servers} run no replica; the PyTorch runtime hosts PS in a replica"
+        runnable, why = plan_kind_runs_on_torch(plan)
+        if not runnable:
+            return runnable, why
         env = torchrun_env()
         if env is not None and len(plan.replicas) != env[1]:
             return False, (

@@ -540,7 +540,7 @@ def build_candidates(
                 **family_options.get(family, {}),
             )
             _score(graph, cluster, candidate, cost_model, scorer)
-            runnable, why = runnable_anywhere(candidate.plan, cluster)
+            runnable, why = runnable_anywhere(candidate.plan, cluster, options.get("backend"))
             if not runnable:  # auto never chooses it, wherever the cluster is
                 candidate.executable, candidate.reason = False, why
                 candidate.plan.notes.append(f"execution: {why}; auto does not choose it.")
@@ -570,25 +570,29 @@ def build_candidates(
     return candidates
 
 
-def runnable_anywhere(plan, cluster):
+def runnable_anywhere(plan, cluster, backend=None):
     """Whether some runtime can run `plan` on `cluster` (wherever it is).
 
     Data-parallel plans run on one node or several (TensorFlow multi-worker,
     `torchrun`). Placement and hybrid plans (several layer groups) run only
     on the TensorFlow runtime, in one process that drives one node's devices,
-    so such a plan spanning nodes cannot run anywhere yet.
+    so such a plan spanning nodes cannot run anywhere yet, and under the
+    PyTorch backend not at all.
 
     Args:
         plan: A `Plan`.
         cluster: The `Cluster` it was made for.
+        backend: `"tensorflow"`, `"torch"`, or None for either.
 
     Returns:
         `(True, "")`, or `(False, reason)`.
     """
-    if plan.is_data_parallel:
-        return True, ""
     nodes = plan.nodes(cluster)
-    if len(nodes) <= 1:
+    if plan.is_data_parallel or len(nodes) <= 1:
+        if backend == "torch":
+            from autodist_keras.backends.torch_adapter import plan_kind_runs_on_torch
+
+            return plan_kind_runs_on_torch(plan)
         return True, ""
     return False, (
         f"this placement/hybrid plan ({len(plan.groups)} layer groups) spans nodes {nodes}; "
@@ -802,7 +806,7 @@ def choose_plan(
             plan = Plan.from_json(path)
             plan.validate(graph, cluster)
             if ((executable is not None and not executable(plan)[0])
-                    or not runnable_anywhere(plan, cluster)[0]):
+                    or not runnable_anywhere(plan, cluster, backend)[0]):
                 # e.g. a placement plan cached by a one-process run, read by a worker
                 raise StrategyError("the cached plan cannot run here; planning again")
             plan.notes = [n for n in plan.notes if not n.startswith("cache:")]
