@@ -273,3 +273,27 @@ def test_never_slower_than_data_parallelism_when_the_split_search_stops_early():
     assert starved.provenance.options["chosen"] == "dp"
     assert any("data-parallel seed" in note for note in starved.notes)
     assert starved.validate(graph, cluster) == []
+
+
+@pytest.mark.parametrize("model, batch, specs", [
+    # HEFT broke an exact tie on the first layer by index: with the T4 node listed
+    # first it scheduled everything on a T4 and found no split (0.121 vs 0.111 ms).
+    ("mlp", 256, ["2xA100@100;4xT4@25;2xP100@50", "4xT4@25;2xA100@100;2xP100@50"]),
+    # Splits took the first equally fast devices by index: the 4-GPU node listed
+    # last gave a split across three nodes (0.672 vs 0.484 ms).
+    ("small_cnn", 256, ["node0:4xV100@50;node1:2xV100@10;node2:1xV100@100",
+                        "node0:1xV100@100;node1:2xV100@10;node2:4xV100@50",
+                        "node0:2xV100@10;node1:1xV100@100;node2:4xV100@50"]),
+])
+def test_the_order_of_the_nodes_does_not_change_fastts_plan(model, batch, specs):
+    from autodist_keras.graph.loading import load_model
+
+    graph = ModelGraph.from_keras(load_model(model))
+    results = []
+    for spec in specs:
+        cluster = Cluster.from_string(spec)
+        plan = fastt.plan(graph, cluster, batch)
+        nics = sorted(cluster.nodes[cluster.device(d).node].nic_bandwidth for d in plan.devices)
+        results.append((plan.prediction.step_time_s, len(plan.devices), nics))
+    assert all(r[0] == pytest.approx(results[0][0], rel=1e-9) for r in results), results
+    assert all(r[1:] == results[0][1:] for r in results), results

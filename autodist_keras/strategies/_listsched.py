@@ -194,6 +194,8 @@ class CostTables:
                 pairs += 1
         self.mean_alpha = total_a / pairs if pairs else 0.0
         self.mean_beta = total_b / pairs if pairs else 0.0
+        # Rounded so that equally placed devices tie exactly (then: by index).
+        self.link_cost = [float(f"{sum(row):.6g}") for row in self.beta]
 
     def transfer(self, src, dst, nbytes):
         """Seconds to move `nbytes` between device indices (0 on one device)."""
@@ -235,9 +237,17 @@ class CostTables:
 
     # ------------------------------------------------------------- helpers
     def speed_order(self, batch, layers=None, candidates=None):
-        """Device indices, fastest first (per-sample time of `layers`), ties by index."""
+        """Device indices, fastest first (per-sample time of `layers`).
+
+        Devices equally fast are ordered by how well they are connected (the
+        sum of their links' seconds per byte to every other device: devices
+        on a large node with fast links first), then by index, so the order
+        of the nodes in the cluster spec does not decide which devices a
+        split takes.
+        """
         candidates = range(self.n_dev) if candidates is None else candidates
-        return sorted(candidates, key=lambda d: (self.per_sample_time(d, batch, layers), d))
+        return sorted(candidates, key=lambda d: (self.per_sample_time(d, batch, layers),
+                                                 self.link_cost[d], d))
 
     def speed_shares(self, devices, batch, layers=None, caps=None):
         """Whole-sample shares of `batch` over `devices`, proportional to speed.
@@ -670,7 +680,9 @@ def _choose_device(tables, k, layer, batch, cp_device, dev_free, mem, memory, ar
             continue
         at, _ = arrival(k, d)
         eft = max(at, dev_free[d]) + t.time(layer, d, batch, FORWARD)
-        key = (eft, d)
+        # Ties go to the device that is faster over the whole model, then to the
+        # lower index, so the schedule does not depend on the order of the nodes.
+        key = (eft, t.per_sample_time(d, batch), d)
         if best_key is None or key < best_key:
             best, best_key = d, key
     return best if best >= 0 else fallback
