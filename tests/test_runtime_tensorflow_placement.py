@@ -410,6 +410,120 @@ def test_auto_can_choose_placement_plans_on_tensorflow():
     assert strategy.adapter.can_execute(plan) == (True, "")
 
 
+# ------------------------------------------------------- state of split layers
+class _Count(keras.layers.Layer):
+    """Adds 1 to a float and to an integer counter at every call."""
+
+    def build(self, shape):
+        self.count = self.add_weight(shape=(), initializer="zeros", trainable=False,
+                                     name="count")
+        self.steps = self.add_weight(shape=(), initializer="zeros", dtype="int32",
+                                     trainable=False, name="steps")
+
+    def call(self, x):
+        self.count.assign(self.count + 1.0)
+        self.steps.assign(self.steps + 1)
+        return x
+
+
+class _RowMean(keras.layers.Layer):
+    """Keeps a moving average of its input's per-feature batch mean (training only)."""
+
+    def build(self, shape):
+        self.moving = self.add_weight(shape=(shape[-1],), initializer="ones",
+                                      trainable=False, name="moving")
+
+    def call(self, x, training=None):
+        if training:
+            mean = keras.ops.mean(x, axis=0)
+            self.moving.assign(0.9 * self.moving + 0.1 * mean)
+        return x
+
+
+def _state_model():
+    inputs = keras.Input((8,), name="s_x")
+    h = keras.layers.Dense(16, activation="tanh", name="s_d0")(inputs)
+    h = _Count(name="s_count")(h)
+    h = _RowMean(name="s_mean")(h)
+    h = keras.layers.Dense(16, activation="relu", name="s_d1")(h)
+    return keras.Model(inputs, keras.layers.Dense(3, name="s_out")(h), name="s_model")
+
+
+def _dropout_model():
+    inputs = keras.Input((8,), name="q_x")
+    h = keras.layers.Dense(16, activation="tanh", name="q_d0",
+                           bias_initializer="ones")(inputs)
+    h = keras.layers.Dropout(0.5, seed=5, name="q_drop")(h)
+    return keras.Model(inputs, keras.layers.Dense(3, name="q_out")(h), name="q_model")
+
+
+def _state_run(build, groups, run_eagerly=False):
+    """Plain Keras and the placement plan from the same weights and batches."""
+    from autodist_keras.graph import ModelGraph
+
+    keras.utils.set_random_seed(11)
+    reference = build()
+    initial = reference.get_weights()
+    _compile(reference)
+    x, y = _data("mlp")
+    ref_history = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    graph = ModelGraph.from_keras(build())
+    plan = _plan(None, groups(list(graph.nodes)), graph=graph)
+    strategy = _strategy(plan)
+    with strategy.scope():
+        model = build()
+        _compile(model, run_eagerly=run_eagerly)
+    model.set_weights(initial)
+    history = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    return reference, ref_history, model, history
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_split_layer_updates_its_state_once_per_step(run_eagerly):
+    """Counters advance once per step, a moving average follows the whole batch.
+
+    Before, every part of the split call added its own update on top of the
+    previous part's: the counters advanced twice per step.
+    """
+    # s_count and s_mean split 10/14 (the last batch of 20 as 8/12), the rest on cpu0
+    groups = lambda n: [(n[:2], [(D0, BATCH)]), (n[2:4], [(D1, 10), (D2, 14)]),
+                        (n[4:], [(D0, BATCH)])]
+    reference, ref_history, model, history = _state_run(_state_model, groups, run_eagerly)
+    steps = -(-SAMPLES // BATCH)
+    counter = model.get_layer("s_count")
+    assert float(counter.count.numpy()) == steps == 20
+    assert int(counter.steps.numpy()) == steps
+    for w, want, got in zip(model.weights, reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, err_msg=w.path)
+    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
+
+
+def test_split_dropout_advances_its_seed_once_per_step_and_parts_draw_their_own_masks():
+    """One device's masks cannot be reproduced by parts of the batch, but the seed
+    counter goes on as on one device and each part draws its own mask."""
+    import tensorflow as tf
+
+    groups = lambda n: [(n[:2], [(D0, BATCH)]), ([n[2]], [(D1, 12), (D2, 12)]),
+                        (n[3:], [(D0, BATCH)])]
+    reference, _, model, _ = _state_run(_dropout_model, groups)
+    seeds = [v.numpy().tolist() for v in model.variables if "seed" in v.path]
+    assert seeds == [v.numpy().tolist() for v in reference.variables if "seed" in v.path]
+    assert seeds == [[5, 20]]
+    runtime = model._autodist_runtime.placement
+    runtime._forward(tf.ones((BATCH, 8)), BATCH, True)
+    produced = runtime.last_pass.produced
+    kept = [produced[("q_drop", d)][0].numpy() != 0 for d in (D1, D2)]
+    assert kept[0].shape == kept[1].shape == (12, 16)
+    assert 0 < kept[0].mean() < 1 and 0 < kept[1].mean() < 1
+    assert (kept[0] != kept[1]).any()  # not copies of one mask
+    # the first part draws from the layer's own seeds, as replica 0 does
+    drop = model.get_layer("q_drop")
+    generator = keras.random.SeedGenerator(0)
+    generator.state.assign(drop.seed_generator.state.value)
+    first = keras.random.dropout(tf.ones((12, 16)), 0.5, seed=generator) != 0
+    np.testing.assert_array_equal(kept[0], first.numpy())
+
+
 # ----------------------------------------------------------------- cannot
 def test_split_trainable_batchnorm_is_refused_with_a_reason():
     from autodist_keras.errors import BackendError

@@ -19,6 +19,11 @@ the TensorFlow backend (wired in from `tensorflow_adapter.py`):
   batch with `split_batch`), the layer runs on each part under its device,
   and the outputs are concatenated. Consecutive calls of the same split group
   hand the parts on directly (the concatenation is then unused and pruned).
+  Every part starts from the state as the call found it and draws from its
+  own seeds; what the parts assign (counters, moving averages, seed
+  counters) becomes one update, as one unsplit call would make
+  (`_SplitState`: float state share-weighted, integer state the first
+  part's).
 - Gradients: one backward pass over the whole step. Each replica device reads
   its own copy of each variable it uses (a `tf.identity` of the variable on
   that device, watched as a leaf), so the backward pass yields one gradient
@@ -172,11 +177,13 @@ def _placement_scope(runner, tape):
         def __init__(self):
             super().__init__(collect_losses=True, initialize_variables=False)
             self.assigned = []
+            self.log = []  # every assigned variable, in order (repeats kept)
             self.device = None  # TF device of the layer call running now (when copying)
             self.copies = {}  # (id(variable), device) -> (variable, device, copy)
 
         def add_update(self, update):
             variable, _ = update
+            self.log.append(variable)
             if all(v is not variable for v in self.assigned):
                 self.assigned.append(variable)
             super().add_update(update)
@@ -340,6 +347,7 @@ class _Forward:
             else:
                 split_leaves.append(None)
         outs = []
+        state = _SplitState(self.scope, operation)
         for i in active:
             part_leaves = [
                 parts[i] if parts is not None else leaf
@@ -347,9 +355,13 @@ class _Forward:
             ]
             part_args, part_kwargs = tree.pack_sequence_as(structure, part_leaves)
             first_loss = len(self.scope.losses)
-            out = self._run(name, operation, part_args, part_kwargs, devices[i], plan_devices[i])
+            with state.part(i, shares[i], devices[i]):
+                out = self._run(name, operation, part_args, part_kwargs, devices[i],
+                                plan_devices[i])
             self._scale_new_losses(operation, first_loss, shares[i] / self.batch_size)
             outs.append(out)
+        with tf.device(self.runner.adapter.home):
+            state.combine()
 
         def join(*parts):
             if not _is_tensor(parts[0]):
@@ -467,6 +479,95 @@ class _Forward:
                     ids.discard(id(old))
                     ids.add(id(new))
             self.keep.append(old)
+
+
+class _SplitState:
+    """Makes the parts of one split layer call update its state as one call would.
+
+    The parts of a split call run one after another in the same recording
+    scope. Without this, each part would read the state the previous part
+    assigned (a counter advanced once per part, a seed generator's counter
+    too). Here every part starts from the state as it was before the call,
+    and draws random numbers from its own seeds (part `i` from its seed
+    generators' seeds plus `i x replica_random.SEED_STRIDE`, as data-parallel
+    replica `i` does, so the parts' Dropout masks are not copies of one
+    another); afterwards the parts' new values are combined into one
+    assignment, as the data-parallel step combines its replicas': float
+    state gets the share-weighted mean of the parts' values (exact for a
+    moving average of per-row means; exactly the common value when the
+    parts agree, e.g. a float step counter), integer state the first part's
+    (seed counters, with the part's seed offset removed, advance once).
+    """
+
+    def __init__(self, scope, operation):
+        from autodist_keras.backends import replica_random
+
+        self.scope = scope
+        self.before = dict(scope.state_mapping)  # the state as the call found it
+        # (a functional graph may call plain Keras operations, which have no variables)
+        self.seeds = (replica_random.seed_state_variables(operation)
+                      if hasattr(operation, "variables") else [])
+        self.order = []  # variables assigned by some part, in order
+        self.values = {}  # id(variable) -> [(share, value), ...]
+
+    @contextlib.contextmanager
+    def part(self, index, share, device):
+        """Runs one part (replica `index` of the group) from the state before the call."""
+        import tensorflow as tf
+
+        from autodist_keras.backends import replica_random
+
+        scope = self.scope
+        offset = {}
+        if index and self.seeds:
+            with tf.device(device):
+                offset = dict(
+                    (id(v), value)
+                    for v, value in replica_random.offset_states(self.seeds, index)
+                )
+            scope.state_mapping.update(offset)
+        first = len(scope.log)
+        try:
+            yield
+        finally:
+            touched = []
+            for variable in scope.log[first:]:
+                if all(v is not variable for v in touched):
+                    touched.append(variable)
+            for variable in touched:
+                value = scope.state_mapping[id(variable)]
+                if id(variable) in offset:
+                    with tf.device(device):
+                        value = replica_random.restore_seed(value, index, variable.dtype)
+                if id(variable) not in self.values:
+                    self.order.append(variable)
+                    self.values[id(variable)] = []
+                self.values[id(variable)].append((share, value))
+            for key in set(offset) | {id(v) for v in touched}:
+                if key in self.before:
+                    scope.state_mapping[key] = self.before[key]
+                else:
+                    scope.state_mapping.pop(key, None)
+
+    def combine(self):
+        """Records one assignment per variable the parts assigned."""
+        import tensorflow as tf
+
+        for variable in self.order:
+            entries = self.values[id(variable)]
+            if len(entries) == 1 or not _is_float(variable):
+                value = entries[0][1]
+            else:
+                # The share-weighted mean, written as the first part's value plus
+                # the weighted differences: exact when every part assigned the
+                # same value (a float counter stays an integer).
+                total = float(sum(s for s, _ in entries))
+                first = tf.cast(entries[0][1], variable.dtype)
+                value = first + tf.add_n([
+                    (tf.cast(v, variable.dtype) - first) * tf.cast(s / total, variable.dtype)
+                    for s, v in entries[1:]
+                ])
+            self.scope.add_update((variable, value))
 
 
 class PlacementRuntime:
@@ -723,6 +824,12 @@ def _is_tensor(value):
 def _batch_major(tensor, batch_size):
     shape = tensor.shape
     return shape.rank is not None and shape.rank >= 1 and shape[0] == batch_size
+
+
+def _is_float(variable):
+    import keras
+
+    return "float" in keras.backend.standardize_dtype(variable.dtype)
 
 
 def _dtype_name(variable):
