@@ -186,3 +186,159 @@ def test_one_replica_plan_with_regions_keeps_the_adapter_step():
     assert strategy.adapter.runtime_info["op_fusion_regions"] == 2
     assert not runtime.keras_step_suffices()
     assert model.train_function.__qualname__.endswith("make_function.<locals>.function")
+
+
+# ------------------------------------------------ regions with random layers
+class _DropBlock(keras.layers.Layer):
+    """A custom layer whose Dropout sublayer draws the random numbers."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.drop = keras.layers.Dropout(0.5, seed=7)
+
+    def call(self, x, training=None):
+        return self.drop(x, training=training)
+
+
+def _random_mlp(kind="dropout"):
+    """d0 -> Dropout, GaussianNoise or a block holding a Dropout -> act -> d1 -> act1 -> out."""
+    inputs = keras.Input((8,), name="f_x")
+    h = keras.layers.Dense(16, name="f_d0")(inputs)
+    h = {"dropout": lambda: keras.layers.Dropout(0.5, seed=5, name="f_rand"),
+         "gnoise": lambda: keras.layers.GaussianNoise(0.3, seed=3, name="f_rand"),
+         "block": lambda: _DropBlock(name="f_rand")}[kind]()(h)
+    h = keras.layers.Activation("relu", name="f_act")(h)
+    h = keras.layers.Dense(16, name="f_d1")(h)
+    h = keras.layers.Activation("tanh", name="f_act1")(h)
+    return keras.Model(inputs, keras.layers.Dense(3, name="f_out")(h), name="f_mlp")
+
+
+RANDOM_REGIONS = [["f_d0", "f_rand", "f_act"], ["f_d1", "f_act1"]]
+
+
+def _mlp_data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(240, 8)).astype("float32")
+    y = rng.integers(0, 3, size=(240,)).astype("int32")
+    return x, y
+
+
+def _random_fit(kind, devices, op_fusion, regions, initial):
+    from autodist_keras import AutoStrategy
+    from autodist_keras.devices import Cluster
+    from autodist_keras.graph import ModelGraph
+    from autodist_keras.strategies import baselines
+
+    cluster = Cluster.cpu_testbed()
+    plan = baselines.data_parallel_even(ModelGraph.from_keras(_random_mlp(kind)), cluster, 24,
+                                        devices=devices)
+    plan.op_fusion = [list(r) for r in regions]
+    strategy = AutoStrategy("data_parallel", cluster=cluster, plan=plan, op_fusion=op_fusion)
+    with strategy.scope():
+        model = _random_mlp(kind)
+        _compile(model)
+    model.set_weights(initial)
+    x, y = _mlp_data()
+    history = model.fit(x, y, batch_size=24, shuffle=False, verbose=0)
+    return strategy, model, history
+
+
+def test_regions_with_random_layers_fall_back_with_a_reason():
+    import tensorflow as tf
+
+    from autodist_keras.backends.tf_fusion import FusionRegions
+
+    for kind, inner in (("dropout", None), ("gnoise", None), ("block", "dropout")):
+        model = _random_mlp(kind)
+        regions = FusionRegions(model, RANDOM_REGIONS)
+        assert regions.regions == RANDOM_REGIONS
+        assert regions.realised == [1] and list(regions.fallbacks) == [0]
+        reason = regions.fallbacks[0]
+        assert "'f_rand'" in reason and "draws random numbers" in reason, reason
+        if inner:
+            assert f"its layer '{inner}" in reason, reason
+        assert regions.summary()["fallbacks"] == {"0": reason}
+        ops = _traced_ops(regions, model, tf.zeros((4, 8)))
+        scopes = {_xla_scope(op) for op in ops.values()} - {None}
+        assert scopes == {"autodist_fusion_r1_p0"}, (kind, scopes)  # region 0 uncompiled
+        for name, op in ops.items():
+            if "f_d0" in name or "f_rand" in name:
+                assert _xla_scope(op) is None, name
+
+
+@pytest.mark.parametrize("kind", ["dropout", "gnoise"])
+def test_one_replica_region_with_random_layer_matches_plain_keras(kind):
+    """Compiled, the region drew other masks (weights 0.06 off); uncompiled it is Keras's own."""
+    keras.utils.set_random_seed(3)
+    reference = _random_mlp(kind)
+    initial = reference.get_weights()
+    _compile(reference)
+    x, y = _mlp_data()
+    ref_history = reference.fit(x, y, batch_size=24, shuffle=False, verbose=0)
+
+    strategy, model, history = _random_fit(kind, ["node0/cpu0"], "on", RANDOM_REGIONS[:1],
+                                           initial)
+    for w, want, got in zip(model.weights, reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=w.path)
+    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
+    info = strategy.adapter.runtime_info
+    assert info["op_fusion_regions"] == 0
+    assert "draws random numbers" in info["op_fusion"]["fallbacks"]["0"]
+    assert model._autodist_runtime.keras_step_suffices()  # nothing left to compile
+    seeds = [v.numpy().tolist() for v in model.variables if "seed" in v.path]
+    assert seeds == [v.numpy().tolist() for v in reference.variables if "seed" in v.path]
+
+
+def test_replicated_region_with_dropout_runs_uncompiled_and_others_compile():
+    """Two replicas: the Dropout region draws as with op_fusion='off'; the other compiles."""
+    keras.utils.set_random_seed(3)
+    initial = _random_mlp().get_weights()
+    devices = ["node0/cpu0", "node0/cpu1"]
+    _, plain, plain_history = _random_fit("dropout", devices, "off", RANDOM_REGIONS, initial)
+    strategy, model, history = _random_fit("dropout", devices, "on", RANDOM_REGIONS, initial)
+    for w, want, got in zip(model.weights, plain.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=w.path)
+    np.testing.assert_allclose(history.history["loss"], plain_history.history["loss"],
+                               rtol=1e-4)
+    info = strategy.adapter.runtime_info
+    assert info["op_fusion_regions"] == 1
+    assert info["op_fusion"]["realised"] == [1]
+    assert list(info["op_fusion"]["fallbacks"]) == ["0"]
+    train_fn = model._autodist_runtime.fns[("train", (12, 12))]
+    (concrete,) = train_fn._list_all_concrete_functions()
+    scopes = {_xla_scope(op) for op in concrete.graph.get_operations()} - {None}
+    assert scopes == {"autodist_fusion_r1_p0", "autodist_fusion_r1_p1"}
+
+
+def test_disco_regions_with_dropout_are_not_compiled():
+    """Whatever regions Disco plans, those holding a Dropout run uncompiled, with a reason."""
+    from autodist_keras import AutoStrategy
+    from autodist_keras.devices import Cluster
+
+    strategy = AutoStrategy("disco", cluster=Cluster.cpu_testbed(), op_fusion="on")
+    with strategy.scope():
+        inputs = keras.Input((32,), name="dd_x")
+        h = keras.layers.Dense(64, name="dd_d0")(inputs)
+        h = keras.layers.Dropout(0.5, seed=5, name="dd_drop")(h)
+        h = keras.layers.Activation("relu", name="dd_act")(h)
+        h = keras.layers.Dense(64, name="dd_d1")(h)
+        h = keras.layers.Dropout(0.5, seed=6, name="dd_drop2")(h)
+        model = keras.Model(inputs, keras.layers.Dense(3, name="dd_out")(h))
+        _compile(model)
+    rng = np.random.default_rng(0)
+    model.fit(rng.normal(size=(96, 32)).astype("float32"), rng.integers(0, 3, 96),
+              batch_size=48, verbose=0)
+    info = strategy.adapter.runtime_info
+    summary = info["op_fusion"]
+    regions = [r for r in (strategy.plan.op_fusion or []) if len(r) > 1]
+    if not regions:
+        assert summary is None or not summary["realised"]
+        return
+    for index, region in enumerate(summary["regions"]):
+        random = [n for n in region if "drop" in n]
+        if random:
+            assert str(index) in summary["fallbacks"], summary
+            assert random[0] in summary["fallbacks"][str(index)]
+        else:
+            assert index in summary["realised"], summary
+    assert info["op_fusion_regions"] == len(summary["realised"])

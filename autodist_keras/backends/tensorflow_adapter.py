@@ -524,7 +524,7 @@ class _Runtime:
                 "replica_devices": {r.name: r.device for r in replicas},
                 "home_device": self.adapter.home,
                 "buckets": len(self.layout),
-                "op_fusion_regions": len(self.fusion.regions) if self.fusion else 0,
+                **tf_fusion.run_info(self.fusion),  # regions compiled, and why others are not
             }
         )
 
@@ -638,7 +638,8 @@ class _Runtime:
         import tensorflow as tf
 
         if (self.plan is None or not self.plan.is_data_parallel or self.adapter.worker is not None
-                or not self.replicas or len(self.replicas) != 1 or self.fusion is not None):
+                or not self.replicas or len(self.replicas) != 1
+                or (self.fusion is not None and self.fusion.active)):
             return False  # (Keras's own step would not compile the op-fusion regions)
         default = ("GPU", 0) if tf.config.list_logical_devices("GPU") else ("CPU", 0)
         for name in (self.replicas[0].device, self.adapter.home):

@@ -11,6 +11,13 @@ replica's device.
 Only layers called inside `FusionRegions.recording()` while a `tf.function`
 traces are affected; eager calls and layers outside every region run as usual.
 
+A region with a layer that draws random numbers (a layer, or a layer nested in
+it, holding a `keras.random.SeedGenerator`: Dropout, GaussianNoise, random
+augmentation) is not compiled: XLA draws different numbers from TensorFlow's
+own kernels for the same seeds (Dropout masks unlike one device's). Such a
+region runs uncompiled, layer by layer, and `fallbacks` says why, as in the
+PyTorch runtime (`torch_fusion.py`); `runtime_info["op_fusion"]` reports it.
+
 Example:
 
 ```python
@@ -36,14 +43,26 @@ class FusionRegions:
         model: The Keras model whose layers the regions name.
         regions: List of lists of layer names (`fusion.op_fusion.regions_for(plan)`).
             Names that are not layers of `model` raise `BackendError`.
+
+    Attributes:
+        regions: The regions of two or more layers.
+        realised: Indexes (into `regions`) of the regions compiled by XLA.
+        fallbacks: Dict `{index: reason}` of the regions run uncompiled.
     """
 
     def __init__(self, model, regions):
         from autodist_keras.fusion.op_fusion import region_layers
 
         self.regions, layers = region_layers(model, regions)
+        self.realised = []
+        self.fallbacks = {}
         self._region_of = {}
         for index, region in enumerate(self.regions):
+            reason = _region_problem([layers[name] for name in region])
+            if reason is not None:
+                self.fallbacks[index] = reason
+                continue
+            self.realised.append(index)
             for name in region:
                 self._region_of[name] = index
         self._layers = {name: layers[name] for name in self._region_of}
@@ -51,8 +70,17 @@ class FusionRegions:
 
     @property
     def active(self):
-        """True when the plan has at least one region of two or more layers."""
-        return bool(self.regions)
+        """True when at least one region of two or more layers is compiled."""
+        return bool(self.realised)
+
+    def summary(self):
+        """A JSON-ready dict: regions, realised, fallbacks (with reasons), compiler."""
+        return {
+            "regions": [list(r) for r in self.regions],
+            "realised": list(self.realised),
+            "fallbacks": {str(k): v for k, v in self.fallbacks.items()},
+            "compiler": "xla",
+        }
 
     @contextlib.contextmanager
     def recording(self, replica=0):
@@ -144,6 +172,35 @@ def _forward_scope(path, scope_of_op):
     return None
 
 
+def _region_problem(layers):
+    """Why a region of `layers` must not be compiled, or None."""
+    for layer in layers:
+        drawing = _random_layer(layer)
+        if drawing is not None:
+            inner = "" if drawing is layer else f" (its layer {drawing.name!r})"
+            return (f"layer {layer.name!r}{inner} draws random numbers (e.g. Dropout), which "
+                    "compiled code would draw differently from Keras's own call")
+    return None
+
+
+def _random_layer(layer):
+    """`layer`, or a layer nested in it, that holds a `keras.random.SeedGenerator`, or None."""
+    from keras.random import SeedGenerator
+
+    flatten = getattr(layer, "_flatten_layers", None)
+    for inner in (flatten(include_self=True) if flatten else [layer]):
+        if getattr(inner, "_seed_generators", None) or any(
+                isinstance(v, SeedGenerator) for v in vars(inner).values()):
+            return inner
+    return None
+
+
+def run_info(fusion):
+    """The adapter's `runtime_info` facts for `fusion` (a `FusionRegions` or None)."""
+    return {"op_fusion_regions": len(fusion.realised) if fusion else 0,
+            "op_fusion": fusion.summary() if fusion else None}
+
+
 def for_plan(model, plan, device_kinds, policy="auto"):
     """The `FusionRegions` to realise for `plan`, or None.
 
@@ -156,7 +213,9 @@ def for_plan(model, plan, device_kinds, policy="auto"):
             never.
 
     Returns:
-        A `FusionRegions`, or None when nothing is realised.
+        A `FusionRegions`, or None when the policy compiles nothing. Regions
+        with random layers are in its `fallbacks` (its `active` is False when
+        no region is left to compile).
     """
     from autodist_keras.fusion.op_fusion import regions_to_realise
 
