@@ -239,8 +239,11 @@ def test_user_errors(res, clusters):
         disco.plan(res, cluster, 32, algorithms=("butterfly",))
     with pytest.raises(StrategyError, match="time_budget_s.*Received"):
         disco.plan(res, cluster, 32, time_budget_s=0)
-    with pytest.raises(PlanError, match="smaller than the number of devices.*Received"):
-        disco.plan(res, cluster, 2)
+    with pytest.raises(PlanError, match="positive integer.*Received"):
+        disco.plan(res, cluster, 0)
+    # A batch smaller than the device count plans on fewer devices (it raised
+    # "smaller than the number of devices" until session 21).
+    assert 1 <= len(disco.plan(res, cluster, 2).devices) <= 2
 
 
 def test_cpu_devices_get_no_op_fusion_unless_forced(tiny):
@@ -306,7 +309,13 @@ def test_balanced_shares_beat_speed_proportional_ones_on_memory_bound_layers(clu
         keras.applications.MobileNetV2(input_shape=(96, 96, 3), weights=None, classes=10)
     )
     cluster = clusters["testbed"]
-    plan = disco.plan(graph, cluster, 128, op_fusion=False, tensor_fusion=False)
+    # The TensorFlow cost model under either backend: with PyTorch's eager host time
+    # added, Disco leaves the two 50 GbE nodes out here (90.1 ms against 90.6 ms with
+    # every device, predicted), and this test is about the shares of all eight.
+    cost = AnalyticCostModel(cluster, framework="tensorflow")
+    plan = disco.plan(graph, cluster, 128, op_fusion=False, tensor_fusion=False,
+                      cost_model=cost)
+    assert plan.devices == cluster.names
     assert plan.provenance.options["shares"] == "balanced"
     assert any("balanced shares" in note for note in plan.notes)
     prop = baselines.proportional(graph, cluster, 128)
@@ -315,10 +324,11 @@ def test_balanced_shares_beat_speed_proportional_ones_on_memory_bound_layers(clu
     gtx = [d for d in cluster.names if "1080" in cluster.device(d).model]
     assert all(share[d] < prop_share[d] for d in gtx)
     same_layout = baselines.proportional(graph, cluster, 128, buckets=plan.buckets)
-    assert plan.prediction.step_time_s < simulate(graph, cluster, same_layout).step_time_s
+    assert plan.prediction.step_time_s < simulate(graph, cluster, same_layout,
+                                                  cost_model=cost).step_time_s
     # Measured speeds from the user keep the speed-proportional shares.
     speeds = {d: cluster.device(d).peak_flops_fp32 for d in cluster.names}
-    given = disco.plan(graph, cluster, 128, op_fusion=False, speeds=speeds)
+    given = disco.plan(graph, cluster, 128, op_fusion=False, speeds=speeds, cost_model=cost)
     assert given.provenance.options["shares"] == "proportional"
     assert [r.batch_share for r in given.replicas] == [r.batch_share for r in prop.replicas]
 

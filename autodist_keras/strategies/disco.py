@@ -11,7 +11,11 @@ can delay the all-reduces that compute was hiding.
 
 This planner:
 
-1. takes the replicas of the proportional baseline and, of two sets of
+1. takes the replicas of the proportional baseline on the device subset
+   whose start is predicted fastest (`_choose_devices`: all devices, or the
+   `batch_size` fastest when the batch is smaller than the device count;
+   without the slowest type, the worst-connected node(s); each node alone,
+   one device of each type alone), and, of two sets of
    batch shares, the one predicted faster with DDP buckets: the proportional
    baseline's (peak FLOP/s) or shares that balance each device's predicted
    step (`_balanced_base`: compute at its share plus the optimizer update);
@@ -68,6 +72,9 @@ from autodist_keras.strategies.plan import SyncSpec
 
 DEFAULT_TIME_BUDGET_S = 2.0
 ALGORITHMS = ("ring", "tree", "hierarchical")
+# Nodes (most peak FLOP/s first) whose devices alone `_choose_devices` prices as a start.
+MAX_NODE_STARTS = 8
+_UNPRICED = object()
 OPTION_NAMES = ("algorithms", "speeds", "op_fusion", "tensor_fusion", "compare_baselines",
                 "backend")
 _EPS = 1e-12
@@ -503,10 +510,13 @@ def plan(
         batch_size: Global batch size.
         cost_model: Cost model for the estimator (default
             `AnalyticCostModel(cluster)`).
-        devices: Device names it may use (default: all). A device type too
-            slow to pay for its share (at least one sample) and its
-            all-reduce is left out, slowest first, when that predicts a
-            faster step; a note names the devices.
+        devices: Device names it may use (default: all). Disco plans on the
+            subset of them whose start is predicted fastest
+            (`_choose_devices`: a slow device type, nodes behind slow
+            links, or all but one node or one device may be left out), and
+            on at most `batch_size` of them; a note names the devices left
+            out and why, and `provenance.options["left_out"]` maps each to
+            its reason.
         time_budget_s: Wall-time budget for the whole call (default 2 s).
             The search stops when it is spent (then the result may depend on
             the machine's speed; the plan's notes say so).
@@ -528,7 +538,10 @@ def plan(
     Raises:
         StrategyError: For unknown options.
         PlanError: If the batch or devices cannot form a data-parallel plan
-            (as `baselines.proportional`).
+            (as `baselines.proportional` on all devices, or on the
+            `batch_size` fastest when the batch is smaller than the device
+            count: unknown devices, a batch that is not a positive integer,
+            a model that does not fit in memory).
 
     Example:
 
@@ -557,16 +570,15 @@ def plan(
     if hasattr(cost, "with_cluster"):
         cost = cost.with_cluster(cluster)
 
-    priced = time.perf_counter()
     # Replicas and shares: the proportional baseline (memory-capped, speed-weighted)
     # on the device subset whose start is predicted fastest (`_choose_devices`).
     chosen = _choose_devices(graph, cluster, batch_size, devices, options.get("speeds"), cost,
-                             algorithms, use_tensor)
+                             algorithms, use_tensor, use_op, options.get("backend"))
     start = chosen.start
     base, timeline, ring = start.base, start.timeline, start.ring
     unfused, ddp_bounds, start_time = start.unfused, start.ddp_bounds, start.ring_time
     algorithms = list(timeline.algorithms)
-    pricing = time.perf_counter() - priced
+    pricing = start.pricing_s
     names = timeline.var_names
     shares_from = "proportional"
     fusion_not_searched = False
@@ -580,22 +592,15 @@ def plan(
     if options.get("speeds") is None and len(base.replicas) > 1 and start_time is not None:
         # Shares that balance the predicted per-device step (compute and update):
         # kept when they predict a faster start than the speed-proportional ones.
-        balanced = _balanced_base(base, graph, cluster, cost, batch_size)
-        if balanced is not None:
-            other = _Timeline(graph, cluster, balanced.replicas, cost, algorithms)
-            other_unfused = other.state(())
-            other_ring = other.with_algorithms(["ring"])
-            other_start = other_ring.step(other_unfused, ddp_bounds)
-            if other_start < start_time * (1.0 - 1e-9):
-                base, timeline, ring, start_time = balanced, other, other_ring, other_start
-                unfused = other_unfused
-                shares_from = "balanced"
-        pricing = time.perf_counter() - priced
-    seeds = {}
-    for name, layout in tensor_fusion.BASELINE_LAYOUTS.items():
-        bounds = tensor_fusion.bounds_of(names, layout(graph))
-        if bounds is not None:
-            seeds[name] = tuple(bounds)
+        priced = time.perf_counter()
+        balanced = chosen.balanced(start)
+        if balanced is not None and balanced.ring_time < start_time * (1.0 - 1e-9):
+            base, timeline, ring, start_time = (balanced.base, balanced.timeline, balanced.ring,
+                                                balanced.ring_time)
+            unfused = balanced.unfused
+            shares_from = "balanced"
+        pricing += time.perf_counter() - priced
+    seeds = chosen.seeds
     seed_times = {name: timeline.step(unfused, b) for name, b in seeds.items()}
     seed = "ddp_25mb"
     if use_tensor and seed_times:
@@ -651,12 +656,8 @@ def plan(
         prediction.baselines["overlapped_bound_no_op_fusion"] = timeline.bound(unfused).to_dict()
     result.prediction = prediction
 
-    if left_out:
-        notes.append(
-            f"Left out {', '.join(left_out)}: too slow to pay for a share (at least one sample) "
-            f"and its all-reduce; the start without them is predicted "
-            f"{start_time * 1e3:.3f} ms, with them {with_all * 1e3:.3f} ms."
-        )
+    if chosen.note:
+        notes.append(chosen.note)
     notes += _notes(timeline, state, bounds, bucket_algorithm, result, sim, bound, start_time,
                     use_op, shares_from)
     if fusion_not_searched:
@@ -688,6 +689,7 @@ def plan(
         "speeds": options.get("speeds"),
         "shares": shares_from,
         "devices": list(devices) if devices is not None else None,
+        "left_out": {name: reason for name, (reason, _) in chosen.left_out.items()},
         "search": {
             "seed": seed,
             "evaluations": timeline.evaluations,
@@ -703,25 +705,332 @@ def plan(
     return result
 
 
-def _without_slowest_type(base, graph, cluster, batch_size):
-    """`base`'s proportional plan without its slowest device type, or None.
+class _Start:
+    """A data-parallel start on one device subset, priced for the search.
 
-    The slowest type is the one whose devices get the fewest samples each.
-    None when one type is left, or the rest cannot hold the batch.
+    `ring_time`: the proportional shares with DDP buckets and ring all-reduce
+    (the reference the search never ends slower than); `score`: the best
+    start the search begins from (the seed layouts and the re-solved buckets,
+    no op fusion, each bucket's cheapest all-reduce), which subsets are
+    compared by.
+    """
+
+    __slots__ = ("base", "timeline", "ring", "unfused", "ddp_bounds", "ring_time", "score",
+                 "pricing_s", "balanced")
+
+
+class _Choice:
+    """The start `_choose_devices` keeps, the seed layouts, and what it left out and why.
+
+    `balanced(start)`: the `_Start` of `start`'s shares balanced by predicted
+    step (`_balanced_base`), or None; priced once per start.
+    """
+
+    __slots__ = ("start", "seeds", "left_out", "note", "balanced")
+
+    def __init__(self, start, seeds, left_out, note, balanced):
+        self.start, self.seeds, self.left_out, self.note = start, seeds, left_out, note
+        self.balanced = balanced
+
+
+def _price_start(graph, cluster, base, cost, algorithms, seeds, use_tensor, joins):
+    """The `_Start` of the data-parallel plan `base`; `joins`: the search's first
+    op-fusion move (every candidate join), or () when op fusion is not searched."""
+    priced = time.perf_counter()
+    if len(base.replicas) == 1:
+        algorithms = algorithms[:1]
+    start = _Start()
+    start.base = base
+    start.timeline = timeline = _Timeline(graph, cluster, base.replicas, cost, algorithms)
+    start.unfused = timeline.state(())
+    start.ring = timeline.with_algorithms(["ring"])
+    start.ddp_bounds = tensor_fusion.bounds_of(timeline.var_names, base.buckets)
+    start.ring_time = (start.ring.step(start.unfused, start.ddp_bounds)
+                       if start.ddp_bounds is not None else None)
+    start.pricing_s = time.perf_counter() - priced
+    start.balanced = _UNPRICED
+    if use_tensor:
+        layouts = list(seeds.values())
+        if timeline.var_names:
+            layouts.append(timeline.optimal_bounds(start.unfused))
+    else:
+        layouts = [seeds.get("ddp_25mb") or start.ddp_bounds]
+    times = [timeline.step(start.unfused, b) for b in layouts if b is not None]
+    if joins and layouts and layouts[0] is not None:
+        fused = timeline.state(joins)
+        times.append(timeline.step(fused, timeline.optimal_bounds(fused) if use_tensor
+                                   else layouts[0]))
+    if start.ring_time is not None:
+        times.append(start.ring_time)
+    start.score = min(times) if times else 0.0
+    return start
+
+
+def _nodes_of(devices, cluster):
+    """Dict node -> its devices among `devices` (both in the order given)."""
+    nodes = {}
+    for name in devices:
+        nodes.setdefault(cluster.device(name).node, []).append(name)
+    return nodes
+
+
+def _gbit(cluster, node):
+    return f"{cluster.nodes[node].nic_bandwidth * 8 / 1e9:g} Gbit/s"
+
+
+def _smaller_sets(base, cluster):
+    """Device subsets one step smaller than `base`'s: `(reason, node or None, devices)`.
+
+    Without the slowest device type (the one whose devices get the fewest
+    samples each, then the lowest peak FLOP/s); without the node behind the
+    slowest network link (NIC bandwidth, then latency; among equals the one
+    with the least peak FLOP/s, then the last; reason "link" when its link
+    is slower than every other node's, else "weak node"); and without every
+    node at the slowest link speed ("links"), when several share it and
+    others are faster.
     """
     shares = {r.device: r.batch_share for r in base.replicas}
+    devices = list(shares)
     by_type = {}
-    for name in shares:
+    for name in devices:
         by_type.setdefault(cluster.device(name).model, []).append(name)
-    if len(by_type) < 2:
+    if len(by_type) > 1:
+        slowest = min(by_type.values(), key=lambda names: (
+            sum(shares[n] for n in names) / len(names),
+            cluster.device(names[0]).peak_flops_fp32, names))
+        yield "type", None, [n for n in devices if n not in slowest]
+    nodes = _nodes_of(devices, cluster)
+    if len(nodes) > 1:
+        order = list(nodes)
+
+        def key(node):
+            spec = cluster.nodes[node]
+            flops = sum(cluster.device(n).peak_flops_fp32 for n in nodes[node])
+            return (spec.nic_bandwidth, -spec.nic_latency, flops, -order.index(node))
+
+        worst = min(order, key=key)
+        alone = all(cluster.nodes[worst].nic_bandwidth < cluster.nodes[n].nic_bandwidth
+                    for n in order if n != worst)
+        yield ("link" if alone else "weak node"), worst, [n for n in devices
+                                                          if n not in nodes[worst]]
+        slowest = min(cluster.nodes[n].nic_bandwidth for n in order)
+        level = [n for n in order if cluster.nodes[n].nic_bandwidth <= slowest * (1 + 1e-9)]
+        if 1 < len(level) < len(order):
+            yield "links", tuple(level), [n for n in devices
+                                          if cluster.device(n).node not in level]
+
+
+def _ranked(devices, cluster, speeds):
+    """`devices` fastest first (peak FLOP/s or `speeds`), then best-connected, then in order."""
+    def key(item):
+        i, name = item
+        node = cluster.nodes[cluster.device(name).node]
+        speed = float(speeds[name]) if speeds is not None and name in speeds else float(
+            cluster.device(name).peak_flops_fp32)
+        return (-speed, -node.nic_bandwidth, node.nic_latency, i)
+
+    return [name for _, name in sorted(enumerate(devices), key=key)]
+
+
+def _choose_devices(graph, cluster, batch_size, devices, speeds, cost, algorithms, use_tensor,
+                    use_op, backend):
+    """The device subset whose data-parallel start is predicted fastest.
+
+    Candidates (each the proportional baseline on the subset, priced by
+    `_price_start`; a few dozen at most, never every subset):
+
+    - all devices, or, when the batch is smaller than the device count, the
+      `batch_size` fastest (then best-connected) devices;
+    - greedily from there, the best of `_smaller_sets` (the slowest type out,
+      the worst-connected node out, every node at the slowest link speed out)
+      while it predicts a faster start;
+    - each node alone (the `MAX_NODE_STARTS` with the most peak FLOP/s; its
+      fastest `batch_size` devices when the batch is smaller than its device
+      count) and one device of each type alone: the best of these, descended
+      from as above, when it ends faster.
+
+    A subset other than the first candidate must also be faster once both
+    take the balanced shares `plan` would give them.
+
+    With `speeds` (measured speeds) the devices are kept as given, but for
+    the cut to `batch_size` devices.
+
+    Returns:
+        A `_Choice`.
+
+    Raises:
+        PlanError: As `baselines.proportional` on all devices (or on the
+            `batch_size` fastest ones).
+    """
+    names = [v.name for v in tensor_fusion.launch_order(graph)]
+    seeds = {}
+    for name, layout in tensor_fusion.BASELINE_LAYOUTS.items():
+        bounds = tensor_fusion.bounds_of(names, layout(graph))
+        if bounds is not None:
+            seeds[name] = tuple(bounds)
+    allowed = list(devices) if devices is not None else list(cluster.names)
+    few = (isinstance(batch_size, int) and not isinstance(batch_size, bool)
+           and 0 < batch_size < len(allowed) and len(set(allowed)) == len(allowed)
+           and all(name in cluster for name in allowed))
+    starts = {}
+    candidate_joins = op_fusion_lib.candidate_joins(graph)
+
+    def price(base):
+        fuses = use_op
+        if fuses is None:
+            fuses = op_fusion_lib.compiled_by_default(
+                [cluster.device(d).kind for d in base.devices], framework=backend)
+        return _price_start(graph, cluster, base, cost, algorithms, seeds, use_tensor,
+                            candidate_joins if fuses else ())
+
+    def start_on(subset, strict=False):
+        key = tuple(subset)
+        if key not in starts:
+            try:
+                base = baselines.proportional(graph, cluster, batch_size, devices=list(key),
+                                              speeds=speeds)
+            except AutodistError:
+                if strict:
+                    raise
+                starts[key] = None
+            else:
+                starts[key] = price(base)
+        return starts[key]
+
+    left_out = {}
+    if few:
+        top = set(_ranked(allowed, cluster, speeds)[:batch_size])
+        first = [n for n in allowed if n in top]
+        for n in allowed:
+            if n not in top:
+                left_out[n] = ("batch", None)
+    else:
+        # All devices, validated (and errors raised) exactly as the proportional baseline.
+        base = baselines.proportional(graph, cluster, batch_size, devices=devices, speeds=speeds)
+        first = list(base.devices)
+        starts[tuple(first)] = price(base)
+    start = start_on(first, strict=True)
+    full = None if few else start
+
+    def balanced(start):
+        if start.balanced is _UNPRICED:
+            other = _balanced_base(start.base, graph, cluster, cost, batch_size)
+            start.balanced = price(other) if other is not None else None
+        return start.balanced
+
+    if speeds is not None or start.ring_time is None:
+        return _Choice(start, seeds, left_out, _left_out_note(left_out, start, full, cluster,
+                                                              batch_size, len(allowed)), balanced)
+
+    def descend(current, reasons):
+        while True:
+            best = None
+            for reason, node, subset in _smaller_sets(current.base, cluster):
+                if not subset:
+                    continue
+                other = start_on(subset)
+                if other is None or not other.score < current.score * (1.0 - 1e-9):
+                    continue
+                if best is None or other.score < best[2].score * (1.0 - 1e-12):
+                    best = (reason, node, other)
+            if best is None:
+                return current, reasons
+            reason, node, other = best
+            reasons = dict(reasons)
+            for name in current.base.devices:
+                if name not in other.base.devices:
+                    reasons[name] = (reason, node)
+            current = other
+
+    best, reasons = descend(start, left_out)
+    # Starts on fewer devices that the descent need not pass through: each node
+    # alone (the MAX_NODE_STARTS with the most peak FLOP/s), and one device of each type.
+    nodes = _nodes_of(allowed, cluster)
+    order = list(nodes)
+    alone = []
+    if len(nodes) > 1:
+        strongest = sorted(order, key=lambda n: (
+            -sum(cluster.device(d).peak_flops_fp32 for d in nodes[n]),
+            -cluster.nodes[n].nic_bandwidth, cluster.nodes[n].nic_latency, order.index(n)))
+        for node in strongest[:MAX_NODE_STARTS]:
+            members = nodes[node]
+            if few and len(members) > batch_size:
+                keep = set(_ranked(members, cluster, speeds)[:batch_size])
+                members = [n for n in members if n in keep]
+            why = {n: ("node", node) for n in allowed if n not in nodes[node]}
+            why.update({n: ("batch", None) for n in nodes[node] if n not in members})
+            alone.append((members, why))
+    # One device of each type (the best-connected): peak FLOP/s need not say which
+    # runs the step fastest (memory-bound layers follow memory bandwidth).
+    types = {}
+    for name in _ranked(allowed, cluster, speeds):
+        types.setdefault(cluster.device(name).model, name)
+    for name in types.values():
+        alone.append(([name], {n: ("device", name) for n in allowed if n != name}))
+    candidates = []
+    for members, why in alone:
+        other = start_on(members)
+        if other is not None:
+            candidates.append((other.score, len(candidates), other, why))
+    if candidates:
+        _, _, other, why = min(candidates, key=lambda c: c[:2])
+        other, why = descend(other, why)
+        if other.score < best.score * (1.0 - 1e-9):
+            best, reasons = other, why
+    if best is not start:
+        # The plan starts from balanced shares when they predict a faster start than
+        # proportional ones (see `plan`); the subset must beat the first devices so too.
+        def effective(s):
+            other = balanced(s) if len(s.base.replicas) > 1 else None
+            if other is not None and other.ring_time < s.ring_time * (1.0 - 1e-9):
+                return other.score
+            return s.score
+
+        if not effective(best) < effective(start) * (1.0 - 1e-9):
+            best, reasons = start, left_out
+    return _Choice(best, seeds, reasons,
+                   _left_out_note(reasons, best, full, cluster, batch_size, len(allowed)),
+                   balanced)
+
+
+def _left_out_note(reasons, start, full, cluster, batch_size, count):
+    """The plan's note naming the devices `_choose_devices` left out, and why."""
+    if not reasons:
         return None
-    slowest = min(by_type.values(),
-                  key=lambda names: (sum(shares[n] for n in names) / len(names), names))
-    keep = [n for n in shares if n not in slowest]
-    try:
-        return baselines.proportional(graph, cluster, batch_size, devices=keep)
-    except AutodistError:
-        return None
+    groups = {}
+    for name, reason in reasons.items():
+        groups.setdefault(reason, []).append(name)
+    parts = []
+    for (reason, node), names in groups.items():
+        if reason == "type":
+            why = "too slow to pay for a share (at least one sample) and its all-reduce"
+        elif reason == "link":
+            why = (f"behind the slowest network link ({node}, {_gbit(cluster, node)}): the "
+                   "all-reduce across it costs more than their share of the batch saves")
+        elif reason == "weak node":
+            why = (f"{node} has the least peak FLOP/s of the nodes behind the slowest links "
+                   f"({_gbit(cluster, node)}): the all-reduce across the network costs more "
+                   "than their share of the batch saves")
+        elif reason == "links":
+            why = (f"behind the slowest network links ({', '.join(node)}, "
+                   f"{_gbit(cluster, node[0])}): the all-reduce across them costs more than "
+                   "their share of the batch saves")
+        elif reason == "node":
+            why = (f"one node ({node}) alone is predicted faster than spreading the batch "
+                   "across the network")
+        elif reason == "device":
+            why = f"one device ({node}) alone is predicted faster"
+        else:
+            why = (f"the batch ({batch_size}) is smaller than the device count ({count}), so "
+                   "at most that many devices are used, the fastest and best-connected first")
+        parts.append(f"{', '.join(names)}: {why}")
+    kept = len(start.base.devices)
+    text = (f"Left out {'; '.join(parts)}. The best start on the {kept} device(s) kept "
+            f"(seed or re-solved buckets, unfused or every candidate pair fused) is predicted "
+            f"{start.score * 1e3:.3f} ms")
+    if full is not None:
+        text += f", on all {len(full.base.devices)} devices {full.score * 1e3:.3f} ms"
+    return text + "."
 
 
 def _balanced_base(base, graph, cluster, cost, batch_size):
