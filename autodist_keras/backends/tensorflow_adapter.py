@@ -411,7 +411,16 @@ class TensorFlowAdapter(BackendAdapter):
         def make_train_function(force=False):
             keras_own = model.train_function is not None and (
                 model.train_function is runtime.keras_train_function)
-            if model.train_function is None or force or keras_own:
+            replan = runtime.plan is not None and runtime.trainable_changed()
+            if replan:
+                # (Keras calls this at the start of every fit.) A layer frozen or
+                # unfrozen since the last fit without compiling again: the plan
+                # and the traced steps are for the old variables, so this fit
+                # plans again for those that train now, as the PyTorch runtime
+                # does (Keras's own TensorFlow step sees the change only when it
+                # happens to trace again: docs/runtime_tensorflow.md).
+                runtime.reset()
+            if model.train_function is None or force or keras_own or replan:
                 model.train_function = runtime.make_function("train")
             return model.train_function
 
@@ -457,6 +466,7 @@ class _Runtime:
         self.fusion = None  # a tf_fusion.FusionRegions when op-fusion regions are realised
         self.keras_train_function = None  # Keras's own, for one replica on the default device
         self.compiled = None  # which compile() the traced steps were made for
+        self.trained_paths = None  # the trainable variables the plan was made for
 
     # ------------------------------------------------------------ preparing
     def prepare(self, data, batch_size):
@@ -467,6 +477,7 @@ class _Runtime:
             model._symbolic_build(data_batch=data)
         strategy = self.adapter.strategy
         plan = strategy._plan_for_training(model, batch_size)
+        self.trained_paths = [v.path for v in model.trainable_variables]
         with tf.device(self.adapter.home):
             model_checks.check_model_for_plan(model, data[0], data[1], plan)
         if not plan.is_data_parallel:
@@ -692,6 +703,16 @@ class _Runtime:
         if kind == "predict":
             return fn(x)
         return fn(x, y, sw)
+
+    def trainable_changed(self):
+        """Whether the model's trainable variables differ from those planned for."""
+        return self.trained_paths != [v.path for v in self.model.trainable_variables]
+
+    def reset(self):
+        """Forgets the plan and the traced steps (the next training step prepares anew)."""
+        self.plan = self.layout = self.replicas = self.local_indices = None
+        self.placement = self.fusion = self.keras_train_function = None
+        self.fns.clear()
 
     def _single_device_step(self, kind, x, y, sw, batch_size):
         """Evaluate/predict before any plan exists: Keras' own step on the home device.

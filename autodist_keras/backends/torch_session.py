@@ -419,6 +419,9 @@ class Driver:
             # Optimizer state outside its config (`exclude_from_weight_decay`),
             # as indices into "weights".
             "decay_excluded": decay_excluded(optimizer, weights),
+            # The variables rank 0's optimizer was built for (indices into "weights"):
+            # a layer frozen since, without compiling again, still has its slots.
+            "optimizer_built_for": _built_for(optimizer, weights),
             "timeout_s": self.timeout_s,
             "profile_dir": self.trainer.profile.directory,
             # Rank 0 decided whether the plan's op-fusion regions are compiled.
@@ -846,8 +849,23 @@ def _rebuild_model(setup, rank):
             "config). Build the model (call it on data or give it an Input) before fit. "
             f"Received: {type(model).__name__}"
         )
-    model.optimizer.build(model.trainable_variables)
+    built_for = setup.get("optimizer_built_for")
+    weights = model.weights
+    if built_for is None or any(i >= len(weights) for i in built_for):
+        model.optimizer.build(model.trainable_variables)
+    else:
+        model.optimizer.build([weights[i] for i in built_for])
     return model
+
+
+def _built_for(optimizer, weights):
+    """Indices into `weights` of the variables `optimizer` was built for (None if unknown)."""
+    built = getattr(optimizer, "_trainable_variables", None)
+    if built is None:
+        return None
+    index = {id(v): i for i, v in enumerate(weights)}
+    found = [index.get(id(v)) for v in built]
+    return None if any(i is None for i in found) else found
 
 
 def layer_assets(model):
