@@ -395,3 +395,28 @@ def test_fusion_imports_no_framework():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_layers_that_draw_random_numbers_are_never_in_a_planned_region():
+    """The runtimes run Dropout and GaussianNoise uncompiled (compiled code draws
+    other numbers), so Disco must not plan, and predict gains from, such regions."""
+    import keras
+
+    from autodist_keras.strategies import disco
+
+    inputs = keras.Input((64,))
+    x = keras.layers.Dense(256, name="d0")(inputs)
+    x = keras.layers.Dropout(0.5, name="drop")(x)
+    x = keras.layers.Activation("relu", name="act")(x)
+    x = keras.layers.Dense(256, name="d1")(x)
+    x = keras.layers.GaussianNoise(0.1, name="noise")(x)
+    x = keras.layers.Activation("relu", name="act1")(x)
+    x = keras.layers.Dense(256, name="d2")(x)
+    x = keras.layers.Activation("relu", name="act2")(x)
+    graph = ModelGraph.from_keras(keras.Model(inputs, keras.layers.Dense(3, name="out")(x)))
+    assert [n for n, node in graph.nodes.items() if node.draws_random] == ["drop", "noise"]
+    assert ModelGraph.from_dict(graph.to_dict()).nodes["drop"].draws_random
+    regions = op_fusion.regions_from_joins(list(graph.nodes), op_fusion.candidate_joins(graph))
+    assert regions == [["d2", "act2"]]
+    plan = disco.plan(graph, Cluster.from_string(V100x4), 256, op_fusion=True)
+    assert plan.op_fusion and all("drop" not in r and "noise" not in r for r in plan.op_fusion)

@@ -33,6 +33,8 @@ regions.mark()   # inside the traced function, after the gradients
 
 import contextlib
 
+from autodist_keras.graph.model_graph import random_layer
+
 GRADIENT_PREFIX = "gradient_tape/"
 
 
@@ -175,23 +177,11 @@ def _forward_scope(path, scope_of_op):
 def _region_problem(layers):
     """Why a region of `layers` must not be compiled, or None."""
     for layer in layers:
-        drawing = _random_layer(layer)
+        drawing = random_layer(layer)
         if drawing is not None:
             inner = "" if drawing is layer else f" (its layer {drawing.name!r})"
             return (f"layer {layer.name!r}{inner} draws random numbers (e.g. Dropout), which "
                     "compiled code would draw differently from Keras's own call")
-    return None
-
-
-def _random_layer(layer):
-    """`layer`, or a layer nested in it, that holds a `keras.random.SeedGenerator`, or None."""
-    from keras.random import SeedGenerator
-
-    flatten = getattr(layer, "_flatten_layers", None)
-    for inner in (flatten(include_self=True) if flatten else [layer]):
-        if getattr(inner, "_seed_generators", None) or any(
-                isinstance(v, SeedGenerator) for v in vars(inner).values()):
-            return inner
     return None
 
 

@@ -368,7 +368,9 @@ def candidate_joins(graph):
 
     Layer `i + 1` (in graph order) may join layer `i`'s region when it
     consumes layer `i`'s output and is memory-bound (so the fusion model
-    can absorb it); input layers never join.
+    can absorb it); input layers never join, nor do layers that draw random
+    numbers (`LayerNode.draws_random`: compiled, they would draw other
+    numbers than Keras's own call, so the runtimes do not compile them).
 
     Args:
         graph: The `ModelGraph`.
@@ -385,6 +387,8 @@ def candidate_joins(graph):
             continue
         if graph.nodes[src].kind == "input" or op_category(graph.nodes[src].layer_type) == "free":
             continue
+        if graph.nodes[src].draws_random or graph.nodes[dst].draws_random:
+            continue  # the runtimes run such layers uncompiled (other random numbers)
         if is_fusible_follower(graph.nodes[dst]):
             joins.add(i)
     return sorted(joins)

@@ -99,6 +99,9 @@ class LayerNode:
         output_dtypes: Dtypes of the outputs.
         saved_bytes: Bytes per sample the layer keeps for its backward pass
             besides its outputs (attention: projections and probabilities).
+        draws_random: Whether the layer (or one nested in it) draws random
+            numbers (`random_layer`): Dropout, GaussianNoise. Not part of
+            the fingerprint.
     """
 
     name: str
@@ -117,6 +120,7 @@ class LayerNode:
     non_trainable_params: int = 0
     output_dtypes: list = dataclasses.field(default_factory=list)
     saved_bytes: int = 0
+    draws_random: bool = False
 
     @property
     def activation_bytes(self):
@@ -152,6 +156,7 @@ class LayerNode:
             "output_bytes": self.output_bytes,
             "saved_bytes": self.saved_bytes,
             "estimated": self.estimated,
+            "draws_random": self.draws_random,
         }
 
     @classmethod
@@ -173,6 +178,7 @@ class LayerNode:
             output_bytes=int(data["output_bytes"]),
             saved_bytes=int(data.get("saved_bytes", 0)),
             estimated=bool(data["estimated"]),
+            draws_random=bool(data.get("draws_random", False)),
         )
 
 
@@ -497,6 +503,30 @@ def _functional_of(model):
     return None
 
 
+def random_layer(layer):
+    """`layer`, or a layer nested in it, that draws random numbers, or None.
+
+    A layer draws random numbers when it holds a `keras.random.SeedGenerator`
+    (Dropout, GaussianNoise, random augmentation layers). Compiled regions
+    (XLA, `torch.compile`) would draw other numbers than Keras's own call, so
+    op fusion leaves such layers out.
+
+    Args:
+        layer: A Keras layer.
+
+    Returns:
+        The layer holding a seed generator, or None.
+    """
+    from keras.random import SeedGenerator
+
+    flatten = getattr(layer, "_flatten_layers", None)
+    for inner in (flatten(include_self=True) if flatten else [layer]):
+        if getattr(inner, "_seed_generators", None) or any(
+                isinstance(v, SeedGenerator) for v in vars(inner).values()):
+            return inner
+    return None
+
+
 def _per_sample(shape):
     shape = tuple(shape)
     return tuple(None if d is None else int(d) for d in shape[1:])
@@ -763,6 +793,7 @@ class _Builder:
             output_bytes=sum(_tensor_bytes(t) for t in outputs),
             saved_bytes=int(cost.saved_elements * _element_bytes(outputs)),
             estimated=estimated,
+            draws_random=is_layer and random_layer(op) is not None,
         )
         self.calls[name] = (op, node)
         # Edges: bytes of the distinct tensors each producer feeds this call.
