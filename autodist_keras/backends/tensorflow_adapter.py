@@ -33,6 +33,7 @@ model.fit(x, y, batch_size=48, shuffle=False)
 import contextlib
 
 from autodist_keras.backends import batchnorm_stats
+from autodist_keras.backends import loss_trackers
 from autodist_keras.backends import model_checks
 from autodist_keras.backends import replica_random
 from autodist_keras.backends import tf_fusion
@@ -794,6 +795,7 @@ class _Runtime:
             variables = model.trainable_variables
             shapes = [tuple(v.shape) for v in variables]
             per_replica_grads, weighted_losses, y_preds, all_updates = [], [], [], []
+            trackers = None  # custom metric trackers compute_loss may update
             for index, (replica, share, start) in enumerate(local):
                 xi, yi, swi = _slice((x, y, sw), start, share)
                 regions = fusion.recording(index) if fusion else contextlib.nullcontext()
@@ -801,6 +803,8 @@ class _Runtime:
                     with tf.GradientTape() as tape:
                         y_pred, updates = self._forward(
                             xi, training=True, replica_index=self._index_of(replica))
+                        if trackers is None:
+                            trackers = self._trackers(updates)
                         loss = model._compute_loss(
                             x=xi, y=yi, y_pred=y_pred, sample_weight=swi, training=True
                         )
@@ -810,15 +814,20 @@ class _Runtime:
                             if model.optimizer is not None else weighted
                         )
                     grads = tape.gradient(scaled, variables)
+                trackers.record(share, restore=index < len(local) - 1)
                 per_replica_grads.append(grads)
                 weighted_losses.append(weighted)
                 y_preds.append(y_pred)
                 all_updates.append((replica, share, updates))
+            if trackers is None:  # (no local replica has rows)
+                trackers = self._trackers([])
             if fusion:
                 fusion.mark()  # op-fusion regions and their gradients become XLA clusters
 
             with tf.device(adapter.home):
                 loss, floats, ints = self._local_loss_and_state(weighted_losses, all_updates, total)
+                floats += trackers.floats(total)
+                ints += trackers.ints()
                 # Predictions the metrics need, as zero-padded global-batch tensors
                 # summed by the last bucket's all-reduce (None: no such folding).
                 folded = self._fold_predictions(y_preds, local, total)
@@ -899,18 +908,34 @@ class _Runtime:
         local = self._local_replicas(shares)
 
         def step(x, y, sw):
-            weighted_losses, y_preds = [], []
-            for replica, share, start in local:
+            weighted_losses, y_preds, metric_updates = [], [], []
+            trackers = None
+            metric_ids = {id(v) for v in loss_trackers.tracker_variables(model)}
+            for index, (replica, share, start) in enumerate(local):
                 xi, yi, swi = _slice((x, y, sw), start, share)
                 with tf.device(replica.device):
-                    y_pred, _ = self._forward(xi, training=False)
+                    y_pred, updates = self._forward(xi, training=False)
+                    # Of the state the pass assigned, only metrics (a layer's own,
+                    # updated in call) are kept, combined as in training.
+                    metric_updates.append(
+                        (replica, share, [(v, value) for v, value in updates
+                                          if id(v) in metric_ids]))
+                    if trackers is None:
+                        trackers = self._trackers(updates)
                     loss = model._compute_loss(
                         x=xi, y=yi, y_pred=y_pred, sample_weight=swi, training=False
                     )
                     if loss is not None:
                         weighted_losses.append(loss * tf.cast(share / total, loss.dtype))
+                trackers.record(share, restore=index < len(local) - 1)
                 y_preds.append(y_pred)
+            if trackers is None:
+                trackers = self._trackers([])
             with tf.device(self.adapter.home):
+                floats, ints = self._combined_state(metric_updates, total)
+                for variable, value in (_with_variance_corrections(floats + trackers.floats(total))
+                                        + ints + trackers.ints()):
+                    variable.assign(value)
                 y_pred_global = self._gather_predictions(y_preds, shares)
                 if weighted_losses:
                     model._loss_tracker.update_state(
@@ -1070,6 +1095,19 @@ class _Runtime:
         metrics = getattr(model, "_compile_metrics", None)
         return metrics is not None and bool(getattr(metrics, "metrics", True))
 
+    def _trackers(self, updates):
+        """A `_TrackerRecord` of the custom metric trackers (`loss_trackers`),
+        made after the first replica's forward pass and before its
+        `compute_loss`; variables that pass assigned (a layer's metric
+        updated in `call`, recorded with the other state) are left out."""
+        import tensorflow as tf
+
+        assigned = {id(v) for v, _ in updates}
+        variables = [v for v in loss_trackers.tracker_variables(self.model)
+                     if id(v) not in assigned]
+        with tf.device(self.adapter.home):
+            return _TrackerRecord(variables, self.adapter.home)
+
     def _local_loss_and_state(self, weighted_losses, all_updates, total):
         """This process's summed weighted loss and its new non-trainable state.
 
@@ -1088,6 +1126,12 @@ class _Runtime:
             `(loss, floats, ints)`: the loss, and `(variable, value)` pairs
             of float and of integer state.
         """
+        floats, ints = self._combined_state(all_updates, total)
+        return self._sum_scalar(weighted_losses), floats, ints
+
+    def _combined_state(self, all_updates, total):
+        """`(floats, ints)` of `_local_loss_and_state`: the replicas' assigned
+        state (`[(replica, share, [(variable, value), ...]), ...]`) combined."""
         import tensorflow as tf
 
         order, values = [], {}
@@ -1109,7 +1153,7 @@ class _Runtime:
             else:
                 ints.append((variable, entries[0][1]))
         floats += self._second_moments(values, total)
-        return self._sum_scalar(weighted_losses), floats, ints
+        return floats, ints
 
     def _second_moments(self, values, total):
         """`(_SecondMoment, sum_r w_r d_r^2)` entries for the float state, one per
@@ -1157,6 +1201,62 @@ def _standardise(data):
     return tree.map_structure(convert, data)
 
 
+class _TrackerRecord:
+    """The custom metric trackers' values each replica's `compute_loss` left.
+
+    Made before the first replica's `compute_loss` (it reads the old
+    values); `record` after each replica's reads the new values and, except
+    after the last replica, restores the old ones, so every replica updates
+    from the same state. `floats` gives `(_TrackerDelta, sum_r w_r (new_r -
+    old))` entries, summed over the workers with the other float state, and
+    `_with_variance_corrections` turns them into `old + sum`: one update of
+    the whole batch (`loss_trackers`). Integer variables take the first
+    replica's value, like integer layer state.
+    """
+
+    def __init__(self, variables, device):
+        import tensorflow as tf
+
+        self.variables = variables
+        self.device = device
+        self.old = [tf.identity(v.value) for v in variables]
+        self.new = []  # (share, [value per variable]) per replica
+
+    def record(self, share, restore):
+        import tensorflow as tf
+
+        if not self.variables:
+            return
+        with tf.device(self.device):
+            self.new.append((share, [tf.identity(v.value) for v in self.variables]))
+            if restore:
+                for v, old in zip(self.variables, self.old):
+                    v.assign(old)
+
+    def floats(self, total):
+        import tensorflow as tf
+
+        out = []
+        for j, (v, old) in enumerate(zip(self.variables, self.old)):
+            if not _is_float(v) or not self.new:
+                continue
+            parts = [tf.cast(s / total, old.dtype) * (values[j] - old) for s, values in self.new]
+            out.append((_TrackerDelta(v, old), tf.add_n(parts) if len(parts) > 1 else parts[0]))
+        return out
+
+    def ints(self):
+        return [(v, self.new[0][1][j]) for j, v in enumerate(self.variables)
+                if not _is_float(v) and self.new]
+
+
+class _TrackerDelta:
+    """A float-state entry that is no variable's value: the share-weighted
+    change of a custom metric tracker's variable (`_TrackerRecord`)."""
+
+    def __init__(self, variable, old):
+        self.variable, self.old = variable, old
+
+
 class _SecondMoment:
     """A float-state entry that is no variable: `sum_r w_r d_r^2` of a
     BatchNormalization layer's moving-mean changes (`batchnorm_stats`)."""
@@ -1167,8 +1267,12 @@ class _SecondMoment:
 
 def _with_variance_corrections(floats):
     """The summed float state to assign: `_SecondMoment` entries removed, their
-    corrections added to the moving variances (`batchnorm_stats`)."""
+    corrections added to the moving variances (`batchnorm_stats`), and the
+    summed changes of `_TrackerDelta` entries added to their old values."""
     import tensorflow as tf
+
+    floats = [(entry.variable, entry.old + value) if isinstance(entry, _TrackerDelta)
+              else (entry, value) for entry, value in floats]
 
     summed = {id(v): value for v, value in floats if not isinstance(v, _SecondMoment)}
     corrections = {}

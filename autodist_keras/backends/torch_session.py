@@ -12,8 +12,9 @@ A session is one `model.fit` call:
    header when the batch structure changed, and sends each rank its shard
    (`plan.shares_for(n)` samples, contiguous, in rank order) as one packed
    buffer. Every rank runs `ReplicaTrainer.step`; the workers send their
-   predictions and loss back to rank 0 right after their forward pass, and
-   rank 0 updates Keras's metrics over the whole batch.
+   predictions and loss (and what the step changed in the model's own metric
+   trackers, `loss_trackers`) back to rank 0 right after their forward pass,
+   and rank 0 updates Keras's metrics over the whole batch.
 3. END: rank 0 broadcasts the History; every worker answers with a digest of
    each variable's bytes so rank 0 can confirm the replicas ended identical.
 
@@ -430,6 +431,9 @@ class Driver:
             "reduce_area": area.describe() if area is not None else None,
             # Each worker's own random streams (Dropout masks differ between replicas).
             "random": replica_random.rank0_streams(model),
+            # Float elements of the custom metric trackers whose change every
+            # worker sends after its loss (`loss_trackers`).
+            "tracker_elements": self.trainer.trackers.size,
             "keras": {
                 "floatx": keras.config.floatx(),
                 "epsilon": keras.config.epsilon(),
@@ -597,7 +601,7 @@ class Driver:
                 metas = self._ypred[1]
                 for r in range(1, world):
                     if shares[r] > 0:
-                        size = tt.packed_size(metas, rows=shares[r]) + tt.ALIGN
+                        size = tt.packed_size(metas, rows=shares[r]) + extras_bytes
                         buf = torch.empty(size, dtype=torch.uint8)
                         recvs[r] = (self.comm.irecv(buf, r, tag=2), buf)
 
@@ -611,21 +615,28 @@ class Driver:
                 for work, r in sends:
                     self.comm.wait(work, peer=r)
                 profile.mark("sends_done")
-                preds, losses = [], []
+                preds, losses, deltas = [], [], []
                 ypred_spec, metas, masked = self._ypred
                 if shares[0] > 0:
                     preds.append([t.detach() for t in prediction_leaves(y_pred0[0])[1]])
                     losses.append((shares[0], float(y_pred0[1].detach())))
+                    if trackers.size:
+                        deltas.append(trackers.delta * (shares[0] / n))
                 for r in range(1, world):
                     if shares[r] > 0:
                         work, buf = recvs[r]
                         self.comm.wait(work, peer=r)
                         parts = tt.unpack(buf, metas, rows=shares[r])
-                        loss_bytes = buf[tt.packed_size(metas, rows=shares[r]):][:8]
+                        extras = buf[tt.packed_size(metas, rows=shares[r]):][:extras_bytes]
+                        extras = extras.view(torch.float64)
                         preds.append(parts)
-                        losses.append((shares[r], float(loss_bytes.view(torch.float64)[0])))
+                        losses.append((shares[r], float(extras[0])))
+                        if trackers.size:
+                            deltas.append(extras[1:] * (shares[r] / n))
                 profile.mark("predictions")
                 try:
+                    # Custom trackers: one update of the whole batch (`loss_trackers`).
+                    trackers.combine(deltas)
                     done["logs"] = self._metrics(x, y, sample_weight, ypred_spec, masked, preds,
                                                  losses, n)
                 except Exception as e:  # noqa: BLE001 - raised once the step is complete
@@ -633,6 +644,9 @@ class Driver:
                 profile.mark("metrics")
 
             y_pred0 = [None, None]
+            trackers = self.trainer.trackers
+            # The loss (and custom trackers' change) after each worker's predictions.
+            extras_bytes = tt.padded_size(8 * (1 + trackers.size))
 
             def after_forward(y_pred, loss):
                 y_pred0[:] = [y_pred, loss]
@@ -999,6 +1013,14 @@ def serve(comm, reporter, model=None, on_model=None):
         device_ranks = {d["name"]: r for r, d in enumerate(setup["devices"])}
         trainer = ReplicaTrainer(model, comm, plan, nodes, device_ranks,
                                  paths=setup.get("trainable_paths"))
+        expected = setup.get("tracker_elements", 0)
+        if trainer.trackers.size != expected:
+            raise BackendError(
+                f"Rank {rank}'s model has {trainer.trackers.size} float elements in its own "
+                f"metric trackers (model.metrics other than the compiled ones) but rank 0's "
+                f"has {expected}; every replica must create the same metrics. Received: "
+                f"{[v.path for v in trainer.trackers.variables]}"
+            )
         trainer.profile.directory = setup.get("profile_dir")
         if setup.get("reduce_area"):
             trainer.reducer.use_shared_memory(
@@ -1077,7 +1099,12 @@ def serve(comm, reporter, model=None, on_model=None):
 
             def send_predictions(y_pred, loss):
                 _, leaves, _ = prediction_leaves(y_pred)
-                loss_t = torch.tensor([float(loss.detach())], dtype=torch.float64)
+                if trainer.trackers.size:
+                    # The loss, then what this shard changed in the custom trackers.
+                    loss_t = torch.cat([loss.detach().reshape(1).double(),
+                                        trainer.trackers.delta])
+                else:
+                    loss_t = torch.tensor([float(loss.detach())], dtype=torch.float64)
                 payload = tt.pack([t.detach() for t in leaves] + [loss_t])
                 sent.append(comm.isend(payload, 0, tag=2))
 

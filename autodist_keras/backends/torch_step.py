@@ -24,6 +24,7 @@ import time
 
 from autodist_keras.backends import batchnorm_stats
 from autodist_keras.backends import model_checks
+from autodist_keras.backends.loss_trackers import TorchTrackerDeltas
 from autodist_keras.backends.torch_reducer import GradientReducer
 from autodist_keras.backends.torch_reducer import StateSync
 from autodist_keras.errors import BackendError
@@ -153,6 +154,9 @@ class ReplicaTrainer:
         self.state_sync = StateSync(comm, model.non_trainable_weights,
                                     batchnorm_stats.moving_pairs(model))
         self.profile = StepProfile(comm.rank)
+        # Custom metric trackers the step updates (in compute_loss): their change
+        # goes to rank 0, which makes it one update of the whole batch.
+        self.trackers = TorchTrackerDeltas(model)
         # Optional `torch_fusion.TorchFusionRegions`, installed while attached.
         self.fusion = None
 
@@ -177,7 +181,9 @@ class ReplicaTrainer:
             global_batch: Number of samples of the whole step.
             after_forward: Optional callable `(y_pred, loss)` run right after
                 the forward pass (rank 0 and workers exchange predictions
-                there, overlapping backward).
+                there, overlapping backward); `self.trackers.delta` then
+                holds what the pass changed in the model's custom metric
+                trackers, which are back at their old values.
             before_wait: Optional callable `()` run after backward (or, with
                 `share` 0, after the zero gradients are set), while the
                 gradient collectives are in flight and before this rank waits
@@ -194,6 +200,7 @@ class ReplicaTrainer:
         weight = float(share) / float(global_batch)
         profile.mark("step_begin")
         self.state_sync.snapshot()
+        self.trackers.begin()
         self.reducer.start_step()
         y_pred = loss = None
         if share > 0:
@@ -205,6 +212,9 @@ class ReplicaTrainer:
             loss = model._compute_loss(
                 x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
             )
+            # The change of custom trackers (`self.trackers.delta`), restored here;
+            # rank 0 combines every replica's (`loss_trackers`).
+            self.trackers.end()
             profile.mark("forward")
             self.state_sync.launch(weight)
             if after_forward is not None:

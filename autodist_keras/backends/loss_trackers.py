@@ -1,0 +1,130 @@
+"""Metric state a replica updates in its own step (custom loss trackers).
+
+A model may hold its own metrics and update them inside `compute_loss` (the
+Keras guides' `self.penalty_tracker.update_state(penalty)`), or a layer may
+update one in `call`. Each replica runs that code on its shard, so without
+care the tracker sees one update per replica (TensorFlow, one process) or
+rank 0's shard only (PyTorch). The runtimes make these variables end each
+step as one update of the whole batch: the batch-share-weighted mean of the
+replicas' new values, `old + sum_r (share_r / batch) * (new_r - old)`. For a
+Mean-like tracker fed the shard's per-sample mean this is exactly one
+device's update (the total grows by the batch mean, the count by one), the
+same rule the runtimes use for float layer state (BatchNormalization's moving
+statistics). A tracker fed a batch *sum* (a `Sum` of `ops.sum(...)`) or a
+row count comes out as the weighted mean of the shards' sums, not the sum;
+a maximum as the weighted mean of the shards' maxima.
+
+The variables the runtimes already make global are left out: the compiled
+loss tracker (`loss`), the compiled metrics (updated once on the whole
+batch's predictions) and the compiled per-output loss metrics (each replica
+adds its shard's loss weighted by its row count, which sums exactly on
+TensorFlow; rank 0 recomputes them on the whole batch on PyTorch). Integer
+tracker variables are not combined: they take one replica's value.
+"""
+
+
+def _variables_of(metrics):
+    ids = set()
+    for metric in metrics:
+        if metric is not None:
+            ids.update(id(v) for v in metric.variables)
+    return ids
+
+
+def tracker_variables(model):
+    """Variables of `model.metrics` that no runtime makes global by itself.
+
+    Returns:
+        A list of the model's metric variables (floating point and integer)
+        other than those of the compiled loss tracker, the compiled metrics
+        and the compiled per-output loss metrics, without duplicates, in
+        `model.metrics` order. Empty for a model with only compiled metrics.
+    """
+    compile_loss = getattr(model, "_compile_loss", None)
+    special = _variables_of(
+        [getattr(model, "_loss_tracker", None), getattr(model, "_compile_metrics", None)]
+        + (list(compile_loss.metrics) if compile_loss is not None else [])
+    )
+    out, seen = [], set()
+    for metric in model.metrics:
+        for variable in metric.variables:
+            if id(variable) in special or id(variable) in seen:
+                continue
+            seen.add(id(variable))
+            out.append(variable)
+    return out
+
+
+def is_float(variable):
+    import keras
+
+    return keras.backend.standardize_dtype(variable.dtype).startswith(("float", "bfloat"))
+
+
+class TorchTrackerDeltas:
+    """What one PyTorch replica's step changed in its float tracker variables.
+
+    `begin()` before the forward pass remembers the variables' values;
+    `end()` after `compute_loss` takes the change as one float64 vector
+    (`delta`, on the variables' device, no host sync) and puts the old
+    values back, so a worker's trackers never drift from their starting
+    values (their change is sent to rank 0) and rank 0's hold `old` until
+    `combine` assigns `old + sum_r w_r * delta_r`. With no float tracker
+    variables every method does nothing.
+
+    Args:
+        model: The replica's model.
+    """
+
+    def __init__(self, model):
+        self.variables = [v for v in tracker_variables(model) if is_float(v)]
+        self.size = sum(_numel(v) for v in self.variables)
+        self._old = None
+        self.delta = None
+
+    def begin(self):
+        if not self.variables:
+            return
+        self._old = [v.value.detach().clone() for v in self.variables]
+        self.delta = None
+
+    def end(self):
+        """Takes this step's change (`self.delta`) and restores the old values."""
+        import torch
+
+        if not self.variables or self._old is None:
+            return
+        with torch.no_grad():
+            self.delta = torch.cat([
+                (v.value.detach().double() - old.double()).reshape(-1)
+                for v, old in zip(self.variables, self._old)
+            ])
+            for v, old in zip(self.variables, self._old):
+                v.assign(old)
+
+    def combine(self, weighted_deltas):
+        """Assigns `old + sum(weighted_deltas)` (float64 vectors of `size`)
+        to the variables, split back in order; `self.delta` of this step
+        (weighted by the caller) is one of them when this replica had rows."""
+        import torch
+
+        if not self.variables or not weighted_deltas:
+            return
+        with torch.no_grad():
+            device = self.variables[0].value.device
+            total = weighted_deltas[0].to(device)
+            for d in weighted_deltas[1:]:
+                total = total + d.to(device)
+            offset = 0
+            for v in self.variables:
+                n = _numel(v)
+                part = total[offset:offset + n].reshape(tuple(v.shape))
+                v.assign((v.value.detach().double() + part).to(v.value.dtype))
+                offset += n
+
+
+def _numel(variable):
+    n = 1
+    for d in variable.shape:
+        n *= int(d)
+    return n

@@ -1,0 +1,175 @@
+"""Metric trackers a model updates in its own `compute_loss`, on the active backend.
+
+The Keras guides' pattern: the model holds `self.penalty_tracker =
+keras.metrics.Mean(...)` and updates it inside a `compute_loss` override. Every
+replica runs `compute_loss` on its shard, so until session 21 the tracker
+logged another value than one device, silently: on TensorFlow each replica
+added its shard's mean (an unweighted mean over replicas, and a count growing
+per replica), on PyTorch only rank 0's tracker was read (rank 0's rows only).
+The runtimes now make the tracker's step one update of the whole batch
+(`backends/loss_trackers.py`), so History and `evaluate` equal plain Keras.
+The model also has a layer that logs its input with a Mean of its own in
+`call`: on PyTorch that tracker covered rank 0's rows only in training, and on
+TensorFlow `evaluate` logged 0.0 for it (the forward pass's assignments were
+dropped in the test step).
+
+Uneven shares (a proportional plan on the CPU testbed: 24/12/12 of 48, then a
+partial last batch of 24 split 12/6/6) make an unweighted mean over replicas
+differ from the batch mean.
+"""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from autodist_keras import AutoStrategy
+from autodist_keras import Cluster
+
+BATCH = 48
+SAMPLES = 120  # two full batches and one of 24
+
+
+@keras.saving.register_keras_serializable(package="test_runtime_loss_trackers")
+class ActivityMean(keras.layers.Layer):
+    """Passes its input through and logs its mean square with a Mean, in call."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.tracker = keras.metrics.Mean(name="activity")
+
+    def call(self, inputs):
+        self.tracker.update_state(ops.mean(ops.square(inputs)))
+        return inputs
+
+
+@keras.saving.register_keras_serializable(package="test_runtime_loss_trackers")
+class PenaltyTracked(keras.Model):
+    """A subclassed model whose compute_loss adds a penalty and logs it with a Mean."""
+
+    def __init__(self, two_outputs=False, **kwargs):
+        super().__init__(**kwargs)
+        self.two_outputs = two_outputs
+        self.hidden = keras.layers.Dense(8, activation="tanh", name="hidden")
+        self.activity = ActivityMean(name="activity_mean")
+        self.first = keras.layers.Dense(3, name="first")
+        self.second = keras.layers.Dense(3, name="second") if two_outputs else None
+        self.penalty_tracker = keras.metrics.Mean(name="penalty")
+
+    def call(self, inputs):
+        hidden = self.activity(self.hidden(inputs))
+        if self.two_outputs:
+            return {"a": self.first(hidden), "b": self.second(hidden)}
+        return self.first(hidden)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                    training=training)
+        penalty = 0.0
+        for pred in keras.tree.flatten(y_pred):
+            penalty = penalty + 0.1 * ops.mean(ops.square(pred))
+        self.penalty_tracker.update_state(penalty)
+        return loss + penalty
+
+    def get_config(self):
+        return {"two_outputs": self.two_outputs, "name": self.name}
+
+
+def _build(two_outputs, run_eagerly=False):
+    keras.utils.set_random_seed(0)
+    model = PenaltyTracked(two_outputs=two_outputs, name="tracked")
+    model(np.zeros((2, 6), "float32"))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.05),
+                  loss={"a": loss, "b": loss} if two_outputs else loss,
+                  metrics={"a": ["accuracy"], "b": ["accuracy"]} if two_outputs
+                  else ["accuracy"],
+                  run_eagerly=run_eagerly)
+    return model
+
+
+def _data(two_outputs):
+    rng = np.random.default_rng(0)
+    # Rows of growing scale: the shards' penalties differ a lot.
+    x = (rng.normal(size=(SAMPLES, 6))
+         * np.linspace(0.2, 3.0, SAMPLES)[:, None]).astype("float32")
+    y = rng.integers(0, 3, size=(SAMPLES,)).astype("int32")
+    if two_outputs:
+        y = {"a": y, "b": rng.integers(0, 3, size=(SAMPLES,)).astype("int32")}
+    return x, y
+
+
+def _strategy():
+    cluster = Cluster.cpu_testbed()
+    return AutoStrategy("proportional", cluster=cluster, devices=cluster.names[:3])
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True], ids=["traced", "eager"])
+@pytest.mark.parametrize("two_outputs", [False, True], ids=["one_output", "two_outputs"])
+def test_a_tracker_updated_in_compute_loss_logs_what_one_device_logs(two_outputs, run_eagerly):
+    if run_eagerly and keras.backend.backend() != "tensorflow":
+        pytest.skip("the PyTorch runtime has no traced step")
+    x, y = _data(two_outputs)
+    # Plain Keras's traced step weighs the per-output loss metrics of a partial
+    # last batch as 1 (docs/runtime_tensorflow.md); eager Keras weighs them by size.
+    reference = _build(two_outputs, run_eagerly=two_outputs or run_eagerly)
+    initial = reference.get_weights()
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
+    expected_eval = reference.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+
+    strategy = _strategy()
+    with strategy.scope():
+        model = _build(two_outputs, run_eagerly=run_eagerly)
+    model.set_weights(initial)
+    try:
+        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
+        evaluated = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    finally:
+        if hasattr(strategy.adapter, "close"):
+            strategy.adapter.close()
+    assert strategy.plan.shares_for(BATCH) == [24, 12, 12]
+    assert strategy.plan.shares_for(SAMPLES % BATCH) == [12, 6, 6]
+    assert {"penalty", "activity"} <= set(expected) and sorted(history) == sorted(expected)
+    for key, values in expected.items():
+        np.testing.assert_allclose(history[key], values, rtol=1e-5, err_msg=key)
+    assert sorted(evaluated) == sorted(expected_eval)
+    for key, value in expected_eval.items():
+        np.testing.assert_allclose(evaluated[key], value, rtol=1e-5, err_msg=key)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # One update per step, as on one device (the count was 3 per step on TensorFlow).
+    assert float(model.penalty_tracker.count.numpy()) == float(
+        reference.penalty_tracker.count.numpy())
+
+
+def tracker_worker_model():
+    """The one-output model for two TensorFlow workers (they import and call this)."""
+    return _build(False)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow",
+                    reason="TF_CONFIG workers are the TensorFlow runtime's")
+def test_two_tensorflow_workers_log_the_tracker_of_the_whole_batch():
+    """The trackers' changes travel in the gradient all-reduce with the other state."""
+    from autodist_keras.backends import tf_multiworker
+    from autodist_keras.graph import ModelGraph
+    from autodist_keras.strategies import baselines
+
+    batch = 24
+    x, y = _data(False)
+    x, y = x[:96], y[:96]
+    reference = tracker_worker_model()
+    initial = reference.get_weights()
+    expected = reference.fit(x, y, batch_size=batch, shuffle=False, verbose=0).history
+    cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
+    plan = baselines.proportional(ModelGraph.from_keras(reference), cluster, batch,
+                                  speeds={"node0/cpu0": 2.0, "node0/cpu1": 1.0})
+    assert plan.shares_for(batch) == [16, 8]
+    results = tf_multiworker.launch_local_workers(
+        tracker_worker_model, cluster, x, y, batch, steps=4, plan=plan,
+        initial_weights=initial, timeout_s=300,
+    )
+    for result in results:
+        np.testing.assert_allclose(result["history"]["penalty"], expected["penalty"],
+                                   rtol=1e-5)
+        np.testing.assert_allclose(result["loss"], expected["loss"], rtol=1e-5)
