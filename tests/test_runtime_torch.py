@@ -836,6 +836,33 @@ def test_a_model_without_config_is_a_clear_error():
         model.fit(x, y, batch_size=BATCH, verbose=0)
 
 
+@keras.saving.register_keras_serializable(package="test_runtime_torch")
+class FunctionalWithOwnInit(keras.Model):
+    """Registered, built the Functional way, with a constructor whose keyword
+    catch-all is not named `kwargs`: Keras then passes the Functional config
+    (layers, inputs, outputs) to the constructor, which refuses it."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+
+
+def test_a_registered_model_its_config_cannot_rebuild_gets_the_get_config_advice():
+    """The worker's error said to register the class, which was registered."""
+    from autodist_keras.errors import WorkerError
+
+    strategy = _strategy("even", 2)
+    with strategy.scope():
+        inputs = keras.Input((16,))
+        model = FunctionalWithOwnInit(inputs, keras.layers.Dense(4)(inputs))
+        _compile(model, "sgd")
+    x, y = _data("mlp", n=48)
+    with pytest.raises(WorkerError) as info:
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+    message = str(info.value)
+    assert "is registered, so its constructor did not accept the config" in message
+    assert "give the class a get_config()" in message and " ..." in message
+
+
 def test_an_adapted_lookup_layer_reaches_the_workers():
     # IntegerLookup keeps what adapt() learned in a table, neither config nor
     # variables: the workers get it as Keras's asset files (layer_assets).

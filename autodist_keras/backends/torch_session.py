@@ -849,10 +849,20 @@ def _rebuild_model(setup, rank):
         model = serialization_lib.deserialize_keras_object(setup["model"], safe_mode=False)
         compile_config = serialization_lib.deserialize_keras_object(setup["compile"], safe_mode=False)
     except (TypeError, ValueError) as e:
+        registered = setup["model"].get("registered_name")
+        if registered and keras.saving.get_registered_object(registered) is not None:
+            advice = (
+                f"Its class {registered!r} is registered, so its constructor did not accept "
+                "the config Keras saved: give the class a get_config() that returns its "
+                "constructor's arguments (and a from_config() if they need converting), "
+                "as Keras's own saving needs too.")
+        else:
+            advice = ("Register custom layers, losses and optimizers with "
+                      "@keras.saving.register_keras_serializable() in a module the workers "
+                      "import.")
+        said = str(e) if len(str(e)) <= 300 else str(e)[:300] + " ..."
         raise BackendError(
-            f"Worker rank {rank} cannot rebuild the model from its config: {e} Register "
-            "custom layers, losses and optimizers with "
-            "@keras.saving.register_keras_serializable() in a module the workers import. "
+            f"Worker rank {rank} cannot rebuild the model from its config: {said} {advice} "
             f"Received: model class {setup['model'].get('class_name')!r}"
         ) from None
     load_layer_assets(model, setup.get("assets") or {}, rank)
