@@ -420,3 +420,25 @@ def test_layers_that_draw_random_numbers_are_never_in_a_planned_region():
     assert regions == [["d2", "act2"]]
     plan = disco.plan(graph, Cluster.from_string(V100x4), 256, op_fusion=True)
     assert plan.op_fusion and all("drop" not in r and "noise" not in r for r in plan.op_fusion)
+
+
+def test_disco_plans_no_region_with_a_shared_layer_and_its_plan_validates():
+    """Validation refuses a region naming 'sh#1'; Disco planned such regions (a
+    shared layer's second call feeding a LayerNormalization) and failed on them."""
+    import keras
+
+    from autodist_keras.strategies import disco
+
+    inputs = keras.Input((256,))
+    shared = keras.layers.Dense(256, name="sh")
+    x = keras.layers.Activation("gelu", name="act1")(
+        keras.layers.LayerNormalization(name="ln1")(shared(inputs)))
+    x = keras.layers.Activation("gelu", name="act2")(
+        keras.layers.LayerNormalization(name="ln2")(shared(x)))
+    graph = ModelGraph.from_keras(keras.Model(inputs, keras.layers.Dense(10, name="out")(x)))
+    cluster = Cluster.from_string("node0:2xA100@100")
+    plan = disco.plan(graph, cluster, 256, cost_model=AnalyticCostModel(cluster),
+                      op_fusion=True)
+    assert plan.op_fusion and not any(
+        name in ("sh", "sh#1") for region in plan.op_fusion for name in region)
+    assert plan.validate(graph, cluster) == []

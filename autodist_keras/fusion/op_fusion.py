@@ -82,6 +82,17 @@ def is_fusible_follower(node):
     return node.kind != "input" and op_category(node.layer_type) == "other"
 
 
+def _extra_call(graph, name):
+    """Whether graph node `name` is a shared layer's second or later call (`"sh#1"`)."""
+    first_call, _, k = name.rpartition("#")
+    return k.isdigit() and first_call in graph.nodes
+
+
+def _shared(graph, name):
+    """Whether graph node `name` is a call of a layer called more than once."""
+    return _extra_call(graph, name) or f"{name}#1" in graph.nodes
+
+
 def check_regions(graph, regions):
     """Checks op-fusion regions against a graph.
 
@@ -110,8 +121,8 @@ def check_regions(graph, regions):
                     f"op_fusion[{ri}]: unknown layer {layer!r}; fusion regions name graph "
                     f"nodes such as {list(graph.nodes)[:4]}. Received: {layer!r}"
                 )
-            first_call, _, k = layer.rpartition("#")
-            if k.isdigit() and first_call in graph.nodes:
+            if _extra_call(graph, layer):
+                first_call, _, k = layer.rpartition("#")
                 raise PlanError(
                     f"op_fusion[{ri}]: {layer!r} is call {int(k) + 1} of the shared layer "
                     f"{first_call!r}. Regions compile layers, with all their calls, so name "
@@ -370,7 +381,10 @@ def candidate_joins(graph):
     consumes layer `i`'s output and is memory-bound (so the fusion model
     can absorb it); input layers never join, nor do layers that draw random
     numbers (`LayerNode.draws_random`: compiled, they would draw other
-    numbers than Keras's own call, so the runtimes do not compile them).
+    numbers than Keras's own call, so the runtimes do not compile them), nor
+    any call of a shared layer (regions name layers and compile all of a
+    layer's calls, which the cost model does not price; the PyTorch runtime
+    compiles only layers called once).
 
     Args:
         graph: The `ModelGraph`.
@@ -389,6 +403,8 @@ def candidate_joins(graph):
             continue
         if graph.nodes[src].draws_random or graph.nodes[dst].draws_random:
             continue  # the runtimes run such layers uncompiled (other random numbers)
+        if _shared(graph, src) or _shared(graph, dst):
+            continue  # regions compile layers with all their calls; PyTorch's only once-called ones
         if is_fusible_follower(graph.nodes[dst]):
             joins.add(i)
     return sorted(joins)
