@@ -390,6 +390,35 @@ def test_weights_excluded_from_weight_decay_stay_excluded_on_every_worker(recwar
     _assert_same_weights(model, reference)
 
 
+class _SetInnerMomentum(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:
+            self.model.optimizer.inner_optimizer.momentum = 0.0
+
+
+def test_settings_of_an_optimizer_wrapped_for_loss_scaling_reach_every_worker(recwarn):
+    """Keras wraps the optimizer in a LossScaleOptimizer under mixed_float16; its
+    config holds only the scale settings, so the wrapped optimizer's momentum and
+    weight-decay exclusions did not reach the workers (weights 1.8e-3 apart)."""
+    def make():
+        inner = keras.optimizers.AdamW(0.05, weight_decay=0.5)
+        inner.exclude_from_weight_decay(var_names=["bias"])
+        return keras.optimizers.LossScaleOptimizer(inner)
+
+    def make_momentum():
+        return keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
+
+    for factory, callbacks in ((make, ()), (make_momentum, (_SetInnerMomentum(),))):
+        strategy = _strategy("proportional", 3)
+        model, history = _fit_with_optimizer(factory, strategy, callbacks)
+        reference, ref_history = _fit_with_optimizer(factory, callbacks=callbacks)
+        assert strategy.adapter.last_run["in_sync"] is True
+        np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"],
+                                   rtol=1e-5)
+        _assert_same_weights(model, reference)
+    assert not [w for w in recwarn if "differ" in str(w.message)]
+
+
 def test_ema_optimizer_ends_fit_with_the_replicas_in_sync(recwarn):
     """With use_ema=True Keras swaps the moving averages into the weights at the end of
     fit; the workers do the same, so no 'replicas differ' warning and one-device weights."""

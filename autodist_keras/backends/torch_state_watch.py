@@ -87,19 +87,17 @@ class OptimizerSettingsWatch:
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
-        try:
-            config = optimizer.get_config()
-        except (NotImplementedError, TypeError, ValueError):
-            config = {}
+        # (A LossScaleOptimizer's own config holds only its scale settings;
+        # those of the optimizer it wraps are watched as "inner_optimizer.<key>".)
         self.keys = tuple(
-            key for key, value in config.items()
-            if key not in _NOT_SETTINGS and isinstance(value, _SCALARS)
-            and hasattr(optimizer, key) and _same(getattr(optimizer, key), value))
+            prefix + key
+            for prefix, target in _optimizers(optimizer)
+            for key in _setting_keys(target))
         self._values = ()
         self.mark()
 
     def _read(self):
-        return tuple(getattr(self.optimizer, key, None) for key in self.keys)
+        return tuple(getattr(*_target(self.optimizer, key), None) for key in self.keys)
 
     def mark(self):
         """Records the settings as the ones the workers hold."""
@@ -120,6 +118,34 @@ class OptimizerSettingsWatch:
             if not _same(old, new):
                 changed[key] = _scalar(key, new)
         return changed
+
+
+_INNER = "inner_optimizer."
+
+
+def _optimizers(optimizer):
+    """`(prefix, optimizer)` of `optimizer` and of the one it wraps, if any."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    return [("", optimizer)] + ([(_INNER, inner)] if inner is not None else [])
+
+
+def _target(optimizer, key):
+    """`(object, attribute)` a watched key names."""
+    if key.startswith(_INNER):
+        return optimizer.inner_optimizer, key[len(_INNER):]
+    return optimizer, key
+
+
+def _setting_keys(optimizer):
+    """The config keys of `optimizer` with plain scalar values that it holds
+    as attributes of the same name."""
+    try:
+        config = optimizer.get_config()
+    except (NotImplementedError, TypeError, ValueError):
+        return []
+    return [key for key, value in config.items()
+            if key not in _NOT_SETTINGS and isinstance(value, _SCALARS)
+            and hasattr(optimizer, key) and _same(getattr(optimizer, key), value)]
 
 
 def _same(a, b):
@@ -143,7 +169,7 @@ def _scalar(key, value):
 def apply_settings(optimizer, settings):
     """Sets the optimizer settings rank 0 sent (`OptimizerSettingsWatch.changed`)."""
     for key, value in settings.items():
-        setattr(optimizer, key, value)
+        setattr(*_target(optimizer, key), value)
 
 
 def decay_excluded(optimizer, variables):
@@ -153,6 +179,7 @@ def decay_excluded(optimizer, variables):
     spawned workers, which rebuild the optimizer from the config, would not
     have it; rank 0 sends these indices at setup.
     """
+    optimizer = getattr(optimizer, "inner_optimizer", None) or optimizer
     use = getattr(optimizer, "_use_weight_decay", None)
     if use is None:
         return []
@@ -165,6 +192,7 @@ def exclude_from_decay(optimizer, variables):
     Works on a built optimizer too (Keras's public method refuses one), by
     setting what that method sets.
     """
+    optimizer = getattr(optimizer, "inner_optimizer", None) or optimizer
     if not hasattr(optimizer, "_use_weight_decay"):
         return
     optimizer._exclude_from_weight_decay = {optimizer._var_key(v) for v in variables}
