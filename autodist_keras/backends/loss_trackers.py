@@ -12,7 +12,12 @@ device's update (the total grows by the batch mean, the count by one), the
 same rule the runtimes use for float layer state (BatchNormalization's moving
 statistics). A tracker fed a batch *sum* (a `Sum` of `ops.sum(...)`) or a
 row count comes out as the weighted mean of the shards' sums, not the sum;
-a maximum as the weighted mean of the shards' maxima.
+on TensorFlow a maximum comes out as the weighted mean of the shards' maxima
+(every replica starts from the same old value there). On PyTorch a worker's
+trackers keep their starting values, so only additive trackers (`Mean`,
+`Sum` and metrics built on them, `is_additive`) are combined; the others (a
+running maximum, a moving average) log rank 0's rows only, and the runtime
+warns once naming them.
 
 The variables the runtimes already make global are left out: the compiled
 loss tracker (`loss`), the compiled metrics (updated once on the whole
@@ -31,6 +36,33 @@ def _variables_of(metrics):
     return ids
 
 
+def tracker_metrics(model):
+    """`(metric, variables)` of the metrics in `model.metrics` that no runtime
+    makes global by itself, each with its variables not listed before.
+
+    Returns:
+        A list, in `model.metrics` order, leaving out the compiled loss
+        tracker, the compiled metrics and the compiled per-output loss
+        metrics. Empty for a model with only compiled metrics.
+    """
+    compile_loss = getattr(model, "_compile_loss", None)
+    special = _variables_of(
+        [getattr(model, "_loss_tracker", None), getattr(model, "_compile_metrics", None)]
+        + (list(compile_loss.metrics) if compile_loss is not None else [])
+    )
+    out, seen = [], set()
+    for metric in model.metrics:
+        own = []
+        for variable in metric.variables:
+            if id(variable) in special or id(variable) in seen:
+                continue
+            seen.add(id(variable))
+            own.append(variable)
+        if own:
+            out.append((metric, own))
+    return out
+
+
 def tracker_variables(model):
     """Variables of `model.metrics` that no runtime makes global by itself.
 
@@ -40,19 +72,23 @@ def tracker_variables(model):
         and the compiled per-output loss metrics, without duplicates, in
         `model.metrics` order. Empty for a model with only compiled metrics.
     """
-    compile_loss = getattr(model, "_compile_loss", None)
-    special = _variables_of(
-        [getattr(model, "_loss_tracker", None), getattr(model, "_compile_metrics", None)]
-        + (list(compile_loss.metrics) if compile_loss is not None else [])
-    )
-    out, seen = [], set()
-    for metric in model.metrics:
-        for variable in metric.variables:
-            if id(variable) in special or id(variable) in seen:
-                continue
-            seen.add(id(variable))
-            out.append(variable)
-    return out
+    return [v for _, variables in tracker_metrics(model) for v in variables]
+
+
+def is_additive(metric):
+    """Whether each update of `metric` adds to its state what it was fed,
+    whatever the state holds (`keras.metrics.Mean`, `Sum` and the metrics
+    built on them): then a replica's change does not depend on the value it
+    started from."""
+    import keras
+
+    return isinstance(metric, (keras.metrics.Mean, keras.metrics.Sum))
+
+
+def rank0_only_trackers(model):
+    """Names of the tracker metrics the PyTorch runtime logs from rank 0's rows
+    only (those not `is_additive`: a running maximum, a moving average)."""
+    return [metric.name for metric, _ in tracker_metrics(model) if not is_additive(metric)]
 
 
 def is_float(variable):
@@ -77,7 +113,12 @@ class TorchTrackerDeltas:
     """
 
     def __init__(self, model):
-        self.variables = [v for v in tracker_variables(model) if is_float(v)]
+        # Only additive trackers: a worker's trackers stay at their starting
+        # values, so a change that depends on the value it starts from (a
+        # running maximum, a moving average) would be measured from the wrong
+        # one; those trackers keep rank 0's own updates (`rank0_only_trackers`).
+        self.variables = [v for metric, variables in tracker_metrics(model)
+                          if is_additive(metric) for v in variables if is_float(v)]
         self.size = sum(_numel(v) for v in self.variables)
         self._old = None
         self.delta = None

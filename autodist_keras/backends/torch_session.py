@@ -35,6 +35,7 @@ import os
 import traceback
 import warnings
 
+from autodist_keras.backends import loss_trackers
 from autodist_keras.backends import replica_random
 from autodist_keras.backends import torch_fusion
 from autodist_keras.backends import torch_transport as tt
@@ -407,6 +408,15 @@ class Driver:
         area = None
         if self._use_shm_reduce and self.trainer.reducer.num_buckets > 0:
             area = ReduceArea.create(self.trainer.reducer.shared_layout(), self.comm.world_size)
+        only = loss_trackers.rank0_only_trackers(model)
+        if only:
+            warnings.warn(
+                f"Metric(s) {only} of model {model.name!r} are updated inside the training "
+                "step and are not sums or means (keras.metrics.Mean, Sum): the PyTorch "
+                "runtime logs them from rank 0's rows only, not the whole batch's. For "
+                "whole-batch values track a Mean (or Sum) of the per-sample value.",
+                stacklevel=2,
+            )
         weights, opt_vars = state_variables(model)
         payload = {
             "session": self.session_id,
@@ -850,7 +860,9 @@ def _rebuild_model(setup, rank):
         compile_config = serialization_lib.deserialize_keras_object(setup["compile"], safe_mode=False)
     except (TypeError, ValueError) as e:
         registered = setup["model"].get("registered_name")
-        if registered and keras.saving.get_registered_object(registered) is not None:
+        class_name = setup["model"].get("class_name") or ""
+        if (registered and keras.saving.get_registered_object(registered) is not None
+                and f"passed to {class_name}" in str(e)):
             advice = (
                 f"Its class {registered!r} is registered, so its constructor did not accept "
                 "the config Keras saved: give the class a get_config() that returns its "
