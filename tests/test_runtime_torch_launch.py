@@ -115,8 +115,11 @@ FAILING = textwrap.dedent("""
         cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
         strategy = AutoStrategy(strategy="data_parallel", cluster=cluster, timeout_s=15)
         with strategy.scope():
-            inputs = keras.Input((4,))
-            model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+            if mode == "unbuilt":  # weights made at the first call
+                model = keras.Sequential([keras.layers.Dense(2)])
+            else:
+                inputs = keras.Input((4,))
+                model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
             model.compile(optimizer="sgd", loss="mse")
         rng = np.random.default_rng(0)
         x, y = rng.normal(size=(64, 4)), rng.normal(size=(64, 2))
@@ -146,6 +149,15 @@ def test_when_rank_0s_fit_fails_the_other_ranks_fit_raises_too(tmp_path):
     assert (tmp_path / "rank0.txt").read_text().startswith("ValueError: rank 0's callback failed")
     other = (tmp_path / "rank1.txt").read_text()
     assert other.startswith("WorkerError") and "stopped with an error" in other, other
+
+
+def test_a_model_not_built_before_fit_says_to_build_it_on_every_rank(tmp_path):
+    """Rank 0 builds a model at its first batch; the other ranks see no data. The
+    error said the ranks had built different models ("0 weights but rank 0's has 2")."""
+    _run_failing(tmp_path, "unbuilt")
+    message = (tmp_path / "rank0.txt").read_text()
+    assert message.startswith("WorkerError") and "has no weights yet" in message, message
+    assert "model(x[:1])" in message
 
 
 def test_a_rank_that_never_calls_fit_is_reported_after_timeout_s(tmp_path):

@@ -1022,6 +1022,17 @@ def serve(comm, reporter, model=None, on_model=None):
                 f"Rank {rank}'s model is not compiled; compile it inside strategy.scope() "
                 "on every rank, as rank 0 does. Received: optimizer=None"
             )
+        elif not model.weights and setup["weights"]:
+            # Rank 0 builds a model at its first training batch; this rank has no
+            # batch, as it runs rank 0's steps (`serve`), so it cannot.
+            raise BackendError(
+                f"Rank {rank}'s model has no weights yet: under torchrun (or `autodist-keras "
+                "launch`) only rank 0 sees the training data, so a model that creates its "
+                "weights at its first call (a subclassed model) must be built on every rank "
+                "before fit: call it once on a batch of inputs, e.g. `model(x[:1])`, "
+                "after compile. Received: 0 weights on this rank, "
+                f"{len(setup['weights'])} on rank 0"
+            )
         elif not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         variables = _check_metas(model, setup, rank)
