@@ -92,6 +92,8 @@ def rank0_only_trackers(model):
 
 
 def is_float(variable):
+    """Whether a Keras variable holds floating-point values (bfloat16 included);
+    the runtimes combine such state as a share-weighted mean."""
     import keras
 
     return keras.backend.standardize_dtype(variable.dtype).startswith(("float", "bfloat"))

@@ -1144,7 +1144,7 @@ class _Runtime:
         floats, ints = [], []
         for variable in order:
             entries = values[id(variable)]
-            if _is_float(variable):
+            if loss_trackers.is_float(variable):
                 parts = [
                     tf.cast(v, variable.dtype) * tf.cast(s / total, variable.dtype)
                     for s, v in entries
@@ -1238,7 +1238,7 @@ class _TrackerRecord:
 
         out = []
         for j, (v, old) in enumerate(zip(self.variables, self.old)):
-            if not _is_float(v) or not self.new:
+            if not loss_trackers.is_float(v) or not self.new:
                 continue
             parts = [tf.cast(s / total, old.dtype) * (values[j] - old) for s, values in self.new]
             out.append((_TrackerDelta(v, old), tf.add_n(parts) if len(parts) > 1 else parts[0]))
@@ -1246,7 +1246,7 @@ class _TrackerRecord:
 
     def ints(self):
         return [(v, self.new[0][1][j]) for j, v in enumerate(self.variables)
-                if not _is_float(v) and self.new]
+                if not loss_trackers.is_float(v) and self.new]
 
 
 class _TrackerDelta:
@@ -1352,10 +1352,6 @@ def _dtype_name(variable):
     import keras
 
     return keras.backend.standardize_dtype(variable.dtype)
-
-
-def _is_float(variable):
-    return _dtype_name(variable).startswith(("float", "bfloat"))
 
 
 # ---------------------------------------------------------------- benchmarks

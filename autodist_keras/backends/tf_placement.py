@@ -52,6 +52,7 @@ model.fit(x, y, batch_size=48)   # each layer runs on its planned device
 import contextlib
 
 from autodist_keras.backends import tf_reduce
+from autodist_keras.backends.loss_trackers import is_float
 from autodist_keras.errors import BackendError
 from autodist_keras.strategies.plan import split_batch
 
@@ -555,7 +556,7 @@ class _SplitState:
 
         for variable in self.order:
             entries = self.values[id(variable)]
-            if len(entries) == 1 or not _is_float(variable):
+            if len(entries) == 1 or not is_float(variable):
                 value = entries[0][1]
             else:
                 # The share-weighted mean, written as the first part's value plus
@@ -824,12 +825,6 @@ def _is_tensor(value):
 def _batch_major(tensor, batch_size):
     shape = tensor.shape
     return shape.rank is not None and shape.rank >= 1 and shape[0] == batch_size
-
-
-def _is_float(variable):
-    import keras
-
-    return "float" in keras.backend.standardize_dtype(variable.dtype)
 
 
 def _dtype_name(variable):

@@ -172,6 +172,11 @@ def apply_settings(optimizer, settings):
         setattr(*_target(optimizer, key), value)
 
 
+def _decaying(optimizer):
+    """The optimizer that applies weight decay: the one a LossScaleOptimizer wraps."""
+    return getattr(optimizer, "inner_optimizer", None) or optimizer
+
+
 def decay_excluded(optimizer, variables):
     """Indices of `variables` the optimizer leaves out of its weight decay.
 
@@ -179,7 +184,7 @@ def decay_excluded(optimizer, variables):
     spawned workers, which rebuild the optimizer from the config, would not
     have it; rank 0 sends these indices at setup.
     """
-    optimizer = getattr(optimizer, "inner_optimizer", None) or optimizer
+    optimizer = _decaying(optimizer)
     use = getattr(optimizer, "_use_weight_decay", None)
     if use is None:
         return []
@@ -192,7 +197,7 @@ def exclude_from_decay(optimizer, variables):
     Works on a built optimizer too (Keras's public method refuses one), by
     setting what that method sets.
     """
-    optimizer = getattr(optimizer, "inner_optimizer", None) or optimizer
+    optimizer = _decaying(optimizer)
     if not hasattr(optimizer, "_use_weight_decay"):
         return
     optimizer._exclude_from_weight_decay = {optimizer._var_key(v) for v in variables}
