@@ -175,6 +175,33 @@ def test_load_model_inside_scope_compiles_and_attaches(tmp_path):
     assert strategy.plan is not None
 
 
+def test_plan_file_serves_a_sequential_loaded_with_load_model(tmp_path):
+    """A Sequential loaded with `load_model` builds its layers outside its own name
+    scope (`sequential/dense/kernel` there is `dense/kernel` here): a plan file made
+    for the model built in code serves the loaded one, and the other way round."""
+
+    def build():
+        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                 keras.layers.Dense(3)])
+
+    cluster = Cluster.cpu_testbed()
+    built = build()
+    built.compile(optimizer="sgd", loss="mse")
+    built.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    built_paths = {v.path for v in built.trainable_variables}
+    loaded_paths = {v.path for v in loaded.trainable_variables}
+    assert not built_paths & loaded_paths  # Keras names them differently
+    for source, target in ((built, loaded), (loaded, built)):
+        plan = AutoStrategy("proportional", cluster=cluster).plan_for(source, 48)
+        path = tmp_path / "plan.json"
+        plan.to_json(path)
+        again = AutoStrategy(cluster=cluster, plan=str(path)).plan_for(target, 48)
+        assert set(again.sync) == {v.path for v in target.trainable_variables}
+        assert [r.batch_share for g in again.groups for r in g.replicas] == \
+            [r.batch_share for g in plan.groups for r in g.replicas]
+
+
 def test_every_candidate_stays_on_the_devices_given():
     cluster = Cluster.cpu_testbed()
     allowed = ["node0/cpu1", "node0/cpu2"]

@@ -668,15 +668,19 @@ class Plan:
         # `key`, ...). Each variable of the plan is paired with the one here
         # whose path has the same layers (renamed), the same leaf, and other
         # segments equal but for Keras's `_N` suffix; every pairing must be one
-        # to one.
+        # to one. Segments before a path's first layer name (the outer
+        # models') are left out: a Sequential loaded with `load_model` builds
+        # its layers outside its own name scope, so `sequential/dense/kernel`
+        # becomes `dense/kernel`.
         old_layers, here_layers = set(order), set(here)
 
         def skeleton(name, layers, rename):
             parts = name.split("/")
+            first = next((j for j, p in enumerate(parts[:-1]) if p in layers), 0)
             last = len(parts) - 1
             return tuple(rename.get(p, p) if p in layers
                          else (p if j == last else ("~", _unnumbered(p)))
-                         for j, p in enumerate(parts))
+                         for j, p in enumerate(parts) if j >= first)
 
         here_by_skeleton = {}
         for v in graph.variables:
@@ -689,7 +693,7 @@ class Plan:
             if len(match) != 1:
                 return None, {}  # no variable, or several, fit: not matched
             variables[name] = match[0]
-            for a, b in zip(name.split("/"), match[0].split("/")):
+            for a, b in zip(reversed(name.split("/")), reversed(match[0].split("/"))):
                 if a not in old_layers and a != b and models.setdefault(a, b) != b:
                     return None, {}
         if len(set(variables.values())) != len(variables):
