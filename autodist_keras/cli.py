@@ -285,7 +285,8 @@ def _positive_seconds(text):
 
 
 _MODEL_HELP = "ResNet50, mlp, a .keras file or module:function"
-_CLUSTER_HELP = "YAML spec, '2xV100,4x1080Ti' or 'cpu_testbed'"
+_CLUSTER_HELP = ("YAML spec, '2xV100,4x1080Ti', 'cpu_testbed' or a shipped cluster "
+                 "(hetero_testbed, v100x8_nvlink, a100x4_t4x4)")
 _IMPORT_HELP = ("import this module first (repeatable), e.g. one that registers the custom "
                 "layers of a .keras file")
 

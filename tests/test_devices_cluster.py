@@ -322,3 +322,19 @@ def test_cuda_visible_devices(monkeypatch, value, expected):
 def test_bus_id_normalisation():
     assert detect.normalise_bus_id(b"00000000:07:00.0") == detect.normalise_bus_id("0000:07:00.0")
     assert detect.normalise_bus_id("garbage") == "garbage"
+
+
+def test_shipped_clusters_resolve_by_name_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no examples/ here, as after `pip install`
+    for name, size in (("hetero_testbed", 8), ("v100x8_nvlink", 8), ("a100x4_t4x4", 8)):
+        cluster = Cluster.resolve(name)
+        assert len(cluster) == size
+        assert cluster.fingerprint() == Cluster.from_yaml(os.path.join(EXAMPLES,
+                                                                       f"{name}.yaml")).fingerprint()
+    with pytest.raises(ClusterSpecError, match="Did you mean the cluster shipped with the "
+                                               "package, 'hetero_testbed'") as info:
+        Cluster.resolve("hetero-testbed")
+    assert "Received: 'hetero-testbed'" in str(info.value)
+    with pytest.raises(ClusterSpecError, match="name of one shipped with the package") as info:
+        Cluster.resolve("missing.yaml")
+    assert "hetero_testbed" in str(info.value)

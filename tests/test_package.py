@@ -75,3 +75,50 @@ def test_host_cpu_name_is_shared_by_provenance_and_profile_cache():
     assert measurements.machine_info()["cpu"] == name
     device = Cluster.cpu_testbed().device("node0/cpu0")
     assert profiler.device_signature(device)["host_cpu"] == name
+
+
+def test_wheel_carries_every_data_file_and_the_shipped_clusters(tmp_path):
+    """A wheel built from the source holds every non-Python file of the package (the
+    shipped cluster specs, the packaged estimators, py.typed), and an install of it
+    resolves `cluster="hetero_testbed"` from any working directory."""
+    import shutil
+    import zipfile
+
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("packaging does not depend on the backend: checked in the TensorFlow run")
+    pytest.importorskip("setuptools")
+    source = tmp_path / "source"  # a copy, so the build leaves no build/ in the checkout
+    shutil.copytree(os.path.join(ROOT, "autodist_keras"), source / "autodist_keras",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), source / name)
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(tmp_path / "wheel"), str(source)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    (wheel,) = (tmp_path / "wheel").glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    data_files = {
+        os.path.relpath(os.path.join(folder, f), source).replace(os.sep, "/")
+        for folder, _, files in os.walk(source / "autodist_keras")
+        for f in files if not f.endswith(".py")
+    }
+    assert {"autodist_keras/devices/clusters/hetero_testbed.yaml",
+            "autodist_keras/py.typed"} <= data_files
+    assert data_files <= names, sorted(data_files - names)
+
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(site)
+    code = ("import autodist_keras, os; from autodist_keras import Cluster;"
+            "assert autodist_keras.__file__.startswith(os.environ['SITE']), autodist_keras.__file__;"
+            "print(len(Cluster.resolve('hetero_testbed')))")
+    env = dict(os.environ, PYTHONPATH=str(site), SITE=str(site))
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "8"

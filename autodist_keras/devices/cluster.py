@@ -416,8 +416,10 @@ class Cluster:
         Args:
             value: `None` (detect this machine), a `Cluster` (returned as is),
                 a path to a YAML file (an existing file, or a string ending in
-                `.yaml` / `.yml`), `"cpu_testbed"`, another string
-                (`from_string`), or a dict (`from_dict`).
+                `.yaml` / `.yml`), `"cpu_testbed"`, the name of a spec shipped
+                with the package (`"hetero_testbed"`, `"v100x8_nvlink"`,
+                `"a100x4_t4x4"`: `autodist_keras/devices/clusters/`), another
+                string (`from_string`), or a dict (`from_dict`).
 
         Returns:
             A `Cluster`.
@@ -437,7 +439,23 @@ class Cluster:
                 return cls.from_yaml(text)
             if text == "cpu_testbed":
                 return cls.cpu_testbed()
-            return cls.from_string(value)
+            from autodist_keras.devices import spec
+
+            builtin = spec.builtin_cluster_path(text)
+            if builtin is not None:
+                return cls.from_yaml(builtin)
+            try:
+                return cls.from_string(value)
+            except ClusterSpecError:
+                close = spec.close_builtin_cluster(text)
+                if close is None:
+                    raise
+                raise ClusterSpecError(
+                    f"Unknown cluster {text!r}. Did you mean the cluster shipped with the "
+                    f"package, {close!r}? Shipped clusters: "
+                    f"{', '.join(spec.builtin_cluster_names())}; a cluster string reads like "
+                    f"'2xV100,4x1080Ti'. Received: {value!r}"
+                ) from None
         if isinstance(value, dict):
             return cls.from_dict(value)
         raise ClusterSpecError(

@@ -707,8 +707,8 @@ def cluster_from_yaml(path):
     except FileNotFoundError:
         raise ClusterSpecError(
             f"No such file (working directory: {os.getcwd()}). Give the path of an "
-            "existing YAML resource spec (examples: examples/clusters/*.yaml). "
-            f"Received: {path!r}",
+            "existing YAML resource spec, or the name of one shipped with the package ("
+            f"{', '.join(builtin_cluster_names())}). Received: {path!r}",
             source=path,
         ) from None
     except (OSError, UnicodeDecodeError) as e:
@@ -809,6 +809,29 @@ def cluster_from_string(text):
         node["gpus"] = items
         nodes.append(node)
     return _cluster_from_spec({"nodes": nodes}, source)
+
+
+BUILTIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "clusters")
+
+
+def builtin_cluster_names():
+    """Names of the cluster specs shipped with the package (`devices/clusters/*.yaml`)."""
+    return sorted(name[:-len(".yaml")] for name in os.listdir(BUILTIN_DIR)
+                  if name.endswith(".yaml"))
+
+
+def builtin_cluster_path(name):
+    """Path of the shipped spec called `name` (e.g. `"hetero_testbed"`), or None."""
+    if name in builtin_cluster_names():
+        return os.path.join(BUILTIN_DIR, f"{name}.yaml")
+    return None
+
+
+def close_builtin_cluster(text):
+    """The shipped cluster name `text` looks like a typo of, or None."""
+    close = difflib.get_close_matches(text.strip().lower(), builtin_cluster_names(), n=1,
+                                      cutoff=0.75)
+    return close[0] if close else None
 
 
 def cpu_testbed_cluster(devices=None):

@@ -233,8 +233,9 @@ class AutoStrategy:
             `"disco"`.
         cluster: The devices: `None` (detect the local ones), a `Cluster`,
             a path to a YAML resource spec, its content as a dict, a string
-            such as `"2xV100,4x1080Ti"`, or `"cpu_testbed"` (the same as
-            `Cluster.cpu_testbed()`).
+            such as `"2xV100,4x1080Ti"`, `"cpu_testbed"` (the same as
+            `Cluster.cpu_testbed()`), or the name of a spec shipped with the
+            package (`"hetero_testbed"`, `"v100x8_nvlink"`, `"a100x4_t4x4"`).
         devices: Optional subset of device names to use.
         plan: A ready `Plan` (or a path to its JSON) to run instead of planning.
         **options: Planner and runtime options: `sync` (`"allreduce"` or

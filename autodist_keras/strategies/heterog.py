@@ -33,7 +33,7 @@ Example:
 ```python
 from autodist_keras.strategies import heterog
 
-plan = heterog.plan(graph, Cluster.from_yaml("examples/clusters/hetero_testbed.yaml"), 256)
+plan = heterog.plan(graph, Cluster.resolve("hetero_testbed"), 256)
 print(plan.summary())
 ```
 """
