@@ -82,3 +82,22 @@ def test_tensorflow_started_before_the_strategy_fails_with_the_fix(tmp_path):
     message = result.stderr.replace("\n", " ")
     assert "Create the AutoStrategy" in message
     assert "Received: 1 logical CPU device(s)" in message
+
+
+def test_torchrun_style_ranks_are_refused_on_tensorflow(tmp_path):
+    """`autodist-keras launch` (as torchrun) sets RANK / WORLD_SIZE, which the TensorFlow
+    backend does not use: each rank would train the whole plan alone, so the strategy
+    refuses at scope() and the launch fails instead of exiting 0 with N separate runs."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(STRATEGY_FIRST))
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3",
+               AUTODIST_KERAS_CACHE=str(tmp_path / "cache"))
+    result = subprocess.run(
+        [sys.executable, "-m", "autodist_keras.cli", "launch", "--nprocs", "2",
+         "--timeout-s", "240", str(script)],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    text = (result.stdout + result.stderr).replace("\n", " ")
+    assert result.returncode != 0, text[-3000:]
+    assert "BackendError" in text and "torchrun-style" in text
+    assert "Received: WORLD_SIZE='2' with KERAS_BACKEND=tensorflow" in text
+    assert '"shares"' not in text  # no rank trained

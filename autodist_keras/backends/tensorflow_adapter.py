@@ -31,6 +31,7 @@ model.fit(x, y, batch_size=48, shuffle=False)
 """
 
 import contextlib
+import os
 
 from autodist_keras.backends import batchnorm_stats
 from autodist_keras.backends import loss_trackers
@@ -147,6 +148,27 @@ def configure_logical_cpus(cluster):
     return needed
 
 
+def _refuse_torchrun_ranks():
+    """Raises when this process is one of several torchrun-style ranks.
+
+    `torchrun` and `autodist-keras launch` start one process per rank with
+    `RANK` / `WORLD_SIZE` set; the TensorFlow backend does not read them, so
+    each rank would train the whole plan on its own.
+    """
+    world = os.environ.get("WORLD_SIZE", "").strip()
+    if not world.isdigit() or int(world) <= 1:
+        return
+    raise BackendError(
+        f"This process is one of {world} ranks started torchrun-style (RANK="
+        f"{os.environ.get('RANK', '?')}, WORLD_SIZE={world}: torchrun or autodist-keras "
+        "launch), but the TensorFlow backend does not use them: every rank would train the "
+        "whole plan on its own. On TensorFlow run one process, which drives every local "
+        "device, or start one worker per process with TF_CONFIG "
+        "(docs/runtime_tensorflow.md); for ranks, use KERAS_BACKEND=torch. "
+        f"Received: WORLD_SIZE={world!r} with KERAS_BACKEND=tensorflow"
+    )
+
+
 class TensorFlowAdapter(BackendAdapter):
     """Backend adapter for `KERAS_BACKEND=tensorflow`.
 
@@ -175,6 +197,7 @@ class TensorFlowAdapter(BackendAdapter):
         if self.worker is not None:
             self._setup_worker()
         else:
+            _refuse_torchrun_ranks()
             self._setup_local_devices()
         self._home = None
         self.runtime_info = {}
