@@ -271,3 +271,26 @@ def test_torchrun_variables_left_in_the_environment_are_named(tmp_path):
     assert "If these variables are left over" in run.stderr
     assert "BackendError: Rank 0 waited 4 s" in run.stderr
     assert "if they are left over from an earlier torchrun, unset them" in run.stderr
+
+
+def test_more_ranks_than_devices_is_refused_with_the_process_count_to_start(tmp_path):
+    """Three ranks for a two-device strategy: the error said to use strategy='auto',
+    which then failed with 'use more or larger devices'."""
+    import subprocess
+
+    from autodist_keras.backends.tf_multiworker import free_ports
+
+    script = tmp_path / "three_ranks.py"
+    script.write_text(LEFTOVER.replace(
+        "cluster=Cluster.cpu_testbed()",
+        "cluster=Cluster.cpu_testbed([{'cores': [0], 'threads': 1}, {'cores': [1], 'threads': 1}])"))
+    env = dict(os.environ, RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_ports(1)[0]),
+               PYTHONPATH=os.pathsep.join([os.getcwd()] + [p for p in sys.path if p]))
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode != 0
+    message = run.stderr.replace("\n", " ")
+    assert "BackendError: Under torchrun each process runs one replica" in message, message[-2000:]
+    assert "Start 2 processes" in message
+    assert "Received: WORLD_SIZE=3, devices=['node0/cpu0', 'node0/cpu1']" in message

@@ -244,6 +244,17 @@ class TorchAdapter(BackendAdapter):
             raise BackendError(f"timeout_s must be positive. Received: {self.timeout_s}")
         self.last_run = {}
         self._run = None
+        env = torchrun_env()
+        if env is not None and env[1] > len(strategy.devices):
+            raise BackendError(
+                f"Under torchrun each process runs one replica on one of the strategy's "
+                f"devices, but WORLD_SIZE={env[1]} processes run and the strategy has "
+                f"{len(strategy.devices)} device(s) ({', '.join(strategy.devices)}). Start "
+                f"{len(strategy.devices)} processes (torchrun --nproc-per-node, or "
+                "autodist-keras launch --nprocs), or give the strategy a cluster of every "
+                "node's devices (a YAML spec). "
+                f"Received: WORLD_SIZE={env[1]}, devices={strategy.devices}"
+            )
 
     def variable_scope(self):
         """Creates the model's variables on the device rank 0 will run on.
@@ -386,7 +397,9 @@ class TorchAdapter(BackendAdapter):
         if env is not None and len(plan.replicas) != env[1]:
             return False, (
                 f"under torchrun one process runs per replica, and WORLD_SIZE={env[1]} "
-                f"processes run, but this plan has {len(plan.replicas)} replica(s)"
+                f"processes run, but this plan has {len(plan.replicas)} replica(s): start "
+                f"{len(plan.replicas)} processes, or give the strategy {env[1]} devices "
+                "(devices=)"
             )
         return True, ""
 
