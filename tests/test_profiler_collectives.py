@@ -1,11 +1,17 @@
 """Collective profiler: real torch.distributed (gloo) processes on loopback.
 
 The measurement runs in spawned PyTorch processes whatever the Keras backend,
-so the multi-process tests run once, under KERAS_BACKEND=torch.
+so the multi-process tests run once, under KERAS_BACKEND=torch. The refusal
+of a script without a main guard runs under both: the script the children
+would import loads the Keras backend it was started with.
 """
 
 import math
 import multiprocessing
+import os
+import signal
+import subprocess
+import sys
 
 import keras
 import pytest
@@ -24,6 +30,7 @@ torch_only = pytest.mark.skipif(
 )
 
 SIZES = (1 << 10, 1 << 15, 1 << 19)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_alpha_beta_fit_recovers_latency_and_bandwidth():
@@ -96,3 +103,62 @@ def test_invalid_collective_requests():
         profile_collectives(cluster, ops=("gather",), use_cache=False)
     with pytest.raises(EstimatorError, match="Unknown device 'node0/cpu9'"):
         profile_collectives(cluster, devices=["node0/cpu9"], use_cache=False)
+
+
+UNGUARDED_PROFILE = """
+from autodist_keras.devices import Cluster
+from autodist_keras.estimator.profiler import profile_collectives
+
+links = profile_collectives(Cluster.cpu_testbed(), devices=["node0/cpu0", "node0/cpu1"],
+                            sizes=(1 << 10, 1 << 15), warmup=1, repeats=1, timeout_s=60,
+                            use_cache=False)
+print("profiled")
+"""
+
+
+def _session_processes(sid):
+    """Pids of the live processes in session `sid` (Linux /proc)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[3]) == sid and fields[0] != "Z":  # fields: state, ppid, pgrp, session
+            pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads child processes from /proc")
+def test_script_without_main_guard_is_refused_before_anything_is_spawned(tmp_path):
+    """Spawned ranks import the main script: without the guard each would run it
+    again and die in multiprocessing's bootstrapping, and the user saw
+    `can only join a started process`, then an error that did not say why."""
+    script = tmp_path / "links.py"
+    script.write_text(UNGUARDED_PROFILE)
+    env = dict(os.environ, PYTHONPATH=ROOT, AUTODIST_KERAS_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    finally:
+        left = _session_processes(proc.pid)  # the session's id is the script's pid
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    message = " ".join(stderr.split())
+    assert proc.returncode != 0 and "profiled" not in stdout
+    assert "EstimatorError: profile_collectives() starts child processes" in message, stderr[-3000:]
+    assert ('Put the code that calls profile_collectives() under `if __name__ == "__main__":`'
+            in message)
+    assert f'Received: no `if __name__ == "__main__":` block in {script}' in message
+    assert "bootstrapping phase" not in stderr  # no child was started
+    assert "can only join a started process" not in stderr
+    assert left == [], f"processes left behind: {left}"

@@ -144,8 +144,8 @@ def _describe_exit(code):
 _MAIN_GUARD = re.compile(r"""__name__\s*==\s*['"]__main__['"]|['"]__main__['"]\s*==\s*__name__""")
 
 
-def check_main_guard():
-    """Raises `BackendError` when the user's script would train again in every worker.
+def check_main_guard(caller=None, error=BackendError):
+    """Raises when the user's script would run again in every spawned process.
 
     Workers are started with `forkserver` or `spawn`, which import the main
     module of rank 0 (so that layers, losses and functions defined in the
@@ -154,18 +154,41 @@ def check_main_guard():
     which Python refuses with an error deep inside `multiprocessing`. This
     check says so up front. Interactive sessions (no main file) pass.
 
+    Args:
+        caller: `None` for `fit` (the message speaks of the PyTorch runtime's
+            workers and of training); otherwise the public call that spawns
+            the processes, e.g. `"profile_collectives()"`, named instead.
+        error: The exception class to raise, for callers whose errors are of
+            another type (the profiler raises `EstimatorError`).
+
     Raises:
-        BackendError: If the main script has no `__name__ == "__main__"` test.
+        BackendError: (or `error`) If the main script has no
+            `__name__ == "__main__"` test, or was read from standard input.
     """
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
+    if caller is None:
+        starts = ("The PyTorch runtime starts one worker process per extra device, and each "
+                  "worker imports")
+        code = "the code that builds and fits the model"
+        rerun = "the worker would run your training code again"
+        alternative = ", or launch the ranks yourself with torchrun"
+        who, name = "the workers", "train.py"
+        needs = "torch.multiprocessing needs too"
+    else:
+        starts = f"{caller} starts child processes, and each imports"
+        code = f"the code that calls {caller}"
+        rerun = f"each child would run your script again, {caller} included"
+        alternative = ""
+        who, name = "the children", "script.py"
+        needs = "multiprocessing's spawn start method needs"
     if isinstance(path, str) and path.startswith("<"):
         # `python - < train.py`: the workers would try to import a file named "<stdin>".
-        raise BackendError(
-            "The PyTorch runtime starts one worker process per extra device, and each worker "
-            "imports your main script; yours was read from "
-            f"{path}, which the workers cannot import. Save it as a .py file and run "
-            f"`python train.py`. Received: __main__.__file__={path!r}"
+        raise error(
+            f"{starts} your main script; yours was read from "
+            f"{path}, which {who} cannot import. Save it as a .py file and run "
+            f"`python {name}`. "
+            f"Received: __main__.__file__={path!r}"
         )
     if not path or not path.endswith(".py") or not os.path.isfile(path):
         return
@@ -176,12 +199,10 @@ def check_main_guard():
         return
     if _MAIN_GUARD.search(source):
         return
-    raise BackendError(
-        "The PyTorch runtime starts one worker process per extra device, and each worker "
-        f"imports your script ({path}) so that what it defines exists there too; without a "
-        "main guard the worker would run your training code again. Put the code that builds "
-        "and fits the model under `if __name__ == \"__main__\":` (as torch.multiprocessing "
-        "needs too), or launch the ranks yourself with torchrun. "
+    raise error(
+        f"{starts} your script ({path}) so that what it defines exists there too; without a "
+        f"main guard {rerun}. Put {code} under `if __name__ == \"__main__\":` (as "
+        f"{needs}){alternative}. "
         f"Received: no `if __name__ == \"__main__\":` block in {path}"
     )
 

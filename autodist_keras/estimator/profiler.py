@@ -1771,14 +1771,17 @@ def profile_collectives(
         A `CollectiveProfile`.
 
     Raises:
-        EstimatorError: If PyTorch is missing, arguments are invalid, a
-            worker fails, or the measurement overruns `timeout_s`.
+        EstimatorError: If PyTorch is missing, the main script has no
+            `if __name__ == "__main__":` guard (each spawned process imports
+            it), arguments are invalid, a worker fails, or the measurement
+            overruns `timeout_s`.
 
     Example:
 
     ```python
-    links = profile_collectives("cpu_testbed", sizes=(1 << 10, 1 << 20), repeats=3)
-    print(links.summary())
+    if __name__ == "__main__":  # the spawned processes import this script
+        links = profile_collectives("cpu_testbed", sizes=(1 << 10, 1 << 20), repeats=3)
+        print(links.summary())
     ```
     """
     started = time.perf_counter()
@@ -1790,6 +1793,11 @@ def profile_collectives(
             "Profiling collectives needs PyTorch (torch.distributed). Install it with "
             "`pip install torch` (CPU build is enough here). Received: no torch module"
         ) from None
+    from autodist_keras.backends.torch_pool import check_main_guard
+
+    # Spawned children import the main script: refuse a script without a main guard
+    # now, not after each child died in multiprocessing's bootstrapping.
+    check_main_guard("profile_collectives()", error=EstimatorError)
     cluster = _resolve_cluster(cluster)
     names = list(devices) if devices is not None else list(cluster.names)
     for name in names:
@@ -1865,10 +1873,11 @@ def profile_collectives(
                 p.join(max(deadline - time.monotonic(), 0.1))
             overrun = [i for i, p in enumerate(procs) if p.is_alive()]
         finally:
-            for p in procs:
+            launched = [p for p in procs if p.pid is not None]  # start() may have raised
+            for p in launched:
                 if p.is_alive():
                     p.terminate()
-            for p in procs:
+            for p in launched:
                 p.join(5)
                 if p.is_alive():
                     p.kill()
