@@ -1,6 +1,10 @@
 """Gantt charts of simulated timelines, read back from the SVG that plot_timeline writes."""
 
+import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -47,3 +51,48 @@ def test_lanes_follow_devices_in_natural_order_and_the_legend_hides_none(
     _, axes_right, _, _ = _box(svg, "patch_2")
     legend_left, _, _, _ = _box(svg, "legend_1")
     assert legend_left > axes_right, (legend_left, axes_right)
+
+
+PLOT_KEEPS_BACKEND = '''
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("svg")  # the backend a notebook or script chose for itself
+import matplotlib.pyplot as plt
+
+import keras
+
+from autodist_keras import AutoStrategy
+from autodist_keras.devices import Cluster
+
+if __name__ == "__main__":
+    mine = plt.figure()  # the user's open figure
+    strategy = AutoStrategy("proportional", cluster=Cluster.cpu_testbed())
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    model.compile(optimizer="sgd", loss="mse")
+    strategy.plan_for(model, 24)
+    strategy.plot(sys.argv[1] + "/timeline.png")
+    strategy.plot(sys.argv[1] + "/timeline.svg")
+    report = {"backend": matplotlib.get_backend(), "figures": plt.get_fignums(),
+              "mine": mine.number}
+    print("REPORT " + json.dumps(report))
+'''
+
+
+def test_plot_leaves_the_users_matplotlib_backend_and_figures_alone(tmp_path):
+    """plot() draws without pyplot: a script's backend and open figures stay as they were."""
+    script = tmp_path / "plot_keeps_backend.py"
+    script.write_text(PLOT_KEEPS_BACKEND)
+    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    report = json.loads(lines[-1][len("REPORT "):])
+    assert report["backend"] == "svg"
+    assert report["figures"] == [report["mine"]]  # the charts never joined pyplot's figures
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "timeline.svg").read_text().lstrip().startswith("<?xml")

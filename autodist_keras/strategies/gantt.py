@@ -1,4 +1,9 @@
-"""Gantt charts of simulated step timelines (matplotlib PNG)."""
+"""Gantt charts of simulated step timelines (matplotlib PNG).
+
+Charts are drawn on a `matplotlib.figure.Figure` with the Agg canvas, never
+through pyplot or `matplotlib.use`, so plotting leaves the backend and the
+figures of a notebook or script as they were.
+"""
 
 import os
 import pathlib
@@ -42,15 +47,12 @@ def plot_timeline(result, path, title="Simulated step (predicted)"):
             writes, or the file cannot be written (nothing is left behind).
     """
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        # The Agg canvas, not pyplot: the user's backend and pyplot's figures stay as they were.
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
     except ImportError:
         raise StrategyError(
             "plot() needs matplotlib: pip install 'autodist-keras[plot]'. Received: no matplotlib"
         ) from None
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     from autodist_keras.strategies.plan import refuse_directory
     from autodist_keras.strategies.plan import write_atomic
@@ -66,12 +68,9 @@ def plot_timeline(result, path, title="Simulated step (predicted)"):
         raise OutputError(f"plot() writes an image; {ext!r} is not a format matplotlib writes. "
                           f"Use .png (or one of {', '.join(sorted(formats))}). Received: {path!r}")
     fig = timeline_figure(result, title)
-    try:
-        # "tight" grows the image to take in the legend outside the axes.
-        write_atomic(path, lambda f: fig.savefig(f, dpi=100, format=ext, bbox_inches="tight"),
-                     suffix="." + ext)
-    finally:
-        plt.close(fig)
+    # "tight" grows the image to take in the legend outside the axes.
+    write_atomic(path, lambda f: fig.savefig(f, dpi=100, format=ext, bbox_inches="tight"),
+                 suffix="." + ext)
     return path if isinstance(given, str) else pathlib.Path(path)
 
 
@@ -98,15 +97,19 @@ def timeline_figure(result, title="Simulated step (predicted)"):
         title: Chart title; keep the word "predicted" in it.
 
     Returns:
-        The `matplotlib.figure.Figure`; close it with
-        `matplotlib.pyplot.close(fig)`.
+        A `matplotlib.figure.Figure` on an Agg canvas. It is made without
+        pyplot, so it neither changes matplotlib's backend nor joins
+        pyplot's open figures; it is freed like any object once unused.
     """
-    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
     rows = lanes(result)
     index = {key: i for i, key in enumerate(rows)}
-    fig, ax = plt.subplots(figsize=(12, 0.45 * len(rows) + 1.5))
+    fig = Figure(figsize=(12, 0.45 * len(rows) + 1.5))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
     for event in result.timeline:
         y = index[(event.device, event.stream)]
         ax.barh(y, (event.end - event.start) * 1e3, left=event.start * 1e3, height=0.8,
