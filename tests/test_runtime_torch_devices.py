@@ -44,6 +44,41 @@ def test_pin_sends_new_tensors_to_the_cpu_device_and_unpin_restores():
         assert _device_type() == "meta"
 
 
+@pytest.mark.parametrize("order", ["nested", "overlapping"])
+def test_pins_that_end_out_of_order_restore_the_cores_and_threads_from_before(order):
+    """Two fits in two threads: A pins, B pins (saving A's cores), A ends, B ends. The
+    process stayed on A's one core, and a new Cluster.cpu_testbed() refused core 1."""
+    import torch
+
+    from autodist_keras.backends.torch_device import pin
+    from autodist_keras.backends.torch_device import unpin
+    from autodist_keras.devices import detect
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    before, threads = set(cores), torch.get_num_threads()
+    first = dict(CPU1, cpu_affinity=[cores[0]], threads=1)
+    second = dict(CPU1, cpu_affinity=[cores[1]], threads=1)
+    a = pin(first)
+    b = pin(second)
+    try:
+        assert os.sched_getaffinity(0) == {cores[1]} and torch.get_num_threads() == 1
+        assert set(detect.available_cores()) == before  # what a new testbed may use
+    finally:
+        if order == "nested":
+            unpin(b)
+            assert os.sched_getaffinity(0) == {cores[0]}  # back to the outer fit's pin
+            unpin(a)
+        else:
+            unpin(a)
+            assert os.sched_getaffinity(0) == {cores[1]}  # B goes on where it was pinned
+            unpin(b)
+    assert os.sched_getaffinity(0) == before
+    assert torch.get_num_threads() == threads
+    assert set(detect.available_cores()) == before
+
+
 def test_keras_device_name_per_kind():
     import torch
 

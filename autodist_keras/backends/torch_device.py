@@ -20,6 +20,7 @@ unpin(token)
 """
 
 import os
+import threading
 
 from autodist_keras.devices import detect
 from autodist_keras.errors import BackendError
@@ -108,6 +109,11 @@ def check_model_device(model, info, rank):
         )
 
 
+# The pins in force, oldest first (fits nest in callbacks, or overlap in threads).
+_PINS = []
+_PINS_LOCK = threading.Lock()
+
+
 def pin(info):
     """Places this process on the device described by `info` (from `device_info`).
 
@@ -119,19 +125,22 @@ def pin(info):
     token = {}
     if info is None:
         return token
-    cores = info.get("cpu_affinity")
-    if cores and hasattr(os, "sched_setaffinity"):
-        # (a fit inside another fit's callback starts from the cores before pinning)
-        available = set(detect.available_cores())
-        wanted = {c for c in cores if c in available}
-        if wanted:
-            token["affinity"] = sorted(os.sched_getaffinity(0))
-            detect.cores_before_pinning.append(available)
-            _set_affinity_all_threads(wanted)
-    threads = info.get("threads")
-    if threads:
-        token["threads"] = torch.get_num_threads()
-        torch.set_num_threads(int(threads))
+    with _PINS_LOCK:
+        cores = info.get("cpu_affinity")
+        if cores and hasattr(os, "sched_setaffinity"):
+            # (a fit inside another fit's callback starts from the cores before pinning)
+            available = set(detect.available_cores())
+            wanted = {c for c in cores if c in available}
+            if wanted:
+                token["affinity"] = sorted(os.sched_getaffinity(0))
+                detect.cores_before_pinning.append(available)
+                _set_affinity_all_threads(wanted)
+        threads = info.get("threads")
+        if threads:
+            token["threads"] = torch.get_num_threads()
+            torch.set_num_threads(int(threads))
+        if "affinity" in token or "threads" in token:
+            _PINS.append(token)
     if info.get("kind") == "gpu" and torch.cuda.is_available():
         token["cuda"] = torch.cuda.current_device()
         torch.cuda.set_device(int(info.get("index", 0)))
@@ -153,12 +162,24 @@ def unpin(token):
         return
     if "keras_device" in token:
         token["keras_device"].__exit__(None, None, None)
-    if "affinity" in token:
-        _set_affinity_all_threads(set(token["affinity"]))
-        if detect.cores_before_pinning:
+    with _PINS_LOCK:
+        at = next((i for i, t in enumerate(_PINS) if t is token), None)
+        if at is not None and at + 1 < len(_PINS):
+            # Fits in two threads can end out of order: the pin made after this one
+            # saved this one's cores and threads, so it restores what this one saved.
+            later = _PINS[at + 1]
+            for key in ("affinity", "threads"):
+                if key in token and key in later:
+                    later[key] = token[key]
+        else:
+            if "affinity" in token:
+                _set_affinity_all_threads(set(token["affinity"]))
+            if "threads" in token:
+                torch.set_num_threads(int(token["threads"]))
+        if at is not None:
+            del _PINS[at]
+        if "affinity" in token and detect.cores_before_pinning:
             detect.cores_before_pinning.pop()
-    if "threads" in token:
-        torch.set_num_threads(int(token["threads"]))
     if "cuda" in token:
         torch.cuda.set_device(int(token["cuda"]))
 
