@@ -940,6 +940,13 @@ def test_sum_reduction_loss_is_rejected():
 
 
 # ------------------------------------------------------- shard transport
+def _mapped_files():
+    """Paths this process maps (from /proc/self/maps, ' (deleted)' dropped)."""
+    with open("/proc/self/maps") as f:
+        return {line.split(None, 5)[5].strip().removesuffix(" (deleted)")
+                for line in f if len(line.split(None, 5)) == 6}
+
+
 def test_shards_by_shared_memory_and_by_message_give_the_same_weights(monkeypatch):
     """Spawned workers read their rows from shared-memory slots (torch_shm);
     AUTODIST_KERAS_TORCH_SHM=0 sends them as messages instead. Both match
@@ -952,6 +959,7 @@ def test_shards_by_shared_memory_and_by_message_give_the_same_weights(monkeypatc
     # This run's own file: under pytest-xdist another test's live file may exist.
     assert driver._slots.path.startswith("/dev/shm/autodist_keras_batch_")
     assert not os.path.exists(driver._slots.path)
+    assert driver._slots.path not in _mapped_files()  # no space held after fit
 
     monkeypatch.setenv("AUTODIST_KERAS_TORCH_SHM", "0")
     strategy = _strategy("proportional", 3)
@@ -977,6 +985,9 @@ def test_gradient_sums_through_shared_memory_and_through_gloo_give_the_same_weig
     assert reducer.area is not None and reducer.area.world == ndev
     assert reducer.area.path.startswith("/dev/shm/autodist_keras_grads_")
     assert not os.path.exists(reducer.area.path)
+    # A deleted file still takes /dev/shm space while mapped: fit ends its mapping,
+    # also when the strategy is left to the garbage collector (it is alive here).
+    assert reducer.area.path not in _mapped_files()
     if plan == "ps":
         assert {b.kind for b in reducer.buckets} == {"ps"}
     reference = _reference_weights("mlp", "sgd")[0]

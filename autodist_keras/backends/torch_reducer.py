@@ -213,6 +213,17 @@ class GradientReducer:
                 bucket.buffer = torch.empty_like(bucket.output)
         self.area = area
 
+    def release_shared_memory(self):
+        """Drops the buckets' views of the shared area and closes it, once the
+        session is over: the deleted file keeps taking `/dev/shm` space while
+        mapped, and a strategy left to the garbage collector (one per trial of
+        a hyper-parameter search) held 8.4 MiB per fit for a 535k-parameter MLP."""
+        if self.area is None:
+            return
+        for bucket in self.buckets:
+            bucket.inputs = bucket.output = bucket.flags = None
+        self.area.close()
+
     # ------------------------------------------------------------ hooks
     def attach(self):
         """Registers the gradient hooks on the parameters."""

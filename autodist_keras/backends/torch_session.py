@@ -755,7 +755,7 @@ class Driver:
         import torch
 
         if self._slots is not None:
-            self._slots.unlink()
+            self._slots.close()  # every worker has read its last rows
         if self.trainer is not None:
             self.trainer.detach()
             self.trainer.profile.save({"plan_shares": [r.batch_share for r in self.plan.replicas]})
@@ -774,6 +774,8 @@ class Driver:
                 self.comm.wait(work, peer=r)
         except tt.CommFailure as failure:
             self._fail(failure)
+        if self.trainer is not None:  # every worker has sent its last gradients
+            self.trainer.reducer.release_shared_memory()
         self.replica_checksums = {0: own.tolist()}
         self.replica_checksums.update({r: buf.tolist() for r, (_, buf) in received.items()})
         self.in_sync = all(bool(torch.equal(own, buf)) for _, buf in received.values())

@@ -152,3 +152,9 @@ class SharedSlots:
         """Removes the file (rank 0; existing mappings stay valid)."""
         if self._finalizer is not None:
             self._finalizer()
+
+    def close(self):
+        """Removes the file (rank 0) and drops this rank's mapping: a deleted file
+        still takes `/dev/shm` space while anything maps it."""
+        self.unlink()
+        self.buffer = None

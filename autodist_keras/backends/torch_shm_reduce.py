@@ -172,6 +172,13 @@ class ReduceArea:
         if self._finalizer is not None:
             self._finalizer()
 
+    def close(self):
+        """Removes the file (rank 0) and drops this object's views of the mapping
+        (it is unmapped once no tensor of the caller's views it either)."""
+        self.unlink()
+        self.buffer = None
+        self._views = []
+
 
 def sum_into(output, inputs, start, stop):
     """Sums `inputs[r][start:stop]` over ranks, in rank order, into `output[start:stop]`."""
