@@ -422,6 +422,33 @@ def test_layers_that_draw_random_numbers_are_never_in_a_planned_region():
     assert plan.op_fusion and all("drop" not in r and "noise" not in r for r in plan.op_fusion)
 
 
+def test_keras_ops_nodes_are_never_in_a_planned_region():
+    """`keras.ops` calls of a functional model, and the masks Keras computes with
+    them (`not_equal`, `logical_or`), are graph nodes but no layers: Disco put them
+    in regions and both runtimes failed at the first step ('names a layer the
+    model does not have')."""
+    import keras
+
+    from autodist_keras.strategies import disco
+
+    tokens = keras.Input((16,), dtype="int32", name="tok")
+    x = keras.layers.Embedding(100, 64, mask_zero=True, name="emb")(tokens)
+    attended = keras.layers.MultiHeadAttention(2, 32, name="mha")(x, x)
+    x = keras.layers.LayerNormalization(name="ln")(keras.layers.Add(name="add")([x, attended]))
+    x = keras.layers.Dense(64, name="d")(keras.layers.GlobalAveragePooling1D(name="gap")(x))
+    x = keras.layers.LayerNormalization(name="ln2")(keras.ops.tanh(x))
+    graph = ModelGraph.from_keras(keras.Model(tokens, keras.layers.Dense(4, name="out")(x)))
+    ops = {n for n, node in graph.nodes.items() if node.kind == "op"}
+    assert {"not_equal", "tanh"} <= ops
+    regions = op_fusion.regions_from_joins(list(graph.nodes), op_fusion.candidate_joins(graph))
+    assert not ops & {n for r in regions for n in r}, regions
+    plan = disco.plan(graph, Cluster.from_string(V100x4), 256, op_fusion=True)
+    assert not ops & {n for r in plan.op_fusion for n in r}, plan.op_fusion
+    assert plan.validate(graph, Cluster.from_string(V100x4)) == []
+    with pytest.raises(PlanError, match="'tanh' is a keras.ops call .*leave it out"):
+        op_fusion.check_regions(graph, [["d", "tanh", "ln2"]])
+
+
 def test_disco_plans_no_region_with_a_shared_layer_and_its_plan_validates():
     """Validation refuses a region naming 'sh#1'; Disco planned such regions (a
     shared layer's second call feeding a LayerNormalization) and failed on them."""

@@ -79,7 +79,7 @@ class FusionContext:
 
 def is_fusible_follower(node):
     """True when `node` can be absorbed into a producer's kernel (memory-bound type)."""
-    return node.kind != "input" and op_category(node.layer_type) == "other"
+    return node.kind not in ("input", "op") and op_category(node.layer_type) == "other"
 
 
 def _extra_call(graph, name):
@@ -104,8 +104,9 @@ def check_regions(graph, regions):
         The regions as a list of lists.
 
     Raises:
-        PlanError: If a region is not a list, names an unknown layer or a
-            shared layer's extra call, or a layer is in two regions.
+        PlanError: If a region is not a list, names an unknown layer, an
+            input, a `keras.ops` call or a shared layer's extra call, or a
+            layer is in two regions.
     """
     seen = {}
     out = []
@@ -120,6 +121,13 @@ def check_regions(graph, regions):
                 raise PlanError(
                     f"op_fusion[{ri}]: unknown layer {layer!r}; fusion regions name graph "
                     f"nodes such as {list(graph.nodes)[:4]}. Received: {layer!r}"
+                )
+            if graph.nodes[layer].kind in ("input", "op"):
+                what = ("an input" if graph.nodes[layer].kind == "input" else
+                        "a keras.ops call (or a mask Keras computes), not a layer")
+                raise PlanError(
+                    f"op_fusion[{ri}]: {layer!r} is {what}; regions compile layers, so leave "
+                    f"it out. Received: {layer!r}"
                 )
             if _extra_call(graph, layer):
                 first_call, _, k = layer.rpartition("#")
@@ -379,7 +387,9 @@ def candidate_joins(graph):
 
     Layer `i + 1` (in graph order) may join layer `i`'s region when it
     consumes layer `i`'s output and is memory-bound (so the fusion model
-    can absorb it); input layers never join, nor do layers that draw random
+    can absorb it); input layers never join, nor do `keras.ops` calls of a
+    functional model (and the masks Keras computes with them), which are
+    graph nodes but no layers the runtimes could compile, nor layers that draw random
     numbers (`LayerNode.draws_random`: compiled, they would draw other
     numbers than Keras's own call, so the runtimes do not compile them), nor
     any call of a shared layer (regions name layers and compile all of a
@@ -399,8 +409,8 @@ def candidate_joins(graph):
         i = index.get(src)
         if i is None or index.get(dst) != i + 1:
             continue
-        if graph.nodes[src].kind == "input" or op_category(graph.nodes[src].layer_type) == "free":
-            continue
+        if graph.nodes[src].kind in ("input", "op") or op_category(graph.nodes[src].layer_type) == "free":
+            continue  # `keras.ops` calls are no layers: the runtimes compile layers
         if graph.nodes[src].draws_random or graph.nodes[dst].draws_random:
             continue  # the runtimes run such layers uncompiled (other random numbers)
         if _shared(graph, src) or _shared(graph, dst):
