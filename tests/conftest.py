@@ -26,6 +26,31 @@ if os.environ.get("KERAS_BACKEND") == "tensorflow":
             pass  # already initialised by a plugin: tests needing 4 devices will say so
 
 
+def _live_processes(field, value):
+    """Pids of the live (not zombie) processes whose /proc stat `field` ("ppid" or
+    "session") equals `value` (Linux)."""
+    column = {"ppid": 1, "session": 3}[field]  # after the name: state, ppid, pgrp, session
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[column]) == value and fields[0] != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+@pytest.fixture(scope="session")
+def live_processes():
+    """`live_processes(field, value)`: pids of live processes by parent ("ppid") or
+    session ("session") id, read from /proc."""
+    return _live_processes
+
+
 @pytest.fixture(autouse=True)
 def _private_plan_cache(tmp_path, monkeypatch):
     """Each test plans with an empty plan cache of its own, never the user's."""

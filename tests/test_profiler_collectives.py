@@ -116,24 +116,9 @@ print("profiled")
 """
 
 
-def _session_processes(sid):
-    """Pids of the live processes in session `sid` (Linux /proc)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # gone meanwhile
-        if int(fields[3]) == sid and fields[0] != "Z":  # fields: state, ppid, pgrp, session
-            pids.append(int(entry))
-    return pids
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads child processes from /proc")
-def test_script_without_main_guard_is_refused_before_anything_is_spawned(tmp_path):
+def test_script_without_main_guard_is_refused_before_anything_is_spawned(tmp_path,
+                                                                        live_processes):
     """Spawned ranks import the main script: without the guard each would run it
     again and die in multiprocessing's bootstrapping, and the user saw
     `can only join a started process`, then an error that did not say why."""
@@ -150,7 +135,7 @@ def test_script_without_main_guard_is_refused_before_anything_is_spawned(tmp_pat
         proc.communicate()
         raise
     finally:
-        left = _session_processes(proc.pid)  # the session's id is the script's pid
+        left = live_processes("session", proc.pid)  # the session's id is the script's pid
         for pid in left:
             os.kill(pid, signal.SIGKILL)
     message = " ".join(stderr.split())

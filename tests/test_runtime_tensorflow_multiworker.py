@@ -356,21 +356,6 @@ def build():
 """
 
 
-def _children(pid):
-    kids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            kids.append(int(entry))
-    return kids
-
-
 def _running(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -380,7 +365,7 @@ def _running(pid):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc (Linux)")
-def test_workers_end_when_the_process_that_started_them_is_killed(tmp_path):
+def test_workers_end_when_the_process_that_started_them_is_killed(tmp_path, live_processes):
     """A launcher killed outright runs no cleanup: its workers must end with it,
     and its work directory is removed by the next launch."""
     import signal
@@ -399,7 +384,7 @@ def test_workers_end_when_the_process_that_started_them_is_killed(tmp_path):
         deadline = time.monotonic() + 120
         while len(workers) < 2 and time.monotonic() < deadline and parent.poll() is None:
             time.sleep(0.2)
-            workers = _children(parent.pid)
+            workers = live_processes("ppid", parent.pid)
         assert len(workers) == 2, f"the workers did not start: {workers}"
         time.sleep(3)  # let them get into TensorFlow's start-up
         parent.send_signal(signal.SIGKILL)

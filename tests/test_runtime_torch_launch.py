@@ -251,20 +251,25 @@ LEFTOVER = textwrap.dedent("""
 """)
 
 
-def test_torchrun_variables_left_in_the_environment_are_named(tmp_path):
-    """RANK / WORLD_SIZE / MASTER_* left over from an earlier torchrun: the rank said
-    nothing while it waited timeout_s for ranks that never come."""
+def _rank_0_of_three(tmp_path, source):
+    """Runs `source` as rank 0 of a 3-rank torchrun job whose other ranks never come."""
     import subprocess
 
     from autodist_keras.backends.tf_multiworker import free_ports
 
-    script = tmp_path / "leftover.py"
-    script.write_text(LEFTOVER)
+    script = tmp_path / "rank0.py"
+    script.write_text(source)
     env = dict(os.environ, RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_ports(1)[0]),
                PYTHONPATH=os.pathsep.join([os.getcwd()] + [p for p in sys.path if p]))
-    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                         text=True, timeout=120)
+    return subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_torchrun_variables_left_in_the_environment_are_named(tmp_path):
+    """RANK / WORLD_SIZE / MASTER_* left over from an earlier torchrun: the rank said
+    nothing while it waited timeout_s for ranks that never come."""
+    run = _rank_0_of_three(tmp_path, LEFTOVER)
     assert run.returncode != 0
     assert "rank 0 has waited 1 s for the other ranks of a 3-rank torchrun job (RANK=0, " \
            "WORLD_SIZE=3, MASTER_ADDR=127.0.0.1" in run.stderr, run.stderr[-2000:]
@@ -276,19 +281,9 @@ def test_torchrun_variables_left_in_the_environment_are_named(tmp_path):
 def test_more_ranks_than_devices_is_refused_with_the_process_count_to_start(tmp_path):
     """Three ranks for a two-device strategy: the error said to use strategy='auto',
     which then failed with 'use more or larger devices'."""
-    import subprocess
-
-    from autodist_keras.backends.tf_multiworker import free_ports
-
-    script = tmp_path / "three_ranks.py"
-    script.write_text(LEFTOVER.replace(
+    run = _rank_0_of_three(tmp_path, LEFTOVER.replace(
         "cluster=Cluster.cpu_testbed()",
         "cluster=Cluster.cpu_testbed([{'cores': [0], 'threads': 1}, {'cores': [1], 'threads': 1}])"))
-    env = dict(os.environ, RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_ports(1)[0]),
-               PYTHONPATH=os.pathsep.join([os.getcwd()] + [p for p in sys.path if p]))
-    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                         text=True, timeout=120)
     assert run.returncode != 0
     message = run.stderr.replace("\n", " ")
     assert "BackendError: Under torchrun each process runs one replica" in message, message[-2000:]
