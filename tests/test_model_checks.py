@@ -8,6 +8,8 @@ probes must leave ordinary models alone, and their metric states and the
 variables their layers assign untouched.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -286,3 +288,32 @@ def test_a_plan_that_does_not_split_the_batch_is_neither_refused_nor_warned_abou
             _close(strategy)
         for got, want in zip(model.get_weights(), plain.get_weights()):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_batchnorm_whose_moving_statistics_combine_inexactly_warns():
+    """A trainable BatchNormalization called twice per step, or fed a Keras mask:
+    the runtimes combine the replicas' moving statistics as for one unmasked call,
+    so the moving variance (and, with a mask, the mean) differs from one device."""
+    a, b = keras.Input((4,)), keras.Input((4,))
+    shared = keras.layers.BatchNormalization(name="shared_bn")
+    outer = keras.Model([a, b], keras.layers.Concatenate()([shared(a), shared(b)]), name="twice")
+    with pytest.warns(UserWarning, match=r"\['shared_bn'\] of model 'twice' run more than once"):
+        assert model_checks.warn_inexact_batchnorm(outer) == ["shared_bn"]
+
+    # Nested in another model, and fed a mask.
+    tokens = keras.Input((5, 3))
+    masked = keras.layers.BatchNormalization(name="masked_bn")(keras.layers.Masking()(tokens))
+    inner = keras.Model(tokens, masked, name="inner")
+    x = keras.Input((5, 3))
+    nested = keras.Model(x, keras.layers.GlobalAveragePooling1D()(inner(x)), name="outer")
+    with pytest.warns(UserWarning, match=r"\['masked_bn'\] of model 'outer' get a Keras mask"):
+        assert model_checks.warn_inexact_batchnorm(nested) == ["masked_bn"]
+
+    # Called once without a mask, or frozen (its statistics do not move): no warning.
+    plain = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(),
+                              keras.layers.Dense(2)])
+    shared.trainable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert model_checks.warn_inexact_batchnorm(plain) == []
+        assert model_checks.warn_inexact_batchnorm(outer) == []

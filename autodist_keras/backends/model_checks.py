@@ -20,7 +20,9 @@ warning, not a refusal. So do other losses that are not a mean of per-sample
 losses (`ignore_class`, whose mean is over the entries not ignored; Dice over
 the whole batch; in-batch negatives), found by comparing the loss of a few
 rows with the mean of the rows' own losses. Stateful layers (`stateful=True` RNNs) carry each
-sample's state from one batch to the next and are refused.
+sample's state from one batch to the next and are refused. Trainable
+BatchNormalization layers whose moving statistics cannot be combined exactly
+(called more than once per step, or fed a Keras mask) get a warning.
 """
 
 import logging
@@ -208,6 +210,69 @@ def warn_masked_outputs(model):
     return bool(masked)
 
 
+def _batchnorm_calls(model):
+    """`{layer: [node, ...]}`: the calls of each trainable BatchNormalization layer
+    in the functional models of `model` (itself and nested ones)."""
+    import keras
+
+    calls = {}
+    models = [model] + [layer for layer in model._flatten_layers(include_self=False)
+                        if hasattr(layer, "_nodes")]
+    for functional in models:
+        keys = getattr(functional, "_nodes", None) or ()
+        for layer in getattr(functional, "_operations", ()):
+            if not isinstance(layer, keras.layers.BatchNormalization) or not layer.trainable:
+                continue
+            nodes = [node for k, node in enumerate(layer._inbound_nodes)
+                     if f"{id(layer)}_ib-{k}" in keys]
+            calls.setdefault(layer, []).extend(nodes)
+    return calls
+
+
+def warn_inexact_batchnorm(model):
+    """Warns about BatchNormalization layers whose moving statistics the runtimes
+    cannot combine exactly (`batchnorm_stats`): layers called more than once per
+    step, and layers that get a Keras mask.
+
+    Args:
+        model: A built Keras model; subclassed models are not checked.
+
+    Returns:
+        The names of the layers it warned about.
+    """
+    from keras.src.backend import get_keras_mask
+
+    shared, masked = [], []
+    for layer, nodes in _batchnorm_calls(model).items():
+        if len(nodes) > 1:
+            shared.append(layer.name)
+        if any(node.arguments.kwargs.get("mask") is not None
+               or any(get_keras_mask(t) is not None for t in node.input_tensors)
+               for node in nodes):
+            masked.append(layer.name)
+    if shared:
+        warnings.warn(
+            f"BatchNormalization layer(s) {shared} of model {model.name!r} run more than "
+            "once per training step (shared layers). The runtimes combine the replicas' "
+            "moving statistics as if each ran once: the moving mean is exact, the moving "
+            "variance is not (51% off single-device training after one step in a test). "
+            "For exact statistics use one BatchNormalization per call, or freeze it "
+            "(trainable=False).",
+            stacklevel=3,
+        )
+    if masked:
+        warnings.warn(
+            f"BatchNormalization layer(s) {masked} of model {model.name!r} get a Keras "
+            "mask, so each replica's batch statistics are over its shard's valid entries, "
+            "while the runtimes combine them by the replicas' shares of rows: with padding "
+            "spread unevenly over the shards the moving statistics differ from "
+            "single-device training (mean 5%, variance 28% in a test). Training itself "
+            "normalises each shard with its own statistics, as data parallelism does.",
+            stacklevel=3,
+        )
+    return sorted(set(shared + masked))
+
+
 # How many rows of the first batch the per-sample probe compares, and its
 # relative tolerance: a mean of per-sample losses over 4 rows matches the mean
 # of the rows' own losses to about 1e-6 in float32, while Dice over the whole
@@ -319,3 +384,4 @@ def check_model_for_plan(model, x, y, plan):
     check_summed_losses(model, x, y)
     if not warn_masked_outputs(model):
         warn_loss_not_per_sample(model, x, y)
+    warn_inexact_batchnorm(model)
