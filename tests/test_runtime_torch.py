@@ -1018,6 +1018,14 @@ def test_pack_into_writes_the_pack_layout():
         assert got.dtype == want.dtype
         assert torch.equal(got[2:], want[2:])
         assert not got[:2].any()  # rows before `start` are not written
+    # Each tensor is one of its own, sharing the buffer's memory: an in-place op on
+    # one (Keras's masked losses scale sample_weight in place) leaves the others'
+    # autograd version alone, and a change of the buffer shows in them.
+    versions = [t._version for t in out]
+    out[2].mul_(2)
+    assert [t._version for t in out[:2]] == versions[:2]
+    buffer[:4] = 255
+    assert out[0].view(-1)[0].isnan() or out[0].view(-1)[0] != 0
 
 
 def test_one_replica_plan_runs_keras_own_train_function():

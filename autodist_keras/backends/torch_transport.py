@@ -488,18 +488,30 @@ def unpack(buffer, metas, rows=None):
         buffer: The uint8 tensor.
         metas: `[dtype, shape]` per tensor.
         rows: If given, each tensor has this leading dimension before `shape`.
+
+    Returns:
+        The tensors. On the CPU each shares `buffer`'s memory (no copy) but is
+        a tensor of its own, not a view: views of one tensor share autograd's
+        version counter, so an in-place op on one (Keras's masked losses
+        multiply `sample_weight` in place) made backward refuse the inputs.
     """
     import torch
 
+    # Same memory, one storage per tensor (a CPU tensor's numpy view is zero-copy).
+    memory = buffer.numpy() if buffer.device.type == "cpu" else None
     out = []
     offset = 0
     for dtype_str, shape in metas:
         n = _nbytes(dtype_str, shape, rows)
         full_shape = ([rows] if rows is not None else []) + list(shape)
-        if dtype_str == "bool":
-            t = buffer[offset:offset + n].clone().view(torch.uint8).reshape(full_shape).to(torch.bool)
+        if memory is not None:
+            piece = torch.from_numpy(memory[offset:offset + n])
         else:
-            t = buffer[offset:offset + n].view(torch_dtype(dtype_str)).reshape(full_shape)
+            piece = buffer[offset:offset + n]
+        if dtype_str == "bool":
+            t = piece.clone().view(torch.uint8).reshape(full_shape).to(torch.bool)
+        else:
+            t = piece.view(torch_dtype(dtype_str)).reshape(full_shape)
         out.append(t)
         offset += _padded(n)
     return out
