@@ -839,6 +839,43 @@ def test_unregistered_custom_layer_is_a_clear_error():
 
 
 @keras.saving.register_keras_serializable(package="test_runtime_torch")
+class ScaledSGD(keras.optimizers.SGD):
+    """Registered, but its get_config() (SGD's) leaves out `grad_scale`."""
+
+    def __init__(self, grad_scale=1.0, **kwargs):
+        super().__init__(**kwargs)
+        self.grad_scale = grad_scale
+
+    def update_step(self, gradient, variable, learning_rate):
+        super().update_step(gradient * self.grad_scale, variable, learning_rate)
+
+
+@pytest.mark.parametrize("case", ["keras_huber", "custom_optimizer"])
+def test_settings_a_config_does_not_keep_are_refused_before_training(case):
+    """The workers rebuild the optimizer and losses from their configs: Keras's
+    Huber(delta=0.25) trained with delta 1.0 there (loss 0.398 vs 0.191), silently,
+    and an optimizer without its own get_config() trained with its default setting."""
+    from autodist_keras.errors import BackendError
+
+    strategy = _strategy("even", 2)
+    with strategy.scope():
+        inputs = keras.Input((16,))
+        model = keras.Model(inputs, keras.layers.Dense(4)(inputs))
+        if case == "keras_huber":
+            model.compile(optimizer="sgd", loss=keras.losses.Huber(delta=0.25))
+            expected = r"the loss .* does not keep delta=0.25 \(rebuilt: 1.0\).*Huber.get_config"
+        else:
+            model.compile(optimizer=ScaledSGD(grad_scale=3.0), loss="mse")
+            expected = r"the optimizer .* does not keep grad_scale=3.0 .*ScaledSGD.get_config"
+    x, _ = _data("mlp", n=48)
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(BackendError, match=expected):
+        model.fit(x, np.zeros((48, 4), "float32"), batch_size=BATCH, verbose=0)
+    for got, want in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(got, want)  # nothing trained
+
+
+@keras.saving.register_keras_serializable(package="test_runtime_torch")
 class WithoutConfig(keras.Model):
     """Registered, but its constructor takes an argument and it has no get_config()."""
 

@@ -100,13 +100,7 @@ def custom_modules(model):
     """Modules outside Keras whose classes or functions the model uses."""
     objects = [model, getattr(model, "optimizer", None)]
     objects.extend(model._flatten_layers(include_self=False, recursive=True))
-    losses = model.loss
-    if isinstance(losses, dict):
-        objects.extend(losses.values())
-    elif isinstance(losses, (list, tuple)):
-        objects.extend(losses)
-    else:
-        objects.append(losses)
+    objects.extend(loss for _, loss in _losses(model))
     modules = []
     for obj in objects:
         if obj is None or isinstance(obj, str):
@@ -116,6 +110,90 @@ def custom_modules(model):
         if module and not module.split(".")[0] in ("keras", "builtins") and module not in modules:
             modules.append(module)
     return modules
+
+
+def _losses(model):
+    """`[(where, loss), ...]`: the model's compiled loss objects, named for messages."""
+    losses = model.loss
+    if isinstance(losses, dict):
+        return [(f"loss {k!r}", v) for k, v in losses.items()]
+    if isinstance(losses, (list, tuple)):
+        return [(f"loss {i}", v) for i, v in enumerate(losses)]
+    return [("loss", losses)]
+
+
+_MISSING = object()
+
+
+def _plain(value):
+    """Whether `value` is a plain setting (number, string, None, or a tuple of them)."""
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _lost_settings(obj):
+    """Constructor settings of `obj` that a rebuild from its Keras config changes.
+
+    Compares the attributes named like the constructor's arguments (and the
+    keyword arguments a Keras loss wrapper passes its function) of `obj` and of
+    `deserialize(serialize(obj))`, where they are plain values.
+
+    Returns:
+        `["name=value (rebuilt: other)", ...]`, empty when nothing is lost or the
+        object cannot be rebuilt here (`check_serializable` and the workers say why).
+    """
+    import inspect
+
+    from keras.src.saving import serialization_lib
+
+    try:
+        rebuilt = serialization_lib.deserialize_keras_object(
+            serialization_lib.serialize_keras_object(obj), safe_mode=False)
+        parameters = inspect.signature(type(obj).__init__).parameters.values()
+    except Exception:  # noqa: BLE001  (reported elsewhere, with the right advice)
+        return []
+    pairs = [(p.name, getattr(obj, p.name, _MISSING), getattr(rebuilt, p.name, _MISSING))
+             for p in parameters if p.name != "self"
+             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    mine, theirs = getattr(obj, "_fn_kwargs", None), getattr(rebuilt, "_fn_kwargs", None)
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        pairs += [(k, v, theirs.get(k, _MISSING)) for k, v in mine.items()]
+    return [f"{name}={a!r} (rebuilt: {'not set' if b is _MISSING else repr(b)})"
+            for name, a, b in pairs
+            if a is not _MISSING and _plain(a) and (b is _MISSING or (_plain(b) and a != b))]
+
+
+def check_config_round_trip(model):
+    """Raises `BackendError` when the optimizer or a loss would lose settings in the workers.
+
+    Spawned workers rebuild them from their Keras configs; a `get_config()`
+    that leaves out a constructor argument (Keras's own `Huber` drops
+    `delta`) would make every worker train with the default, silently.
+    """
+    objects = [("optimizer", getattr(model, "optimizer", None))] + _losses(model)
+    for where, obj in objects:
+        if obj is None or isinstance(obj, str) or not hasattr(obj, "get_config"):
+            continue
+        lost = _lost_settings(obj)
+        if not lost:
+            continue
+        cls = type(obj).__name__
+        if type(obj).__module__.split(".")[0] == "keras":
+            advice = (f"Keras's own {cls}.get_config() leaves them out. Use a registered "
+                      "function with the setting built in, e.g. "
+                      "`@keras.saving.register_keras_serializable()` over "
+                      "`def my_loss(y_true, y_pred): return keras.losses.huber(y_true, "
+                      "y_pred, delta=0.25)`.")
+        else:
+            advice = (f"Return every constructor argument from {cls}.get_config(), as "
+                      "Keras's own saving needs too.")
+        raise BackendError(
+            f"The PyTorch runtime rebuilds the {where} in each spawned worker from its "
+            f"Keras config, and that config does not keep {', '.join(lost)}: the workers "
+            f"would train with other settings than yours. {advice} Received: {cls} with "
+            f"config keys {sorted(obj.get_config())}"
+        )
 
 
 def check_serializable(model):
@@ -132,13 +210,7 @@ def check_serializable(model):
     objects = [("model", model)]
     objects += [(f"layer {l.name!r}", l) for l in model._flatten_layers(include_self=False, recursive=True)]
     objects.append(("optimizer", getattr(model, "optimizer", None)))
-    losses = model.loss
-    if isinstance(losses, dict):
-        objects += [(f"loss {k!r}", v) for k, v in losses.items()]
-    elif isinstance(losses, (list, tuple)):
-        objects += [(f"loss {i}", v) for i, v in enumerate(losses)]
-    else:
-        objects.append(("loss", losses))
+    objects += _losses(model)
     for layer in model._flatten_layers(include_self=False, recursive=True):
         if isinstance(layer, keras.layers.Lambda):
             function = getattr(layer, "function", None)
@@ -453,6 +525,7 @@ class Driver:
         }
         if self.spawned:
             check_serializable(model)
+            check_config_round_trip(model)
             from keras.src.saving import serialization_lib
 
             try:
@@ -808,7 +881,10 @@ def _differ_message(model, own, others):
         "Something changed rank 0's replica during fit in a way the runtime does not "
         "send to the workers: rank 0 sends the variables and the optimizer's config "
         "settings that callbacks change between steps, not other attributes of the "
-        "optimizer or the layers. The weights you hold are rank 0's; the gradients "
+        "optimizer or the layers; and the workers rebuilt the model, its layers and "
+        "optimizer from their Keras configs, so a setting a custom get_config() leaves "
+        "out (and the constructor does not restore) differs there. The weights you "
+        "hold are rank 0's; the gradients "
         "the replicas summed came from different weights, so they may differ from "
         "one-device training.")
 
