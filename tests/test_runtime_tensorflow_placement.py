@@ -75,8 +75,23 @@ def _nested():
     return keras.Model(inputs, keras.layers.Dense(3, name="n_out")(merged), name="n_model")
 
 
-MODELS = {"mlp": _mlp, "cnn": _cnn, "res": _res, "nested": _nested}
-INPUTS = {"mlp": (8,), "cnn": (6, 6, 2), "res": (16,), "nested": (16,)}
+def _padconv():
+    # What EfficientNet's stem (and its stride-2 blocks) do: a ZeroPadding2D, then a
+    # Conv2D with "valid" padding and no bias (oneDNN fuses the two into one op),
+    # frozen BatchNormalization and swish.
+    inputs = keras.Input((8, 8, 2), name="z_in")
+    x = keras.layers.Rescaling(0.5, name="z_scale")(inputs)
+    x = keras.layers.ZeroPadding2D(((0, 1), (0, 1)), name="z_pad")(x)
+    x = keras.layers.Conv2D(4, 3, strides=2, use_bias=False, name="z_conv")(x)
+    bn = keras.layers.BatchNormalization(name="z_bn")
+    bn.trainable = False
+    x = keras.layers.Activation("swish", name="z_act")(bn(x))
+    x = keras.layers.GlobalAveragePooling2D(name="z_gap")(x)
+    return keras.Model(inputs, keras.layers.Dense(3, name="z_out")(x), name="z_padconv")
+
+
+MODELS = {"mlp": _mlp, "cnn": _cnn, "res": _res, "nested": _nested, "padconv": _padconv}
+INPUTS = {"mlp": (8,), "cnn": (6, 6, 2), "res": (16,), "nested": (16,), "padconv": (8, 8, 2)}
 
 
 def _data(name, samples=SAMPLES, seed=0):
@@ -222,7 +237,8 @@ def _check_traced_placement(model, strategy):
 
 
 def _name_of(model):
-    return {"p_mlp": "mlp", "small_cnn": "cnn", "r_res": "res", "n_model": "nested"}[model.name]
+    return {"p_mlp": "mlp", "small_cnn": "cnn", "r_res": "res", "n_model": "nested",
+            "z_padconv": "padconv"}[model.name]
 
 
 # ------------------------------------------------------------- placement
@@ -337,7 +353,11 @@ def test_plan_order_becomes_forward_control_dependencies():
                   if op.type == "MatMul" and re.search(rf"(^|/){second}(_\d+)?/", op.name)
                   and not op.name.startswith("gradients")]
         assert len(matmul) == 1
-        deps = [c.name for c in matmul[0].control_inputs]
+        # The dependency gates the call's input (a tf.identity); no op inside the
+        # layer gets a control input of its own.
+        assert not matmul[0].control_inputs
+        gate = matmul[0].inputs[0].op
+        deps = [c.name for c in gate.control_inputs] if gate.type == "Identity" else []
         skipped = runtime.placement.last_pass.order_skipped
         # Keras traces r_b before r_c (its node order); the reverse order cannot be
         # imposed on a call already traced, and is counted as skipped.
@@ -347,6 +367,34 @@ def test_plan_order_becomes_forward_control_dependencies():
         else:
             assert skipped == 1
             assert not deps
+
+
+def _planner_order(groups):
+    """The order a planner writes: per device, every layer it runs forward, then backward."""
+    order = {}
+    for layers, replicas in groups:
+        for device, _ in replicas:
+            order.setdefault(device, []).extend((n, "forward") for n in layers)
+    return {d: entries + [(n, "backward") for n, _ in reversed(entries)]
+            for d, entries in order.items()}
+
+
+def test_plan_order_in_forward_only_steps_survives_fused_pad_and_conv():
+    # A HeteroG-like hybrid plan for EfficientNet's stem: the padding and the
+    # convolution split over two devices, each device's order naming the padding
+    # right before the convolution. The order's control dependency used to cover
+    # every op of the Conv2D call, its kernel read included; in evaluate/predict
+    # (unlike training, which reads trainable variables through copies made
+    # outside any control dependency) oneDNN then fused the Pad into the Conv2D
+    # and the fused op fed the read that fed it: "3 nodes in a cycle".
+    names = list(_graph("padconv").nodes)
+    cut = names.index("z_conv") + 1
+    groups = [(names[:cut], [(D0, 12), (D1, 12)]), (names[cut:], [(D0, BATCH)])]
+    plan = _plan("padconv", groups, order=_planner_order(groups))
+    strategy = _strategy(plan)
+    model, history = _train("padconv", strategy)
+    _assert_matches_reference("padconv", model, history)  # evaluate and predict included
+    assert model._autodist_runtime.placement.last_pass.order_skipped == 0
 
 
 # ------------------------------------------------------------- planners

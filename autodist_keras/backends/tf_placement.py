@@ -31,9 +31,12 @@ the TensorFlow backend (wired in from `tensorflow_adapter.py`):
   ops (`tf.gradients` in a traced step). The copies' gradients are fused into
   the plan's buckets and summed with the plan's sync method (`tf_reduce`:
   ring, tree, hierarchical or a PS server), exactly as in data parallelism.
-- `plan.order`: in a traced step, each forward layer call on a device gets a
-  control dependency on the outputs of the previous forward entry of that
-  device's order, when that entry was already traced.
+- `plan.order`: in a traced step, the tensor inputs of each forward layer
+  call on a device pass through a `tf.identity` with a control dependency on
+  the outputs of the previous forward entry of that device's order, when that
+  entry was already traced and does not already feed the call through the
+  model graph (ops inside the layer, such as variable reads, get no control
+  inputs: graph rewrites that fuse ops could turn those into cycles).
 
 See docs/runtime_tensorflow.md ("Placement and hybrid plans") for what is
 and is not honoured.
@@ -319,7 +322,8 @@ class _Forward:
         from keras.src import tree
 
         scope = self.scope
-        with self._ordered(name, plan_device), tf.device(device):
+        args, kwargs, ordered = self._ordered(name, (args, kwargs), device, plan_device)
+        with ordered, tf.device(device):
             previous, scope.device = scope.device, (device if self.training else None)
             try:
                 out = operation(*args, **kwargs)
@@ -444,20 +448,71 @@ class _Forward:
             self.joined[key] = joined
         return self.joined[key]
 
-    def _ordered(self, name, plan_device):
-        """Control dependencies that make this call follow the previous entry of its device's order."""
+    def _ordered(self, name, structure, device, plan_device):
+        """Makes this call follow the previous forward entry of its device's order.
+
+        The dependency gates the call's tensor inputs: each becomes a
+        `tf.identity` on `device` with a control dependency on the previous
+        entry's outputs on that plan device, so no op inside the layer (a
+        variable read, a constant) gets a control input of its own. It is left
+        out when the previous entry is an ancestor of this call in the model
+        graph (the data already orders them).
+
+        Putting the whole call under `tf.control_dependencies` made forward-only
+        steps fail with "N nodes in a cycle": the kernel read of a Conv2D got a
+        control input from the ZeroPadding2D before it, and oneDNN's graph
+        rewrite fused that Pad into the Conv2D, so the fused op fed the read
+        that feeds it. (Training steps escaped: they read trainable variables
+        through copies made outside any control dependency.)
+
+        Args:
+            name: The graph node name of the call.
+            structure: The call's `(args, kwargs)`.
+            device: The TensorFlow device the call runs on.
+            plan_device: The plan's name for that device.
+
+        Returns:
+            `(args, kwargs, context)`: the call's arguments (tensor inputs
+            gated when a dependency is added) and a context to run the call in
+            (a `tf.control_dependencies` only when the call has no tensor
+            input to gate, otherwise a null context).
+        """
         import tensorflow as tf
 
+        from keras.src import tree
+        from keras.src.backend import get_keras_mask
+        from keras.src.backend import set_keras_mask
+
+        args, kwargs = structure
+        unordered = (args, kwargs, contextlib.nullcontext())
         if not self.graph_mode:
-            return contextlib.nullcontext()
+            return unordered
         previous = self.runner.previous_forward.get((plan_device, name))
         if previous is None:
-            return contextlib.nullcontext()
+            return unordered
         outputs = self.produced.get((previous, plan_device))
         if not outputs:
             self.order_skipped += 1
-            return contextlib.nullcontext()
-        return tf.control_dependencies(outputs)
+            return unordered
+        if self.runner.is_ancestor(previous, name):
+            return unordered
+        gated = []
+
+        def gate(leaf):
+            if not _is_tensor(leaf):
+                return leaf
+            with tf.device(device), tf.control_dependencies(outputs):
+                out = tf.identity(leaf)
+            mask = get_keras_mask(leaf)
+            if mask is not None:
+                set_keras_mask(out, mask)
+            gated.append(out)
+            return out
+
+        args, kwargs = tree.map_structure(gate, (args, kwargs))
+        if not gated:  # no tensor input: order the ops of the call itself
+            return args, kwargs, tf.control_dependencies(outputs)
+        return args, kwargs, contextlib.nullcontext()
 
     def _scale_new_losses(self, operation, first, factor):
         """Weights losses added by one split replica (activity regularisers) by its share.
@@ -617,6 +672,7 @@ class PlacementRuntime:
                 if last is not None:
                     self.previous_forward[(device, layer)] = last
                 last = layer
+        self.dataflow = graph.nx  # networkx DiGraph of the layer calls
         variables = model.trainable_variables
         self.trainable_ids = {id(v) for v in variables}
         self.layout = tf_reduce.bucket_layout(
@@ -626,6 +682,13 @@ class PlacementRuntime:
         outputs = [self.group_of[n] for n in graph.outputs] or [plan.groups[-1]]
         self.output_device = self.devices[outputs[-1].name][0]
         self.last_pass = None
+
+    def is_ancestor(self, earlier, later):
+        """Whether the outputs of graph node `earlier` flow (maybe indirectly) into `later`."""
+        import networkx
+
+        return (earlier != later and earlier in self.dataflow and later in self.dataflow
+                and networkx.has_path(self.dataflow, earlier, later))
 
     def info(self):
         """Where each graph node runs (TF devices), for `adapter.runtime_info`."""
