@@ -462,19 +462,17 @@ if __name__ == "__main__":
 """
 
 
-def test_two_workers_train_batches_padded_to_different_lengths(tmp_path):
-    """Batches padded per batch retrace the step with an unknown time length,
-    so a per-timestep Dense kernel's gradient has static shape (None, 3): the
-    fused bucket lost its static size and the all-reduce failed with
-    "int() argument must be ... not 'NoneType'" on every worker."""
+def _two_workers_run(tmp_path, source, args):
+    """Runs `source` as a script in two TF_CONFIG workers on loopback; returns their
+    outputs once both exited 0 (`args(rank)`: the script's arguments)."""
     import json
     import subprocess
     import sys
 
     from autodist_keras.backends import tf_multiworker
 
-    script = tmp_path / "padded.py"
-    script.write_text(_PADDED_PER_BATCH)
+    script = tmp_path / "worker_script.py"
+    script.write_text(source)
     ports = tf_multiworker.free_ports(2)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     workers = []
@@ -485,7 +483,7 @@ def test_two_workers_train_batches_padded_to_different_lengths(tmp_path):
                        TF_CONFIG=json.dumps({"cluster": cluster,
                                              "task": {"type": "worker", "index": rank}}))
             workers.append(subprocess.Popen(
-                [sys.executable, str(script), str(tmp_path / f"w{rank}.npz")], env=env,
+                [sys.executable, str(script), *args(rank)], env=env,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outputs = [w.communicate(timeout=300)[0] for w in workers]
     finally:
@@ -494,6 +492,69 @@ def test_two_workers_train_batches_padded_to_different_lengths(tmp_path):
                 w.kill()
                 w.wait()
     assert [w.returncode for w in workers] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    return outputs
+
+
+_CHECKPOINTS = """
+import os, sys
+import numpy as np
+import keras
+from autodist_keras import AutoStrategy, Cluster
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
+    strategy = AutoStrategy("data_parallel", cluster=cluster, timeout_s=60)
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(16, activation="relu")(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+        model.compile(optimizer="sgd",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(96, 8)).astype("float32"), rng.integers(0, 3, 96)
+    model.fit(x, y, batch_size=24, epochs=4, verbose=0, callbacks=[
+        keras.callbacks.ModelCheckpoint(os.path.join(out, "ckpt.weights.h5"),
+                                        save_weights_only=True),
+        keras.callbacks.ModelCheckpoint(os.path.join(out, "model.keras")),
+        keras.callbacks.CSVLogger(os.path.join(out, "log.csv")),
+        keras.callbacks.BackupAndRestore(os.path.join(out, "backup"), save_freq=2)])
+    np.savez(os.path.join(out, f"final{os.environ['WORKER']}.npz"), *model.get_weights())
+"""
+
+
+def test_workers_other_than_worker_0_keep_off_its_checkpoint_files(tmp_path):
+    """Every worker runs the script's callbacks: two workers writing one .weights.h5
+    killed the job (h5py's file lock), and a .keras file came out corrupt 1 run in
+    3. Worker 0 writes the files the script names; the others write privately."""
+    source = _CHECKPOINTS.replace("os.environ['WORKER']", "sys.argv[2]")
+    _two_workers_run(tmp_path, source, lambda rank: [str(tmp_path), str(rank)])
+    with np.load(tmp_path / "final0.npz") as saved:
+        final = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+    with np.load(tmp_path / "final1.npz") as saved:
+        for got, want in zip([saved[f"arr_{i}"] for i in range(len(saved.files))], final):
+            np.testing.assert_array_equal(got, want)
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    for got, want in zip(loaded.get_weights(), final):
+        np.testing.assert_array_equal(got, want)
+    loaded.load_weights(tmp_path / "ckpt.weights.h5")
+    for got, want in zip(loaded.get_weights(), final):
+        np.testing.assert_array_equal(got, want)
+    rows = (tmp_path / "log.csv").read_text().strip().splitlines()
+    assert rows[0].startswith("epoch") and len(rows) == 5
+    assert not (tmp_path / "backup").exists()  # deleted by worker 0 at the end, once
+
+
+def test_two_workers_train_batches_padded_to_different_lengths(tmp_path):
+    """Batches padded per batch retrace the step with an unknown time length,
+    so a per-timestep Dense kernel's gradient has static shape (None, 3): the
+    fused bucket lost its static size and the all-reduce failed with
+    "int() argument must be ... not 'NoneType'" on every worker."""
+    import json
+
+    outputs = _two_workers_run(tmp_path, _PADDED_PER_BATCH,
+                               lambda rank: [str(tmp_path / f"w{rank}.npz")])
 
     namespace = {}
     exec(compile(_PADDED_PER_BATCH.replace('if __name__ == "__main__":', "if False:"),

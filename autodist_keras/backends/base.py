@@ -28,6 +28,10 @@ class BackendAdapter:
         """Installs the plan-running train/test/predict functions on `model`."""
         raise NotImplementedError
 
+    def callbacks_for_fit(self, callbacks):
+        """The callbacks this process runs in `fit` (default: the user's, unchanged)."""
+        return callbacks
+
     def measurement_note(self):
         """What a reader of the measured step time should know, or None.
 

@@ -40,6 +40,7 @@ from autodist_keras.backends import replica_random
 from autodist_keras.backends import tf_fusion
 from autodist_keras.backends import tf_multiworker
 from autodist_keras.backends import tf_reduce
+from autodist_keras.backends import worker_callbacks
 from autodist_keras.backends.base import BackendAdapter
 from autodist_keras.errors import BackendError
 from autodist_keras.strategies.auto import warn_if_batch_outgrows_plan
@@ -200,7 +201,23 @@ class TensorFlowAdapter(BackendAdapter):
             _refuse_torchrun_ranks()
             self._setup_local_devices()
         self._home = None
+        self._scratch = None  # a worker's directory for its callbacks' files
         self.runtime_info = {}
+
+    def callbacks_for_fit(self, callbacks):
+        """Workers other than worker 0 write their callbacks' files privately
+        (`worker_callbacks`): every worker runs the script's callbacks, and two
+        writing one checkpoint crashed the job or corrupted the file."""
+        if self.worker is None or self.worker.rank == 0:
+            return callbacks
+        if self._scratch is None:
+            import shutil
+            import tempfile
+            import weakref
+
+            self._scratch = tempfile.mkdtemp(prefix=f"autodist_keras_worker{self.worker.rank}_")
+            weakref.finalize(self, shutil.rmtree, self._scratch, True)
+        return worker_callbacks.for_worker(callbacks, self.worker.rank, self._scratch)
 
     # -------------------------------------------------------------- devices
     def _local_cpu_devices(self):

@@ -484,7 +484,8 @@ class AutoStrategy:
             if len(args) > 5:  # callbacks passed positionally: leave them alone
                 return original_fit(*args, **kwargs)
             timer = StepTimer(warmup=2)
-            kwargs["callbacks"] = list(kwargs.get("callbacks") or []) + [timer]
+            callbacks = strategy.adapter.callbacks_for_fit(list(kwargs.get("callbacks") or []))
+            kwargs["callbacks"] = callbacks + [timer]
             strategy.adapter.first_train_batch = None
             history = original_fit(*args, **kwargs)
             known = strategy._known(model)

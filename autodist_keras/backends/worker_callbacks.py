@@ -1,0 +1,60 @@
+"""Keeps the file-writing callbacks of workers other than worker 0 off worker 0's files.
+
+In a multi-worker run (TensorFlow with `TF_CONFIG`) every worker runs the
+user's unchanged script, callbacks included, so two workers wrote the same
+checkpoint at once: h5py refused the second lock and the job died, or a
+`.keras` file came out corrupt. As `tf.keras` did for `MultiWorkerMirroredStrategy`,
+worker 0 writes the files the script names, and the other workers write
+theirs into a private scratch directory (`ModelCheckpoint`, `CSVLogger`,
+`TensorBoard`). `BackupAndRestore` on the other workers restores from the
+script's `backup_dir` (which every worker must be able to read: a shared
+filesystem, or one machine) but neither writes nor deletes it. Callbacks of
+other types run unchanged.
+
+Example:
+
+```python
+callbacks = for_worker(callbacks, rank=1, scratch="/tmp/autodist_keras_worker1_x")
+```
+"""
+
+import copy
+import os
+
+
+def _into(scratch, path, default):
+    """`path`'s file name inside `scratch`."""
+    return os.path.join(scratch, os.path.basename(os.fspath(path).rstrip("/\\")) or default)
+
+
+def for_worker(callbacks, rank, scratch):
+    """The callbacks a worker other than worker 0 runs.
+
+    Args:
+        callbacks: The `fit` call's callbacks (a list; not changed).
+        rank: This worker's rank (> 0).
+        scratch: A directory private to this worker.
+
+    Returns:
+        A new list: copies of the file-writing callbacks pointed at `scratch`
+        (or, for `BackupAndRestore`, kept from writing), the others as given.
+    """
+    import keras
+
+    out = []
+    for callback in callbacks:
+        if isinstance(callback, keras.callbacks.ModelCheckpoint):
+            callback = copy.copy(callback)
+            callback.filepath = _into(scratch, callback.filepath, "checkpoint.keras")
+        elif isinstance(callback, keras.callbacks.CSVLogger):
+            callback = copy.copy(callback)
+            callback.filename = _into(scratch, callback.filename, "log.csv")
+        elif isinstance(callback, keras.callbacks.TensorBoard):
+            callback = copy.copy(callback)
+            callback.log_dir = os.path.join(scratch, f"tensorboard_worker{rank}")
+        elif isinstance(callback, keras.callbacks.BackupAndRestore):
+            callback = copy.copy(callback)
+            callback._save_model = lambda: None  # worker 0 writes the backup
+            callback.on_train_end = lambda logs=None: None  # and deletes it
+        out.append(callback)
+    return out
