@@ -335,6 +335,8 @@ def test_shipped_clusters_resolve_by_name_from_any_directory(tmp_path, monkeypat
                                                "package, 'hetero_testbed'") as info:
         Cluster.resolve("hetero-testbed")
     assert "Received: 'hetero-testbed'" in str(info.value)
+    with pytest.raises(ClusterSpecError, match="Unknown GPU type 'A100x4'"):
+        Cluster.resolve("A100x4,T4x4")  # a cluster string's typo: its own error, no hint
     with pytest.raises(ClusterSpecError, match="name of one shipped with the package") as info:
         Cluster.resolve("missing.yaml")
     assert "hetero_testbed" in str(info.value)

@@ -316,6 +316,19 @@ def test_batchnorm_whose_moving_statistics_combine_inexactly_warns():
     with pytest.warns(UserWarning, match=r"\['masked_bn'\] of model 'outer' get a Keras mask"):
         assert model_checks.warn_inexact_batchnorm(nested) == ["masked_bn"]
 
+    # A Sequential's graph, and a nested model called twice per step.
+    sequential = keras.Sequential([keras.Input((5,), dtype="int32"),
+                                   keras.layers.Embedding(10, 3, mask_zero=True),
+                                   keras.layers.BatchNormalization(name="seq_bn")],
+                                  name="seq")
+    with pytest.warns(UserWarning, match=r"\['seq_bn'\] of model 'seq' get a Keras mask"):
+        assert model_checks.warn_inexact_batchnorm(sequential) == ["seq_bn"]
+    block = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(name="blk_bn")])
+    siamese = keras.Model([a, b], keras.layers.Concatenate()([block(a), block(b)]),
+                          name="siamese")
+    with pytest.warns(UserWarning, match=r"\['blk_bn'\] of model 'siamese' run more than"):
+        assert model_checks.warn_inexact_batchnorm(siamese) == ["blk_bn"]
+
     # Called once without a mask, or frozen (its statistics do not move): no warning.
     plain = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(),
                               keras.layers.Dense(2)])

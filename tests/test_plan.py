@@ -286,3 +286,24 @@ def test_renamed_for_matches_numbered_sublayers(build):
     for old, new in pairs.items():
         assert old_shapes[old] == new_shapes[new]
         assert [stem(p) for p in old.split("/")] == [stem(p) for p in new.split("/")]
+
+
+def test_renamed_for_keeps_nested_layers_of_the_same_name_apart():
+    """An outer Sequential with a nested one, both holding a layer named 'proj':
+    the graph calls them 'proj' and 'sequential_N/proj'. Pairing paths from their
+    first layer name on (for a Sequential loaded with load_model) must not merge
+    them (review of session 22: the pairing gave up and plan= failed)."""
+
+    def model():
+        inner = keras.Sequential([keras.layers.Dense(8, name="proj")])
+        return keras.Sequential([keras.Input((4,)), inner, keras.layers.Dense(8, name="proj"),
+                                 keras.layers.Dense(2)])
+
+    cluster = Cluster.from_string("2xV100")
+    plan = Plan.from_json(baselines.proportional(ModelGraph.from_keras(model()), cluster,
+                                                 8).to_json())
+    model()
+    graph = ModelGraph.from_keras(model())  # numbered further by this process
+    renamed, renames = plan.renamed_for(graph)
+    assert renamed is not None and renamed.validate(graph, cluster) == []
+    assert set(renamed.sync) == {v.name for v in graph.variables}

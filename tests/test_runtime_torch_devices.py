@@ -44,7 +44,7 @@ def test_pin_sends_new_tensors_to_the_cpu_device_and_unpin_restores():
         assert _device_type() == "meta"
 
 
-@pytest.mark.parametrize("order", ["nested", "overlapping"])
+@pytest.mark.parametrize("order", ["nested", "overlapping", "threads_only_between"])
 def test_pins_that_end_out_of_order_restore_the_cores_and_threads_from_before(order):
     """Two fits in two threads: A pins, B pins (saving A's cores), A ends, B ends. The
     process stayed on A's one core, and a new Cluster.cpu_testbed() refused core 1."""
@@ -60,6 +60,12 @@ def test_pins_that_end_out_of_order_restore_the_cores_and_threads_from_before(or
     before, threads = set(cores), torch.get_num_threads()
     first = dict(CPU1, cpu_affinity=[cores[0]], threads=1)
     second = dict(CPU1, cpu_affinity=[cores[1]], threads=1)
+    if order == "threads_only_between":  # the later fit's device sets threads only
+        a, b = pin(first), pin(dict(CPU1, threads=1))
+        unpin(a)
+        unpin(b)
+        assert os.sched_getaffinity(0) == before and torch.get_num_threads() == threads
+        return
     a = pin(first)
     b = pin(second)
     try:

@@ -210,22 +210,25 @@ def warn_masked_outputs(model):
     return bool(masked)
 
 
-def _batchnorm_calls(model):
-    """`{layer: [node, ...]}`: the calls of each trainable BatchNormalization layer
-    in the functional models of `model` (itself and nested ones)."""
+def _batchnorm_calls(model, times=1, calls=None):
+    """`{layer: [node, ...]}`: the calls per step of each trainable BatchNormalization
+    layer of `model`'s graph (a Sequential's, and nested models' too, each node
+    listed once per call of the model holding it)."""
     import keras
 
-    calls = {}
-    models = [model] + [layer for layer in model._flatten_layers(include_self=False)
-                        if hasattr(layer, "_nodes")]
-    for functional in models:
-        keys = getattr(functional, "_nodes", None) or ()
-        for layer in getattr(functional, "_operations", ()):
-            if not isinstance(layer, keras.layers.BatchNormalization) or not layer.trainable:
-                continue
-            nodes = [node for k, node in enumerate(layer._inbound_nodes)
-                     if f"{id(layer)}_ib-{k}" in keys]
-            calls.setdefault(layer, []).extend(nodes)
+    calls = {} if calls is None else calls
+    functional = getattr(model, "_functional", None) or model  # a Sequential's graph
+    keys = getattr(functional, "_nodes", None)
+    if not keys:
+        return calls  # a subclassed model: no graph to read
+    for operation in getattr(functional, "_operations", ()):
+        nodes = [node for k, node in enumerate(getattr(operation, "_inbound_nodes", ()))
+                 if f"{id(operation)}_ib-{k}" in keys]
+        if isinstance(operation, keras.layers.BatchNormalization):
+            if operation.trainable:
+                calls.setdefault(operation, []).extend(nodes * times)
+        elif isinstance(operation, keras.Model):
+            _batchnorm_calls(operation, times * len(nodes), calls)
     return calls
 
 

@@ -164,17 +164,18 @@ def unpin(token):
         token["keras_device"].__exit__(None, None, None)
     with _PINS_LOCK:
         at = next((i for i, t in enumerate(_PINS) if t is token), None)
-        if at is not None and at + 1 < len(_PINS):
-            # Fits in two threads can end out of order: the pin made after this one
-            # saved this one's cores and threads, so it restores what this one saved.
-            later = _PINS[at + 1]
-            for key in ("affinity", "threads"):
-                if key in token and key in later:
-                    later[key] = token[key]
-        else:
-            if "affinity" in token:
+        later_pins = _PINS[at + 1:] if at is not None else []
+        for key in ("affinity", "threads"):
+            if key not in token:
+                continue
+            # Fits in two threads can end out of order: the next pin that set the
+            # same thing saved this one's value, so it restores what this one saved.
+            later = next((t for t in later_pins if key in t), None)
+            if later is not None:
+                later[key] = token[key]
+            elif key == "affinity":
                 _set_affinity_all_threads(set(token["affinity"]))
-            if "threads" in token:
+            else:
                 torch.set_num_threads(int(token["threads"]))
         if at is not None:
             del _PINS[at]

@@ -153,7 +153,13 @@ def _lost_settings(obj):
         parameters = inspect.signature(type(obj).__init__).parameters.values()
     except Exception:  # noqa: BLE001  (reported elsewhere, with the right advice)
         return []
-    pairs = [(p.name, getattr(obj, p.name, _MISSING), getattr(rebuilt, p.name, _MISSING))
+    def read(target, name):
+        try:
+            return getattr(target, name, _MISSING)
+        except Exception:  # noqa: BLE001  (a property that cannot answer yet: not compared)
+            return _MISSING
+
+    pairs = [(p.name, read(obj, p.name), read(rebuilt, p.name))
              for p in parameters if p.name != "self"
              and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     mine, theirs = getattr(obj, "_fn_kwargs", None), getattr(rebuilt, "_fn_kwargs", None)
@@ -161,7 +167,7 @@ def _lost_settings(obj):
         pairs += [(k, v, theirs.get(k, _MISSING)) for k, v in mine.items()]
     return [f"{name}={a!r} (rebuilt: {'not set' if b is _MISSING else repr(b)})"
             for name, a, b in pairs
-            if a is not _MISSING and _plain(a) and (b is _MISSING or (_plain(b) and a != b))]
+            if a is not _MISSING and _plain(a) and b is not _MISSING and _plain(b) and a != b]
 
 
 def check_config_round_trip(model):

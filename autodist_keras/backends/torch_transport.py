@@ -504,7 +504,7 @@ def unpack(buffer, metas, rows=None):
     for dtype_str, shape in metas:
         n = _nbytes(dtype_str, shape, rows)
         full_shape = ([rows] if rows is not None else []) + list(shape)
-        if memory is not None:
+        if memory is not None and n:
             piece = torch.from_numpy(memory[offset:offset + n])
         else:
             piece = buffer[offset:offset + n]

@@ -448,7 +448,7 @@ class Cluster:
                 return cls.from_string(value)
             except ClusterSpecError:
                 close = spec.close_builtin_cluster(text)
-                if close is None:
+                if close is None or spec.looks_like_cluster_string(text):
                     raise
                 raise ClusterSpecError(
                     f"Unknown cluster {text!r}. Did you mean the cluster shipped with the "

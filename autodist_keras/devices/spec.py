@@ -827,6 +827,11 @@ def builtin_cluster_path(name):
     return None
 
 
+def looks_like_cluster_string(text):
+    """Whether `text` reads as a cluster string (`"2xV100,4x1080Ti"`), not a name."""
+    return bool(re.search(r"[,;:@]", text) or re.match(r"\s*\d+\s*[xX*]", text))
+
+
 def close_builtin_cluster(text):
     """The shipped cluster name `text` looks like a typo of, or None."""
     close = difflib.get_close_matches(text.strip().lower(), builtin_cluster_names(), n=1,

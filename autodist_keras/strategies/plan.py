@@ -668,28 +668,31 @@ class Plan:
         # `key`, ...). Each variable of the plan is paired with the one here
         # whose path has the same layers (renamed), the same leaf, and other
         # segments equal but for Keras's `_N` suffix; every pairing must be one
-        # to one. Segments before a path's first layer name (the outer
-        # models') are left out: a Sequential loaded with `load_model` builds
-        # its layers outside its own name scope, so `sequential/dense/kernel`
-        # becomes `dense/kernel`.
+        # to one. A variable with no unique match is tried again without the
+        # segments before its path's first layer name (the outer models'): a
+        # Sequential loaded with `load_model` builds its layers outside its own
+        # name scope, so `sequential/dense/kernel` becomes `dense/kernel`.
         old_layers, here_layers = set(order), set(here)
 
-        def skeleton(name, layers, rename):
+        def skeleton(name, layers, rename, trim=False):
             parts = name.split("/")
-            first = next((j for j, p in enumerate(parts[:-1]) if p in layers), 0)
+            first = next((j for j, p in enumerate(parts[:-1]) if p in layers), 0) if trim else 0
             last = len(parts) - 1
             return tuple(rename.get(p, p) if p in layers
                          else (p if j == last else ("~", _unnumbered(p)))
                          for j, p in enumerate(parts) if j >= first)
 
-        here_by_skeleton = {}
+        here_by_skeleton, here_by_trimmed = {}, {}
         for v in graph.variables:
             here_by_skeleton.setdefault(skeleton(v.name, here_layers, {}), []).append(v.name)
+            here_by_trimmed.setdefault(skeleton(v.name, here_layers, {}, True), []).append(v.name)
         old_vars = list(dict.fromkeys(
             list(self.sync) + [v for bucket in self.buckets for v in bucket]))
         variables, models = {}, {}
         for name in old_vars:
             match = here_by_skeleton.get(skeleton(name, old_layers, renames), [])
+            if len(match) != 1:
+                match = here_by_trimmed.get(skeleton(name, old_layers, renames, True), [])
             if len(match) != 1:
                 return None, {}  # no variable, or several, fit: not matched
             variables[name] = match[0]
