@@ -121,7 +121,7 @@ class TorchTrackerDeltas:
         # one; those trackers keep rank 0's own updates (`rank0_only_trackers`).
         self.variables = [v for metric, variables in tracker_metrics(model)
                           if is_additive(metric) for v in variables if is_float(v)]
-        self.size = sum(_numel(v) for v in self.variables)
+        self.size = sum(v.value.numel() for v in self.variables)
         self._old = None
         self.delta = None
 
@@ -160,14 +160,7 @@ class TorchTrackerDeltas:
                 total = total + d.to(device)
             offset = 0
             for v in self.variables:
-                n = _numel(v)
+                n = v.value.numel()
                 part = total[offset:offset + n].reshape(tuple(v.shape))
                 v.assign((v.value.detach().double() + part).to(v.value.dtype))
                 offset += n
-
-
-def _numel(variable):
-    n = 1
-    for d in variable.shape:
-        n *= int(d)
-    return n

@@ -45,6 +45,7 @@ from autodist_keras.backends.torch_device import pin
 from autodist_keras.backends.torch_device import unpin
 from autodist_keras.backends.torch_shm import SharedSlots
 from autodist_keras.backends.torch_shm_reduce import ReduceArea
+from autodist_keras.backends.torch_state_watch import SCALAR_TYPES
 from autodist_keras.backends.torch_state_watch import OptimizerSettingsWatch
 from autodist_keras.backends.torch_state_watch import StateWatch
 from autodist_keras.backends.torch_state_watch import apply_settings
@@ -129,7 +130,7 @@ def _plain(value):
     """Whether `value` is a plain setting (number, string, None, or a tuple of them)."""
     if isinstance(value, (list, tuple)):
         return all(_plain(v) for v in value)
-    return value is None or isinstance(value, (bool, int, float, str))
+    return isinstance(value, SCALAR_TYPES)
 
 
 def _lost_settings(obj):

@@ -58,7 +58,7 @@ class StateWatch:
 # Settings that never change how an update is computed (the learning rate
 # travels with every TRAIN command instead).
 _NOT_SETTINGS = ("name", "learning_rate")
-_SCALARS = (bool, int, float, str, type(None))
+SCALAR_TYPES = (bool, int, float, str, type(None))
 
 
 class OptimizerSettingsWatch:
@@ -144,7 +144,7 @@ def _setting_keys(optimizer):
     except (NotImplementedError, TypeError, ValueError):
         return []
     return [key for key, value in config.items()
-            if key not in _NOT_SETTINGS and isinstance(value, _SCALARS)
+            if key not in _NOT_SETTINGS and isinstance(value, SCALAR_TYPES)
             and hasattr(optimizer, key) and _same(getattr(optimizer, key), value)]
 
 
@@ -153,7 +153,7 @@ def _same(a, b):
 
 
 def _scalar(key, value):
-    if isinstance(value, _SCALARS):
+    if isinstance(value, SCALAR_TYPES):
         return value
     item = getattr(value, "item", None)
     if callable(item) and getattr(value, "ndim", None) == 0:

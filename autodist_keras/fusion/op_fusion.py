@@ -77,9 +77,14 @@ class FusionContext:
     output_grad_internal: bool = False
 
 
+# Graph node kinds that are no layer a runtime could compile: inputs, and the
+# `keras.ops` calls of a functional model (and the masks Keras computes with them).
+NOT_LAYER_KINDS = ("input", "op")
+
+
 def is_fusible_follower(node):
     """True when `node` can be absorbed into a producer's kernel (memory-bound type)."""
-    return node.kind not in ("input", "op") and op_category(node.layer_type) == "other"
+    return node.kind not in NOT_LAYER_KINDS and op_category(node.layer_type) == "other"
 
 
 def _extra_call(graph, name):
@@ -122,7 +127,7 @@ def check_regions(graph, regions):
                     f"op_fusion[{ri}]: unknown layer {layer!r}; fusion regions name graph "
                     f"nodes such as {list(graph.nodes)[:4]}. Received: {layer!r}"
                 )
-            if graph.nodes[layer].kind in ("input", "op"):
+            if graph.nodes[layer].kind in NOT_LAYER_KINDS:
                 what = ("an input" if graph.nodes[layer].kind == "input" else
                         "a keras.ops call (or a mask Keras computes), not a layer")
                 raise PlanError(
@@ -409,7 +414,7 @@ def candidate_joins(graph):
         i = index.get(src)
         if i is None or index.get(dst) != i + 1:
             continue
-        if graph.nodes[src].kind in ("input", "op") or op_category(graph.nodes[src].layer_type) == "free":
+        if graph.nodes[src].kind in NOT_LAYER_KINDS or op_category(graph.nodes[src].layer_type) == "free":
             continue  # `keras.ops` calls are no layers: the runtimes compile layers
         if graph.nodes[src].draws_random or graph.nodes[dst].draws_random:
             continue  # the runtimes run such layers uncompiled (other random numbers)
