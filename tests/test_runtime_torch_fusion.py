@@ -204,3 +204,68 @@ def test_fit_that_raises_still_restores_call():
         model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[Stop()])
     assert strategy.adapter.last_run["op_fusion_regions"] == 3
     assert "call" not in model.__dict__
+
+
+def _models_with_unrealisable_joins():
+    """Models where TensorFlow's region rules would join layers PyTorch cannot compile."""
+    from autodist_keras.graph import zoo
+
+    keras.utils.set_random_seed(2)
+    tokens = keras.Input((12,), dtype="int32")
+    embedded = keras.layers.Embedding(50, 16, mask_zero=True, name="embed")(tokens)
+    hidden = keras.layers.LayerNormalization(name="norm")(embedded)
+    hidden = keras.layers.Dense(16, name="proj")(hidden)
+    hidden = keras.layers.Activation("relu", name="relu")(hidden)
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(hidden)
+    masked = keras.Model(tokens, keras.layers.Dense(3, name="out")(pooled), name="masked")
+
+    inner_in = keras.Input((16,))
+    inner_hidden = keras.layers.Dense(16, name="inner_dense")(inner_in)
+    inner_out = keras.layers.Activation("relu", name="inner_relu")(inner_hidden)
+    inner = keras.Model(inner_in, inner_out, name="block")
+    outer_in = keras.Input((16,))
+    hidden = keras.layers.Dense(16, name="outer_dense")(outer_in)
+    hidden = keras.layers.Activation("relu", name="outer_relu")(hidden)
+    hidden = inner(hidden)
+    nested = keras.Model(outer_in, keras.layers.Dense(3, name="head")(hidden), name="nested")
+
+    mixed_in = keras.Input((16,))
+    hidden = keras.layers.Dense(16, dtype="mixed_bfloat16", name="mixed_dense")(mixed_in)
+    hidden = keras.layers.Activation("relu", dtype="mixed_bfloat16", name="mixed_relu")(hidden)
+    hidden = keras.layers.Dense(16, name="plain_dense")(hidden)
+    hidden = keras.layers.Activation("relu", name="plain_relu")(hidden)
+    mixed = keras.Model(mixed_in, keras.layers.Dense(3, name="logits")(hidden), name="mixed")
+
+    encoder = zoo.transformer_encoder(num_layers=1, d_model=16, heads=2, seq_len=8, vocab=40,
+                                      num_classes=3)
+    return [masked, nested, mixed, encoder]
+
+
+def test_disco_plans_only_regions_the_torch_runtime_compiles():
+    """Disco, planning for PyTorch with op fusion on, names only regions the runtime
+    compiles: its prediction counts no fused region that would run layer by layer.
+    Planned by TensorFlow's rules, the same models get regions PyTorch falls back on."""
+    from autodist_keras.backends.torch_fusion import TorchFusionRegions
+    from autodist_keras.devices import Cluster
+    from autodist_keras.graph import ModelGraph
+    from autodist_keras.strategies import disco
+
+    cluster = Cluster.cpu_testbed()
+    fallbacks_by_tf_rules = 0
+    for model in _models_with_unrealisable_joins():
+        graph = ModelGraph.from_keras(model)
+        regions = {}
+        for backend in ("torch", "tensorflow"):
+            plan = disco.plan(graph, cluster, 24, devices=cluster.names[:2], op_fusion=True,
+                              backend=backend, time_budget_s=5.0)
+            regions[backend] = [r for r in plan.op_fusion if len(r) > 1]
+        fusion = TorchFusionRegions(model, regions["torch"], compiler="aot_eager")
+        assert fusion.fallbacks == {}, (model.name, fusion.fallbacks)
+        assert len(fusion.realised) == len(regions["torch"])
+        fallbacks_by_tf_rules += len(
+            TorchFusionRegions(model, regions["tensorflow"], compiler="aot_eager").fallbacks)
+        if model.name == "nested":
+            assert regions["torch"] == [["outer_dense", "outer_relu"]]
+        if model.name == "mixed":
+            assert regions["torch"] == [["plain_dense", "plain_relu"]]
+    assert fallbacks_by_tf_rules >= 4

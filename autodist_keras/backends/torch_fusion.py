@@ -221,16 +221,17 @@ def _chain_problem(chain, chain_nodes, nodes, output_ids):
             or any(v is not None for v in first.arguments.kwargs.values())):
         return (f"its first layer {chain[0].name!r} takes {len(first.input_tensors)} input "
                 "tensors or keyword arguments (a region starts with a one-input layer)")
+    from autodist_keras.graph.model_graph import autocasts, computes_mask, random_layer
+
     for layer in chain:
-        policy = getattr(layer, "dtype_policy", None)
-        if policy is not None and policy.compute_dtype != policy.variable_dtype:
+        if autocasts(layer):
+            policy = layer.dtype_policy
             return (f"layer {layer.name!r} computes in {policy.compute_dtype} with "
                     f"{policy.variable_dtype} variables (mixed precision runs through "
                     "Keras's own layer call, which casts)")
-        if getattr(layer, "supports_masking", False) and type(layer).compute_mask is not (
-                _base_compute_mask()):
+        if computes_mask(layer):
             return f"layer {layer.name!r} computes masks, which a region does not carry"
-        if _draws_random_numbers(layer):
+        if random_layer(layer) is not None:
             return (f"layer {layer.name!r} draws random numbers (e.g. Dropout), which "
                     "compiled code would draw differently from Keras's own call")
     members = {id(n) for n in chain_nodes}
@@ -252,18 +253,6 @@ def _chain_problem(chain, chain_nodes, nodes, output_ids):
             return (f"layer {node.operation.name!r} outside the region uses an inner "
                     "layer's output")
     return None
-
-
-def _draws_random_numbers(layer):
-    from keras.random import SeedGenerator
-
-    return any(isinstance(v, SeedGenerator) for v in vars(layer).values())
-
-
-def _base_compute_mask():
-    from keras.src.layers.layer import Layer
-
-    return Layer.compute_mask
 
 
 def _functional_of(model):

@@ -387,7 +387,7 @@ def region_heads(graph, regions):
     return heads
 
 
-def candidate_joins(graph):
+def candidate_joins(graph, framework=None):
     """Positions where two adjacent layers may be fused.
 
     Layer `i + 1` (in graph order) may join layer `i`'s region when it
@@ -401,14 +401,24 @@ def candidate_joins(graph):
     layer's calls, which the cost model does not price; the PyTorch runtime
     compiles only layers called once).
 
+    Under PyTorch (`framework="torch"`) a join must also keep the region a
+    chain that `backends/torch_fusion.py` compiles: both layers take one
+    input tensor, the first one's only output feeds the second alone (and is
+    no model output), and neither computes a mask, casts for mixed precision
+    or sits inside a nested model. So Disco plans no region the PyTorch
+    runtime would run layer by layer while the prediction counted it fused.
+
     Args:
         graph: The `ModelGraph`.
+        framework: The Keras backend the plan is for (`"torch"` adds the
+            chain rules above); None or another backend: the general rules.
 
     Returns:
         A sorted list of indices `i`.
     """
     names = list(graph.nodes)
     index = {name: i for i, name in enumerate(names)}
+    consumers = adjacency(graph)[1]
     joins = set()
     for src, dst, _ in graph.edges:
         i = index.get(src)
@@ -420,9 +430,21 @@ def candidate_joins(graph):
             continue  # the runtimes run such layers uncompiled (other random numbers)
         if _shared(graph, src) or _shared(graph, dst):
             continue  # regions compile layers with all their calls; PyTorch's only once-called ones
+        if framework == "torch" and _torch_chain_problem(graph, src, dst, consumers):
+            continue
         if is_fusible_follower(graph.nodes[dst]):
             joins.add(i)
     return sorted(joins)
+
+
+def _torch_chain_problem(graph, src, dst, consumers):
+    """True when joining `src` and `dst` would make a region PyTorch runs layer by layer."""
+    for node in (graph.nodes[src], graph.nodes[dst]):
+        if (len(node.input_shapes) != 1 or node.computes_mask or node.autocasts
+                or node.nested):
+            return True
+    return (len(graph.nodes[src].output_shapes) != 1 or consumers.get(src) != [dst]
+            or src in graph.outputs)
 
 
 def regions_from_joins(layer_names, joins):

@@ -102,6 +102,14 @@ class LayerNode:
         draws_random: Whether the layer (or one nested in it) draws random
             numbers (`random_layer`): Dropout, GaussianNoise. Not part of
             the fingerprint.
+        computes_mask: Whether the layer computes a Keras mask for the
+            layers after it (`computes_mask`): Embedding, Masking, merge
+            layers. Not part of the fingerprint.
+        autocasts: Whether the layer computes in another dtype than its
+            variables' (mixed precision, `autocasts`). Not part of the
+            fingerprint.
+        nested: Whether the call is inside a nested model (a functional or
+            Sequential model used as a layer). Not part of the fingerprint.
     """
 
     name: str
@@ -121,6 +129,9 @@ class LayerNode:
     output_dtypes: list = dataclasses.field(default_factory=list)
     saved_bytes: int = 0
     draws_random: bool = False
+    computes_mask: bool = False
+    autocasts: bool = False
+    nested: bool = False
 
     @property
     def activation_bytes(self):
@@ -157,6 +168,9 @@ class LayerNode:
             "saved_bytes": self.saved_bytes,
             "estimated": self.estimated,
             "draws_random": self.draws_random,
+            "computes_mask": self.computes_mask,
+            "autocasts": self.autocasts,
+            "nested": self.nested,
         }
 
     @classmethod
@@ -179,6 +193,9 @@ class LayerNode:
             saved_bytes=int(data.get("saved_bytes", 0)),
             estimated=bool(data["estimated"]),
             draws_random=bool(data.get("draws_random", False)),
+            computes_mask=bool(data.get("computes_mask", False)),
+            autocasts=bool(data.get("autocasts", False)),
+            nested=bool(data.get("nested", False)),
         )
 
 
@@ -527,6 +544,42 @@ def random_layer(layer):
     return None
 
 
+def computes_mask(layer):
+    """Whether `layer` computes a Keras mask for the layers after it.
+
+    True for a layer that supports masking and has its own `compute_mask`
+    (Embedding, Masking, the merge layers, recurrent layers returning
+    sequences). The PyTorch runtime's compiled regions carry no masks, so
+    they leave such layers out.
+
+    Args:
+        layer: A Keras layer.
+
+    Returns:
+        A bool.
+    """
+    from keras.src.layers.layer import Layer
+
+    return bool(getattr(layer, "supports_masking", False)) and (
+        type(layer).compute_mask is not Layer.compute_mask)
+
+
+def autocasts(layer):
+    """Whether `layer` computes in another dtype than its variables' (mixed precision).
+
+    Keras's `__call__` casts such a layer's inputs; the PyTorch runtime's
+    compiled regions call `call` directly, so they leave such layers out.
+
+    Args:
+        layer: A Keras layer.
+
+    Returns:
+        A bool.
+    """
+    policy = getattr(layer, "dtype_policy", None)
+    return policy is not None and policy.compute_dtype != policy.variable_dtype
+
+
 def _per_sample(shape):
     shape = tuple(shape)
     return tuple(None if d is None else int(d) for d in shape[1:])
@@ -674,7 +727,7 @@ class _Builder:
             if inner is not None:
                 self._walk_nested(op, inner, node, produced, container, tree)
                 continue
-            name = self._add_call(op, node, produced, container)
+            name = self._add_call(op, node, produced, container, nested=not top)
             for t in node.outputs:
                 produced[id(t)] = name
         if top:
@@ -737,7 +790,7 @@ class _Builder:
         self._check_unknown(name, self.nodes[name].output_shapes)
         return name
 
-    def _add_call(self, op, node, produced, container):
+    def _add_call(self, op, node, produced, container, nested=False):
         from keras.layers import Layer
 
         is_layer = isinstance(op, Layer)
@@ -794,6 +847,9 @@ class _Builder:
             saved_bytes=int(cost.saved_elements * _element_bytes(outputs)),
             estimated=estimated,
             draws_random=is_layer and random_layer(op) is not None,
+            computes_mask=is_layer and computes_mask(op),
+            autocasts=is_layer and autocasts(op),
+            nested=nested,
         )
         self.calls[name] = (op, node)
         # Edges: bytes of the distinct tensors each producer feeds this call.

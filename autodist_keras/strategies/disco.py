@@ -529,7 +529,8 @@ def plan(
             DDP 25 MiB and Horovod 64 MiB layouts and the fully-overlapped
             bound into `plan.prediction.baselines`), and `backend` (the Keras
             backend the plan is for, default the active one: whether op
-            fusion is searched when `op_fusion` is not given).
+            fusion is searched when `op_fusion` is not given, and which
+            regions the backend's runtime compiles, `op_fusion.candidate_joins`).
 
     Returns:
         A validated `Plan` with `planner="disco"`, `buckets`, `op_fusion`,
@@ -561,6 +562,11 @@ def plan(
         )
     budget = float(budget)
     use_op = options.get("op_fusion")  # default: GPUs under TensorFlow only (see below)
+    backend = options.get("backend")
+    if backend is None:
+        from autodist_keras.devices.detect import active_keras_backend
+
+        backend = active_keras_backend()
     use_tensor = bool(options.get("tensor_fusion", True))
     compare = bool(options.get("compare_baselines", False))
 
@@ -573,7 +579,7 @@ def plan(
     # Replicas and shares: the proportional baseline (memory-capped, speed-weighted)
     # on the device subset whose start is predicted fastest (`_choose_devices`).
     chosen = _choose_devices(graph, cluster, batch_size, devices, options.get("speeds"), cost,
-                             algorithms, use_tensor, use_op, options.get("backend"))
+                             algorithms, use_tensor, use_op, backend)
     start = chosen.start
     base, timeline, ring = start.base, start.timeline, start.ring
     unfused, ddp_bounds, start_time = start.unfused, start.ddp_bounds, start.ring_time
@@ -586,7 +592,7 @@ def plan(
         # Plan regions only where the runtimes compile them by default (GPUs,
         # TensorFlow's XLA; torch.compile regions measured slower).
         use_op = op_fusion_lib.compiled_by_default(
-            [cluster.device(d).kind for d in base.devices], framework=options.get("backend"))
+            [cluster.device(d).kind for d in base.devices], framework=backend)
         fusion_not_searched = not use_op
     use_op = bool(use_op)
     if options.get("speeds") is None and len(base.replicas) > 1 and start_time is not None:
@@ -614,7 +620,8 @@ def plan(
     reserve = min(max(4.0 * pricing, 0.02), 0.4 * budget)
     deadline = started + budget - reserve
     search = _Search(
-        timeline, op_fusion_lib.candidate_joins(graph), deadline, progress, use_op, use_tensor
+        timeline, op_fusion_lib.candidate_joins(graph, framework=backend), deadline, progress,
+        use_op, use_tensor,
     )
     state, bounds, _ = search.run(unfused, start_bounds)
     if progress is not None:
@@ -873,7 +880,7 @@ def _choose_devices(graph, cluster, batch_size, devices, speeds, cost, algorithm
            and 0 < batch_size < len(allowed) and len(set(allowed)) == len(allowed)
            and all(name in cluster for name in allowed))
     starts = {}
-    candidate_joins = op_fusion_lib.candidate_joins(graph)
+    candidate_joins = op_fusion_lib.candidate_joins(graph, framework=backend)
 
     def price(base):
         fuses = use_op
