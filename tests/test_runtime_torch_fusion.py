@@ -136,8 +136,11 @@ def test_bad_region_compiler_and_policy_are_clear_errors():
         AutoStrategy("data_parallel", op_fusion_compiler=3)
 
 
-def test_one_device_fused_fit_matches_plain_keras_and_restores_call():
+def test_one_device_fused_fit_matches_plain_keras_and_restores_call(capfd):
     model, history, strategy = _fit(1, op_fusion="on", op_fusion_compiler="aot_eager")
+    # The first step's compilation pause is announced (TorchInductor takes 20-45 s here).
+    assert ("3 op-fusion region(s) run compiled with torch.compile (backend 'aot_eager')"
+            in capfd.readouterr().err)
     reference, ref_history = _plain()
     run = strategy.adapter.last_run
     assert run["mode"] == "local"
@@ -167,8 +170,9 @@ def test_three_devices_fused_fit_matches_unfused():
     assert "call" not in fused.__dict__
 
 
-def test_auto_policy_compiles_nothing_on_cpus():
+def test_auto_policy_compiles_nothing_on_cpus(capfd):
     _, _, strategy = _fit(1)
+    assert "torch.compile" not in capfd.readouterr().err
     assert strategy.adapter.last_run["op_fusion_regions"] == 0
     assert strategy.adapter.last_run["op_fusion"] is None
 

@@ -280,7 +280,9 @@ def for_plan(model, plan, device_kinds, policy="auto", compiler=DEFAULT_COMPILER
         compiler: The `torch.compile` backend.
 
     Returns:
-        A `TorchFusionRegions`, or None when nothing is realised.
+        A `TorchFusionRegions`, or None when nothing is realised. When it
+        compiles regions, a line on stderr says the first step will take
+        longer (TorchInductor compiles while it runs).
 
     Raises:
         BackendError: For an unknown policy or a region naming an unknown layer.
@@ -288,4 +290,22 @@ def for_plan(model, plan, device_kinds, policy="auto", compiler=DEFAULT_COMPILER
     from autodist_keras.fusion.op_fusion import regions_to_realise
 
     regions = regions_to_realise(plan, device_kinds, policy)
-    return None if regions is None else TorchFusionRegions(model, regions, compiler=compiler)
+    if regions is None:
+        return None
+    fusion = TorchFusionRegions(model, regions, compiler=compiler)
+    if fusion.active:
+        _announce_compilation(fusion)
+    return fusion
+
+
+def _announce_compilation(fusion):
+    """Says on stderr why the first step will pause: `torch.compile` runs then."""
+    import sys
+
+    print(
+        f"autodist_keras: {len(fusion.realised)} op-fusion region(s) run compiled with "
+        f"torch.compile (backend {fusion.compiler!r}); the first step compiles them, which "
+        "took 20-45 s with TorchInductor on a 2-core CPU machine (docs/disco.md). "
+        "op_fusion='off' runs the layers uncompiled.",
+        file=sys.stderr, flush=True,
+    )
