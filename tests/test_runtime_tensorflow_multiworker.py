@@ -668,3 +668,47 @@ def test_a_worker_says_which_tasks_it_waits_for(tmp_path):
            f"(['localhost:{ports[1]}', 'localhost:{ports[2]}'])" in text, text[-2000:]
     assert "TF_CONFIG is left over from an earlier job" in text and "unset TF_CONFIG" in text
     assert f"kill -9 {proc.pid}" in text
+
+
+def _directory_state(path):
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def test_a_worker_restores_a_damaged_backup_from_its_copy_without_writing(tmp_path):
+    """Keras's BackupAndRestore, when its latest weights cannot be read, copies the
+    `.bkp` files over them before loading. Worker 0 does that; another worker's copy
+    of the callback loads a private copy of the `.bkp` files and leaves `backup_dir`
+    as it was."""
+    from autodist_keras.backends.worker_callbacks import for_worker
+
+    backup = tmp_path / "backup"
+    model = worker_model()
+    x = np.random.default_rng(0).normal(size=(48, 8)).astype("float32")
+    y = (np.arange(48) % 3).astype("int32")
+    writer = keras.callbacks.BackupAndRestore(str(backup), double_checkpoint=True,
+                                              delete_checkpoint=False)
+    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[writer])
+    previous = keras.models.clone_model(model)
+    previous.compile(optimizer=keras.optimizers.Adam(learning_rate=1e-2), loss="mse")
+    previous.build((None, 8))
+    previous.optimizer.build(previous.trainable_variables)
+    (tmp_path / "previous.weights.h5").write_bytes((backup / "latest.weights.h5.bkp").read_bytes())
+    previous.load_weights(str(tmp_path / "previous.weights.h5"))
+    (backup / "latest.weights.h5").write_bytes(b"damaged by a crash mid-write")
+    before = _directory_state(backup)
+
+    restored = worker_model()
+    callback = for_worker([keras.callbacks.BackupAndRestore(str(backup))], rank=1,
+                          scratch=str(tmp_path / "scratch"))[0]
+    callback.set_model(restored)
+    callback.on_train_begin()
+    assert _directory_state(backup) == before
+    for got, want in zip(restored.get_weights(), previous.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    assert restored._initial_epoch == 1  # from training_metadata.json.bkp
+
+    # Keras's own callback (worker 0's) repairs the directory: it writes there.
+    own = keras.callbacks.BackupAndRestore(str(backup))
+    own.set_model(worker_model())
+    own.on_train_begin()
+    assert _directory_state(backup) != before

@@ -8,7 +8,9 @@ worker 0 writes the files the script names, and the other workers write
 theirs into a private scratch directory (`ModelCheckpoint`, `CSVLogger`,
 `TensorBoard`). `BackupAndRestore` on the other workers restores from the
 script's `backup_dir` (which every worker must be able to read: a shared
-filesystem, or one machine) but neither writes nor deletes it. Callbacks of
+filesystem, or one machine) but neither writes nor deletes it, not even to
+recover a damaged backup from its `.bkp` copy (it loads a private copy of
+that instead). Callbacks of
 other types run unchanged.
 
 Example:
@@ -56,5 +58,43 @@ def for_worker(callbacks, rank, scratch):
             callback = copy.copy(callback)
             callback._save_model = lambda: None  # worker 0 writes the backup
             callback.on_train_end = lambda logs=None: None  # and deletes it
+            callback.on_train_begin = _restore_without_writing(callback, scratch)
         out.append(callback)
     return out
+
+
+def _restore_without_writing(callback, scratch):
+    """`BackupAndRestore.on_train_begin` that recovers a damaged backup without writing it.
+
+    Keras's own method, when the latest weights cannot be read, copies the
+    `.bkp` files over them (and may delete the metadata) before loading.
+    Worker 0 does that; this worker copies the `.bkp` files into its private
+    `scratch` directory instead (Keras loads weights only from files named
+    `.weights.h5`) and loads them from there.
+    """
+    import shutil
+
+    def on_train_begin(logs=None):
+        try:
+            callback._load_model()
+            return
+        except OSError:
+            if not os.path.exists(callback._prev_weights_path):
+                raise
+        restore = os.path.join(scratch, "backup_restore")
+        os.makedirs(restore, exist_ok=True)
+        latest = (callback._weights_path, callback._training_metadata_path)
+        callback._weights_path = shutil.copyfile(
+            callback._prev_weights_path, os.path.join(restore, "latest.weights.h5"))
+        callback._training_metadata_path = os.path.join(restore, "training_metadata.json")
+        if os.path.exists(callback._prev_training_metadata_path):
+            shutil.copyfile(callback._prev_training_metadata_path,
+                            callback._training_metadata_path)
+        elif os.path.exists(callback._training_metadata_path):
+            os.remove(callback._training_metadata_path)
+        try:
+            callback._load_model()
+        finally:
+            callback._weights_path, callback._training_metadata_path = latest
+
+    return on_train_begin
