@@ -462,9 +462,10 @@ if __name__ == "__main__":
 """
 
 
-def _two_workers_run(tmp_path, source, args):
+def _two_workers_run(tmp_path, source, args, check=True):
     """Runs `source` as a script in two TF_CONFIG workers on loopback; returns their
-    outputs once both exited 0 (`args(rank)`: the script's arguments)."""
+    outputs once both exited 0 (`args(rank)`: the script's arguments). With
+    `check=False`: `(outputs, exit codes)`, whatever the codes."""
     import json
     import subprocess
     import sys
@@ -491,6 +492,8 @@ def _two_workers_run(tmp_path, source, args):
             if w.poll() is None:
                 w.kill()
                 w.wait()
+    if not check:
+        return outputs, [w.returncode for w in workers]
     assert [w.returncode for w in workers] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     return outputs
 
@@ -712,3 +715,43 @@ def test_a_worker_restores_a_damaged_backup_from_its_copy_without_writing(tmp_pa
     own.set_model(worker_model())
     own.on_train_begin()
     assert _directory_state(backup) != before
+
+
+_FAILING_CALLBACK = """
+import sys
+import numpy as np
+import keras
+from autodist_keras import AutoStrategy, Cluster
+
+
+class FailsOnWorker1(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if sys.argv[1] == "1" and epoch == 1:
+            raise RuntimeError("the script's callback failed on worker 1")
+
+
+if __name__ == "__main__":
+    cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
+    strategy = AutoStrategy("data_parallel", cluster=cluster, timeout_s=60)
+    with strategy.scope():
+        inputs = keras.Input((8,))
+        model = keras.Model(inputs, keras.layers.Dense(3)(inputs))
+        model.compile(optimizer="sgd",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(96, 8)).astype("float32"), rng.integers(0, 3, 96)
+    model.fit(x, y, batch_size=24, epochs=4, verbose=0, callbacks=[FailsOnWorker1()])
+"""
+
+
+def test_a_worker_whose_peer_stopped_names_it(tmp_path):
+    """When one worker's callback raises, the other worker's collective fails. It
+    raised TensorFlow's 70-line 'Collective ops is aborted by: Socket closed'; it now
+    raises a WorkerError naming the worker that stopped and where to look."""
+    outputs, codes = _two_workers_run(tmp_path, _FAILING_CALLBACK, lambda rank: [str(rank)],
+                                      check=False)
+    assert codes[0] != 0 and codes[1] != 0
+    assert "the script's callback failed on worker 1" in outputs[1]
+    assert ("WorkerError: Worker rank 1 failed: worker 1 of TF_CONFIG stopped or became "
+            "unreachable during a collective of this step") in outputs[0], outputs[0][-3000:]
+    assert "Collective ops is aborted by: Socket closed" in outputs[0]

@@ -701,6 +701,21 @@ class _Runtime:
         return True
 
     def run_step(self, kind, data):
+        """Runs one `kind` step; a collective that another worker left is a `WorkerError`."""
+        if self.adapter.worker is None:
+            return self._run_step(kind, data)
+        import tensorflow as tf
+
+        try:
+            return self._run_step(kind, data)
+        except tf.errors.OpError as e:
+            failure = tf_multiworker.collective_failure(
+                e, self.adapter.worker, self.adapter.strategy.options.get("timeout_s", 300))
+            if failure is None:
+                raise
+            raise failure from None
+
+    def _run_step(self, kind, data):
         import tensorflow as tf
 
         from keras.src import tree

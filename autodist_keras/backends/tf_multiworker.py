@@ -25,6 +25,7 @@ import dataclasses
 import importlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -311,6 +312,60 @@ def make_collective_strategy(timeout_s=300, worker=None):
             "running any TensorFlow op, and check that TF_CONFIG lists reachable host:port "
             f"addresses. Received: {type(e).__name__}: {e}"
         ) from None
+
+
+_REMOTE_TASK = re.compile(r"remote target /job:(chief|worker)/replica:\d+/task:(\d+)")
+_ABORTED_BY = re.compile(r"Collective ops is aborted by: [^\n]*")
+
+
+def collective_failure(error, worker, timeout_s):
+    """The error to raise when a step's collective failed because of another worker.
+
+    Every worker runs every step's collectives. When one worker stops (an
+    exception in its script or callbacks, a kill) the others get
+    TensorFlow's "Collective ops is aborted by: Socket closed" after a
+    70-line graph trace, which names neither the worker nor the cause.
+
+    Args:
+        error: The `tf.errors.OpError` a step raised.
+        worker: This process's `WorkerInfo`.
+        timeout_s: The collectives' timeout (AutoStrategy's `timeout_s`).
+
+    Returns:
+        A `WorkerError` naming the other worker (or a `BackendError` for a
+        timeout), or None when `error` is no collective failure.
+    """
+    import tensorflow as tf
+
+    text = str(error)
+    if isinstance(error, tf.errors.DeadlineExceededError):
+        return BackendError(
+            f"Worker rank {worker.rank} waited timeout_s={timeout_s:g} s for the other workers "
+            "in a collective: one of them is stuck or much slower (a callback that runs long "
+            "on one worker, a worker that evaluates or saves alone). Check the other workers' "
+            "output, or raise AutoStrategy(timeout_s=...). "
+            f"Received: {type(error).__name__}"
+        )
+    aborted = _ABORTED_BY.search(text)
+    if not isinstance(error, (tf.errors.UnavailableError, tf.errors.CancelledError,
+                              tf.errors.AbortedError)) or aborted is None:
+        return None
+    remote = _REMOTE_TASK.search(text)
+    if remote is None:
+        peer, who = None, "another worker"
+    else:
+        job, index = remote.group(1), int(remote.group(2))
+        chiefs = worker.rank - worker.task_index if worker.task_type == "worker" else 1
+        peer = index if job == "chief" else chiefs + index
+        who = f"{job} {index} of TF_CONFIG"
+    message = (
+        f"{who} stopped or became unreachable during a collective of this step (an "
+        "exception in its script or callbacks, a kill, a network failure); its own output "
+        f"says why. Every worker runs every step, so worker rank {worker.rank} stops too. "
+        f"Received: {type(error).__name__}: {aborted.group(0).strip()}"
+    )
+    return BackendError("A collective failed: " + message) if peer is None else WorkerError(
+        peer, message)
 
 
 def replica_id(strategy):
