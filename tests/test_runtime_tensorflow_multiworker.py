@@ -719,6 +719,7 @@ def test_a_worker_restores_a_damaged_backup_from_its_copy_without_writing(tmp_pa
 
 _FAILING_CALLBACK = """
 import sys
+import time
 import numpy as np
 import keras
 from autodist_keras import AutoStrategy, Cluster
@@ -727,12 +728,16 @@ from autodist_keras import AutoStrategy, Cluster
 class FailsOnWorker1(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if sys.argv[1] == "1" and epoch == 1:
-            raise RuntimeError("the script's callback failed on worker 1")
+            if sys.argv[2] == "sleep":
+                time.sleep(10)
+            else:
+                raise RuntimeError("the script's callback failed on worker 1")
 
 
 if __name__ == "__main__":
     cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
-    strategy = AutoStrategy("data_parallel", cluster=cluster, timeout_s=60)
+    strategy = AutoStrategy("data_parallel", cluster=cluster,
+                            timeout_s=3 if sys.argv[2] == "sleep" else 60)
     with strategy.scope():
         inputs = keras.Input((8,))
         model = keras.Model(inputs, keras.layers.Dense(3)(inputs))
@@ -748,10 +753,20 @@ def test_a_worker_whose_peer_stopped_names_it(tmp_path):
     """When one worker's callback raises, the other worker's collective fails. It
     raised TensorFlow's 70-line 'Collective ops is aborted by: Socket closed'; it now
     raises a WorkerError naming the worker that stopped and where to look."""
-    outputs, codes = _two_workers_run(tmp_path, _FAILING_CALLBACK, lambda rank: [str(rank)],
-                                      check=False)
+    outputs, codes = _two_workers_run(tmp_path, _FAILING_CALLBACK,
+                                      lambda rank: [str(rank), "raise"], check=False)
     assert codes[0] != 0 and codes[1] != 0
     assert "the script's callback failed on worker 1" in outputs[1]
     assert ("WorkerError: Worker rank 1 failed: worker 1 of TF_CONFIG stopped or became "
             "unreachable during a collective of this step") in outputs[0], outputs[0][-3000:]
     assert "Collective ops is aborted by: Socket closed" in outputs[0]
+
+
+def test_a_worker_that_waits_past_timeout_s_says_a_peer_is_slow(tmp_path):
+    """A worker whose callback runs 10 s makes the other's collective time out
+    (timeout_s=3): a BackendError saying so, not a bare DeadlineExceededError."""
+    outputs, codes = _two_workers_run(tmp_path, _FAILING_CALLBACK,
+                                      lambda rank: [str(rank), "sleep"], check=False)
+    assert codes[0] != 0
+    assert ("BackendError: Worker rank 0 waited timeout_s=3 s for the other workers in a "
+            "collective") in outputs[0], outputs[0][-3000:]
