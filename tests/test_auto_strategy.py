@@ -350,6 +350,32 @@ def test_a_model_compiled_again_in_another_scope_is_timed_for_that_strategy():
     assert data["measured"]["batch_size"] == 12 and data["measured_vs_predicted"] is None
 
 
+def test_explain_shows_a_measured_step_only_beside_the_plan_it_was_measured_with():
+    """After fit(A), plan_for(B) made explain() describe B's plan next to A's
+    measured step ("the prediction was 663% high"); and plan_for(A) at another
+    batch size, A's new plan next to the old plan's step."""
+    import numpy as np
+
+    strategy = AutoStrategy("single_device", cluster=Cluster.cpu_testbed())
+    with strategy.scope():
+        first = zoo.mlp(input_dim=8, hidden=(16,), num_classes=3, name="measured_model")
+        first.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        second = zoo.mlp(input_dim=8, hidden=(64, 64), num_classes=3, name="planned_model")
+        second.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    x = np.random.default_rng(0).normal(size=(72, 8)).astype("float32")
+    first.fit(x, np.arange(72) % 3, batch_size=9, verbose=0)
+    assert strategy.explain(format="json")["measured"]["batch_size"] == 9
+    assert "measured step time" in strategy.explain()
+    strategy.plan_for(second, 9)
+    data = strategy.explain(format="json")
+    assert data["measured"] == {} and data["measured_vs_predicted"] is None
+    assert "measured step time" not in strategy.explain()
+    strategy.plan_for(first, 9)  # the plan it was measured with, again
+    assert strategy.explain(format="json")["measured"]["batch_size"] == 9
+    strategy.plan_for(first, 18)  # a new plan for another batch size
+    assert strategy.explain(format="json")["measured"] == {}
+
+
 def test_nested_scopes_of_two_strategies_are_refused():
     first = AutoStrategy("single_device", cluster=Cluster.cpu_testbed())
     second = AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed())

@@ -341,7 +341,7 @@ class AutoStrategy:
         self.plan = plan
         self.graph = None
         self.measured = {}
-        self._measured_model = None  # id() of the model `measured` was taken on
+        self._measured_plan = None  # the Plan `measured` was taken with
         self.candidates = []
         # Models are held weakly: a strategy reused across trials (a
         # hyper-parameter search) must not keep every model it compiled alive.
@@ -498,9 +498,9 @@ class AutoStrategy:
                 note = strategy.adapter.measurement_note()
                 if note:
                     strategy.measured["note"] = note
-                strategy._measured_model = id(model)
-            elif strategy._measured_model != id(model):
-                strategy.measured = {}  # another model's step is no measure of this plan
+                strategy._measured_plan = strategy.plan
+            elif strategy._measured_plan is not strategy.plan:
+                strategy.measured = {}  # another plan's step is no measure of this one
             return history
 
         fit._autodist_untimed = original_fit
@@ -721,7 +721,9 @@ class AutoStrategy:
         """Describes the plan in force, why it was chosen, and what the alternatives cost.
 
         Every figure from the simulator is labelled predicted; after `fit`,
-        the measured median step time appears beside the predicted one.
+        the measured median step time appears beside the predicted one, as
+        long as the plan shown is the one it was measured with (not after
+        `plan_for` made another model's plan, or another batch size's).
 
         Args:
             format: `"text"` (rich tables in a terminal, plain text otherwise)
@@ -741,7 +743,10 @@ class AutoStrategy:
                 "compiled inside strategy.scope()."
             )
             return {"plan": None, "message": message} if format == "json" else message
-        data = explanation(self.plan, self.cluster, measured=self.measured, strategy_name=self.name,
+        # A step measured with another plan (another model's, or this model's for
+        # another batch size, made since by plan_for) is no measure of this one.
+        measured = self.measured if self._measured_plan is self.plan else {}
+        data = explanation(self.plan, self.cluster, measured=measured, strategy_name=self.name,
                            fixed=self._fixed_plan is not None)
         if format == "json":
             data["plan"] = self.plan.to_dict()
