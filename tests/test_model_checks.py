@@ -52,19 +52,41 @@ class SumPenalty(keras.layers.Layer):
         return inputs
 
 
+class TrainingSumPenalty(keras.layers.Layer):
+    """A batch-sum penalty added only in training (invisible to an inference probe)."""
+
+    def call(self, inputs, training=None):
+        if training:
+            self.add_loss(0.1 * keras.ops.sum(keras.ops.square(inputs)))
+        return inputs
+
+
+class TrainingBatchMeanPenalty(keras.layers.Layer):
+    """A penalty on the batch's mean added only in training: not per-sample."""
+
+    def call(self, inputs, training=None):
+        if training:
+            self.add_loss(keras.ops.sum(keras.ops.square(keras.ops.mean(inputs, axis=0))))
+        return inputs
+
+
 def _close(strategy):
     if hasattr(strategy.adapter, "close"):
         strategy.adapter.close()
 
 
-@pytest.mark.parametrize("case", ["loss_function", "add_loss"])
+@pytest.mark.parametrize("case", ["loss_function", "add_loss", "training_only_add_loss"])
 def test_fit_refuses_a_loss_that_sums_over_the_batch(case):
+    """A summed term added only when training=True trained silently wrong (weights
+    0.11 off, loss 40% low): the probe ran in inference mode only."""
     x, y = _data()
     strategy = AutoStrategy("proportional", cluster=Cluster.cpu_testbed())
     with strategy.scope():
         model = _mlp()
         if case == "add_loss":
             model = keras.Sequential([model, SumPenalty()])
+        elif case == "training_only_add_loss":
+            model = keras.Sequential([model, TrainingSumPenalty()])
         model.compile(optimizer="sgd", loss=summed_squares if case == "loss_function" else "mse")
     before = [w.copy() for w in model.get_weights()]
     try:
@@ -73,6 +95,7 @@ def test_fit_refuses_a_loss_that_sums_over_the_batch(case):
     finally:
         _close(strategy)
     assert "Received: total losses" in str(info.value)
+    assert ("(training mode)" in str(info.value)) == (case == "training_only_add_loss")
     for got, want in zip(model.get_weights(), before):  # nothing was trained
         np.testing.assert_array_equal(got, want)
 
@@ -235,7 +258,18 @@ def test_losses_over_the_whole_batch_warn(loss):
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), state)
 
 
-@pytest.mark.parametrize("case", ["mse_with_regularisers", "dice_per_sample", "one_row"])
+def test_a_training_only_term_over_the_batch_warns():
+    """The per-sample probe runs in training mode too (no random layer here)."""
+    model, (x, y) = keras.Sequential([_mlp(), TrainingBatchMeanPenalty()]), _data(8)
+    model.compile(optimizer="sgd", loss="mse")
+    model.evaluate(x, y, verbose=0)
+    with pytest.warns(UserWarning, match="In training mode the loss .* is not a mean of "
+                                         "per-sample losses .*Received: .*training mode"):
+        assert model_checks.warn_loss_not_per_sample(model, x, y)
+
+
+@pytest.mark.parametrize("case", ["mse_with_regularisers", "dice_per_sample", "one_row",
+                                  "batchnorm", "dropout"])
 def test_per_sample_losses_do_not_warn(case):
     import warnings
 
@@ -244,6 +278,13 @@ def test_per_sample_losses_do_not_warn(case):
         model, x = _segmenter(), rng.normal(size=(8, 4, 4, 1)).astype("float32")
         y = (rng.random(size=(8, 4, 4, 1)) > 0.5).astype("float32")
         model.compile(optimizer="sgd", loss=keras.losses.Dice(axis=(1, 2, 3)))
+    elif case in ("batchnorm", "dropout"):
+        # Training mode mixes samples (BatchNormalization, by design; warned about
+        # elsewhere when inexact) or is random (Dropout): not probed there.
+        extra = (keras.layers.BatchNormalization() if case == "batchnorm"
+                 else keras.layers.Dropout(0.5))
+        model, (x, y) = keras.Sequential([_mlp(), extra]), _data(8)
+        model.compile(optimizer="sgd", loss="mse")
     else:
         model, (x, y) = _mlp(), _data(8 if case != "one_row" else 1)
         model.compile(optimizer="sgd", loss="mse")

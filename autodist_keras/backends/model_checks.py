@@ -18,8 +18,11 @@ mean over each replica's valid entries, which differs slightly from the
 global batch's when the shards hold different amounts of padding; they get a
 warning, not a refusal. So do other losses that are not a mean of per-sample
 losses (`ignore_class`, whose mean is over the entries not ignored; Dice over
-the whole batch; in-batch negatives), found by comparing the loss of a few
-rows with the mean of the rows' own losses. Stateful layers (`stateful=True` RNNs) carry each
+the whole batch; in-batch negatives; a term added only in training over the
+batch), found by comparing the loss of a few rows with the mean of the rows'
+own losses. The probes run in inference mode, and in training mode too
+unless a layer draws random numbers (`_probe_modes`), since `add_loss` terms
+under `if training:` exist only there. Stateful layers (`stateful=True` RNNs) carry each
 sample's state from one batch to the next and are refused. Trainable
 BatchNormalization layers whose moving statistics cannot be combined exactly
 (called more than once per step, or fed a Keras mask) get a warning.
@@ -93,8 +96,10 @@ def check_stateful_layers(model):
 def check_summed_losses(model, x, y):
     """Raises `BackendError` if the model's total loss grows with the batch size.
 
-    Runs the model (inference mode) on the first rows of a real batch, once,
-    twice and three times over, and computes its total loss
+    Runs the model on the first rows of a real batch, once, twice and three
+    times over, in inference mode and (unless a layer draws random numbers,
+    `_probe_modes`) in training mode, where terms added only in training
+    exist, and computes its total loss
     (`model.compute_loss`: compiled losses, regularisers and `add_loss`
     terms). A batch mean gives the same value each time; a term that sums
     over the batch grows by the same amount each time. Only the latter is
@@ -108,26 +113,39 @@ def check_summed_losses(model, x, y):
         x: The inputs of one batch (any Keras input structure).
         y: Its targets (may be `None`).
     """
-    import keras
+    for training in _probe_modes(model):
+        totals = _probe(model, lambda: [_total_loss(model, x, y, copies, training=training)
+                                        for copies in (1, 2, 3)])
+        if _grows_with_batch(totals):
+            _refuse_summed(totals, training)
 
-    totals = _probe(model, lambda: [_total_loss(model, x, y, copies) for copies in (1, 2, 3)])
+
+def _grows_with_batch(totals):
+    """Whether the totals of rows taken once, twice and three times grow by equal steps."""
     if totals is None or not all(math.isfinite(t) for t in totals):
-        return  # (a NaN or infinite loss says nothing about sums; Keras reports it)
+        return False  # (a NaN or infinite loss says nothing about sums; Keras reports it)
     first, second, third = totals
     step = second - first
     scale = max(abs(first), abs(second), abs(third), 1e-12)
-    if abs(step) <= _PROBE_RTOL * scale or abs((third - second) - step) > _PROBE_RTOL * abs(step):
-        return
+    return abs(step) > _PROBE_RTOL * scale and abs((third - second) - step) <= (
+        _PROBE_RTOL * abs(step))
+
+
+def _refuse_summed(totals, training):
+    first, second, third = totals
+    mode = "training" if training else "inference"
     raise BackendError(
-        "The model's loss grows with the batch size: on the same rows taken once, twice and "
-        f"three times its total loss was {first:.6g}, {second:.6g} and {third:.6g}, so some "
+        f"The model's loss grows with the batch size: in {mode} mode, on the same rows taken "
+        f"once, twice and three times its total loss was {first:.6g}, {second:.6g} and "
+        f"{third:.6g}, so some "
         "term sums over the batch (a custom loss function or `add_loss` returning "
-        "`ops.sum(...)`, say). autodist_keras weights each replica's loss by its share of the "
+        "`ops.sum(...)`, say" + (", added only when training=True" if training else "")
+        + "). autodist_keras weights each replica's loss by its share of the "
         "global batch, which reproduces single-device gradients only for losses averaged over "
         "the batch: a summed term would train silently wrong. Return per-sample losses (shape "
         "`(batch,)`, which Keras averages) or divide the sum by the batch size, and to keep "
         "the sum's step size multiply the learning rate by the batch size. "
-        f"Received: total losses {first:.6g}, {second:.6g}, {third:.6g}"
+        f"Received: total losses {first:.6g}, {second:.6g}, {third:.6g} ({mode} mode)"
     )
 
 
@@ -161,7 +179,7 @@ def _probe(model, compute):
             variable.assign(value)
 
 
-def _total_loss(model, x, y, copies, rows=2, start=0):
+def _total_loss(model, x, y, copies, rows=2, start=0, training=False):
     import keras
 
     def repeat(value):
@@ -172,9 +190,27 @@ def _total_loss(model, x, y, copies, rows=2, start=0):
 
     xs = keras.tree.map_structure(repeat, x)
     ys = keras.tree.map_structure(repeat, y) if y is not None else None
-    y_pred = model(xs, training=False)
-    total = model._compute_loss(x=xs, y=ys, y_pred=y_pred, sample_weight=None, training=False)
+    y_pred = model(xs, training=training)
+    total = model._compute_loss(x=xs, y=ys, y_pred=y_pred, sample_weight=None,
+                                training=training)
     return float(keras.ops.convert_to_numpy(total))
+
+
+def _probe_modes(model, skip_training_if=()):
+    """The modes to probe `model` in: inference, and training when that is deterministic.
+
+    A loss term a layer adds only in training (`add_loss` under `if training:`)
+    exists only in training mode. Training mode is probed unless a layer
+    draws random numbers (Dropout: each probe would drop other units) or is
+    an instance of one of `skip_training_if`.
+    """
+    from autodist_keras.graph.model_graph import random_layer
+
+    layers = list(model._flatten_layers(include_self=False))
+    if random_layer(model) is not None or any(
+            isinstance(layer, skip_training_if) for layer in layers):
+        return (False,)
+    return (False, True)
 
 
 def warn_masked_outputs(model):
@@ -295,8 +331,10 @@ def warn_loss_not_per_sample(model, x, y):
     entries weighs too much), Dice or Tversky over the whole batch, losses
     with in-batch negatives. Losses with `ignore_class` are named from the
     compiled losses; the others are found by a probe: the total loss of the
-    batch's first rows (inference mode) against the mean of each row's own
-    total loss. Metric states and non-trainable variables are restored afterwards.
+    batch's first rows against the mean of each row's own total loss, in
+    inference mode and, unless a layer draws random numbers or is a
+    BatchNormalization (which mixes samples in training by design), in
+    training mode. Metric states and non-trainable variables are restored afterwards.
 
     Call it after `check_summed_losses` (a summed term is refused there, and
     would also differ here), and skip it when `warn_masked_outputs` warned.
@@ -336,17 +374,43 @@ def warn_loss_not_per_sample(model, x, y):
     if rows < 2:
         return False
 
-    def losses():
-        together = _total_loss(model, x, y, copies=1, rows=rows)
-        alone = [_total_loss(model, x, y, copies=1, rows=1, start=i) for i in range(rows)]
+    def losses(training):
+        together = _total_loss(model, x, y, copies=1, rows=rows, training=training)
+        alone = [_total_loss(model, x, y, copies=1, rows=1, start=i, training=training)
+                 for i in range(rows)]
         return together, sum(alone) / rows
 
-    found = _probe(model, losses)
-    if found is None or not all(math.isfinite(v) for v in found):
-        return False
-    together, mean_alone = found
-    if abs(together - mean_alone) <= _PER_SAMPLE_RTOL * max(abs(together), abs(mean_alone), 1e-12):
-        return False
+    # Training mode too (a term added only in training), except where layers mix
+    # samples there by design: BatchNormalization normalises each replica's shard
+    # with its own statistics, as data parallelism does (warn_inexact_batchnorm).
+    for training in _probe_modes(model, skip_training_if=keras.layers.BatchNormalization):
+        found = _probe(model, lambda: losses(training))
+        if found is None or not all(math.isfinite(v) for v in found):
+            continue
+        together, mean_alone = found
+        if abs(together - mean_alone) > _PER_SAMPLE_RTOL * max(abs(together),
+                                                               abs(mean_alone), 1e-12):
+            _warn_not_per_sample(model, rows, together, mean_alone, training)
+            return True
+    return False
+
+
+def _warn_not_per_sample(model, rows, together, mean_alone, training):
+    if training:
+        warnings.warn(
+            f"In training mode the loss of model {model.name!r} is not a mean of per-sample "
+            f"losses (in inference mode it is): on the first {rows} rows of the batch it was "
+            f"{together:.6g}, while the mean of those rows' own losses was {mean_alone:.6g}. "
+            "Typical causes: a loss term added only when training=True that is not a mean of "
+            "per-sample values (`add_loss` of a batch statistic), or a layer that normalises "
+            "over the batch in training (a hand-written batch normalisation). Each replica "
+            "computes it over its own share of the batch and is weighted by that share, so "
+            "training differs from single-device training. "
+            f"Received: loss of {rows} rows {together:.6g}, mean per-row loss "
+            f"{mean_alone:.6g} (training mode)",
+            stacklevel=4,
+        )
+        return
     warnings.warn(
         f"The loss of model {model.name!r} is not a mean of per-sample losses: on the first "
         f"{rows} rows of the batch it was {together:.6g}, while the mean of those rows' own "
@@ -358,9 +422,8 @@ def warn_loss_not_per_sample(model, x, y):
         "equality, or accept per-replica losses, as data parallelism elsewhere computes "
         f"them. Received: loss of {rows} rows {together:.6g}, mean per-row loss "
         f"{mean_alone:.6g}",
-        stacklevel=3,
+        stacklevel=4,
     )
-    return True
 
 
 def splits_batch(plan):

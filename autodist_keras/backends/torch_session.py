@@ -880,7 +880,8 @@ def _differ_message(model, own, others):
         return message + (
             "These are non-trainable variables that the model's layers assign during the "
             "training step: float ones are combined after each step as a batch-share-weighted "
-            "mean (exact for moving averages such as BatchNormalization's), integer ones are "
+            "mean (exact for moving averages of batch means, and for BatchNormalization's "
+            "statistics; not for sums, maxima or a layer's own batch variance), integer ones are "
             "not synchronised and must advance the same on every rank (a step counter does; "
             "a count of rows does not). Rank 0's values, which you hold, are those of its "
             "own shards.")
