@@ -8,6 +8,7 @@ an epoch is 20 steps whose last batch holds 2 samples: with 3 replicas that
 batch gives one replica no sample at all, which the runtime must handle.
 """
 
+import contextlib
 import os
 import time
 
@@ -417,6 +418,39 @@ def test_settings_of_an_optimizer_wrapped_for_loss_scaling_reach_every_worker(re
                                    rtol=1e-5)
         _assert_same_weights(model, reference)
     assert not [w for w in recwarn if "differ" in str(w.message)]
+
+
+@pytest.mark.parametrize("case", ["sgd_momentum", "adam_amsgrad", "loss_scaled_momentum"])
+def test_a_setting_that_decides_the_optimizer_variables_may_change_between_fits(case, recwarn):
+    """SGD makes momentum slots only when momentum is not 0, Adam more with amsgrad:
+    workers rebuild their optimizer from the config at every fit, so after
+    `momentum = 0.0` between fits they made fewer variables than rank 0 and the
+    next fit failed ('Rank 1's replica has 2 optimizer variables but rank 0's has 6')."""
+    make, target, name, value = {
+        "sgd_momentum": (lambda: keras.optimizers.SGD(0.1, momentum=0.9), None, "momentum", 0.0),
+        "adam_amsgrad": (lambda: keras.optimizers.Adam(0.01, amsgrad=True), None, "amsgrad",
+                         False),
+        "loss_scaled_momentum": (lambda: keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.1, momentum=0.9)), "inner_optimizer", "momentum", 0.0),
+    }[case]
+    strategy = _strategy("proportional", 3)
+    x, y = _data("mlp", n=96)
+    models = []
+    for scope in (strategy.scope(), contextlib.nullcontext()):
+        with scope:
+            model = _build("mlp")
+            model.compile(optimizer=make(),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        optimizer = getattr(model.optimizer, target) if target else model.optimizer
+        setattr(optimizer, name, value)
+        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        models.append((model, history))
+    (model, history), (reference, ref_history) = models
+    assert strategy.adapter.last_run["in_sync"] is True
+    assert not [w for w in recwarn if "differ" in str(w.message)]
+    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
+    _assert_same_weights(model, reference)
 
 
 def test_ema_optimizer_ends_fit_with_the_replicas_in_sync(recwarn):

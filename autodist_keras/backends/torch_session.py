@@ -49,8 +49,11 @@ from autodist_keras.backends.torch_state_watch import SCALAR_TYPES
 from autodist_keras.backends.torch_state_watch import OptimizerSettingsWatch
 from autodist_keras.backends.torch_state_watch import StateWatch
 from autodist_keras.backends.torch_state_watch import apply_settings
+from autodist_keras.backends.torch_state_watch import build_as
+from autodist_keras.backends.torch_state_watch import built_settings_changed
 from autodist_keras.backends.torch_state_watch import decay_excluded
 from autodist_keras.backends.torch_state_watch import exclude_from_decay
+from autodist_keras.backends.torch_state_watch import note_built_settings
 from autodist_keras.backends.torch_step import ReplicaTrainer
 from autodist_keras.errors import BackendError
 from autodist_keras.errors import WorkerError
@@ -474,8 +477,7 @@ class Driver:
 
         model = self.model
         optimizer = model.optimizer
-        if not optimizer.built:
-            optimizer.build(model.trainable_variables)
+        note_built_settings(optimizer, model.trainable_variables)
         # Local checks first: nothing is sent if rank 0 cannot run the plan.
         self.trainer = ReplicaTrainer(model, self.comm, self.plan, self._nodes(), self._device_ranks())
         policy, compiler = self.op_fusion
@@ -512,6 +514,8 @@ class Driver:
             # The variables rank 0's optimizer was built for (indices into "weights"):
             # a layer frozen since, without compiling again, still has its slots.
             "optimizer_built_for": _built_for(optimizer, weights),
+            # Settings that may decide its variables, changed since it was built.
+            "optimizer_built_with": built_settings_changed(optimizer),
             "timeout_s": self.timeout_s,
             "profile_dir": self.trainer.profile.directory,
             # Rank 0 decided whether the plan's op-fusion regions are compiled.
@@ -974,9 +978,10 @@ def _rebuild_model(setup, rank):
     built_for = setup.get("optimizer_built_for")
     weights = model.weights
     if built_for is None or any(i >= len(weights) for i in built_for):
-        model.optimizer.build(model.trainable_variables)
+        variables = model.trainable_variables
     else:
-        model.optimizer.build([weights[i] for i in built_for])
+        variables = [weights[i] for i in built_for]
+    build_as(model.optimizer, variables, setup.get("optimizer_built_with") or {})
     return model
 
 
@@ -1050,9 +1055,13 @@ def _check_metas(model, setup, rank):
         ("optimizer variables", variable_metas(opt_vars), setup["optimizer_variables"]),
     ):
         if len(mine) != len(theirs):
+            hint = "" if kind == "weights" else (
+                " A setting that decides which variables an optimizer makes (SGD's "
+                "momentum, Adam's amsgrad, use_ema) changed after it was built and before "
+                "this runtime first saw it: compile again with a new optimizer.")
             raise BackendError(
                 f"Rank {rank}'s replica has {len(mine)} {kind} but rank 0's has "
-                f"{len(theirs)}; every rank must build the same model and optimizer. "
+                f"{len(theirs)}; every rank must build the same model and optimizer.{hint} "
                 f"Received: {[m[0] for m in mine][:6]} vs {[t[0] for t in theirs][:6]}"
             )
         for m, t in zip(mine, theirs):

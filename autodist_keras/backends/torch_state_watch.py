@@ -24,7 +24,13 @@ watch.changed()           # indices of the variables written since `mark()`
 ```
 """
 
+import weakref
+
 from autodist_keras.errors import BackendError
+
+# The settings each of rank 0's optimizers had when built, or when the runtime
+# first saw it built (`note_built_settings`): some decide which variables it makes.
+_BUILT_WITH = weakref.WeakKeyDictionary()
 
 
 class StateWatch:
@@ -170,6 +176,50 @@ def apply_settings(optimizer, settings):
     """Sets the optimizer settings rank 0 sent (`OptimizerSettingsWatch.changed`)."""
     for key, value in settings.items():
         setattr(*_target(optimizer, key), value)
+
+
+def _settings_of(optimizer):
+    watch = OptimizerSettingsWatch(optimizer)
+    return dict(zip(watch.keys, watch._read()))
+
+
+def note_built_settings(optimizer, variables):
+    """Builds rank 0's `optimizer` on `variables` if needed, and notes its settings then.
+
+    Some settings decide which variables an optimizer makes when it is built:
+    SGD makes momentum slots only when `momentum` is not 0, Adam makes more
+    with `amsgrad=True`, any optimizer with `use_ema=True`. Workers build
+    their optimizers from rank 0's config at every fit, so after such a
+    setting changed they would make other variables (`built_settings_changed`).
+    The settings are noted the first time the runtime sees the optimizer
+    built (Keras builds it at the start of the first fit, just before).
+    """
+    if not optimizer.built:
+        optimizer.build(variables)
+    if optimizer not in _BUILT_WITH:
+        _BUILT_WITH[optimizer] = _settings_of(optimizer)
+
+
+def built_settings_changed(optimizer):
+    """The settings changed since the runtime built `optimizer`, as `{name: [built, now]}`.
+
+    A worker builds its optimizer with the `built` values, so that it makes
+    the variables rank 0's has, and then sets the `now` values (`build_as`).
+    Empty when nothing changed.
+    """
+    built = _BUILT_WITH.get(optimizer)
+    if not built:
+        return {}
+    now = _settings_of(optimizer)
+    return {key: [value, _scalar(key, now[key])] for key, value in built.items()
+            if key in now and not _same(value, now[key])}
+
+
+def build_as(optimizer, variables, changed):
+    """Builds a worker's `optimizer` as rank 0's was built (`built_settings_changed`)."""
+    apply_settings(optimizer, {key: pair[0] for key, pair in changed.items()})
+    optimizer.build(variables)
+    apply_settings(optimizer, {key: pair[1] for key, pair in changed.items()})
 
 
 def _decaying(optimizer):
