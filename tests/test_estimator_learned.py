@@ -482,3 +482,70 @@ def test_save_writes_through_a_symbolic_link(tmp_path):
     assert learned_module.LearnedEstimator.load(str(target)).to_dict() == estimator.to_dict()
     assert (os.stat(target).st_mode & 0o777) == 0o644
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]
+
+
+def _load_changed(tmp_path, data, name, change):
+    """Writes `data` changed by `change(data)` to `name` and loads it; returns the path."""
+    changed = json.loads(json.dumps(data))
+    change(changed)
+    path = tmp_path / name
+    path.write_text(json.dumps(changed))
+    return str(path)
+
+
+def test_malformed_estimator_files_are_refused_at_load_naming_file_and_field(records, tmp_path):
+    """A file whose params had the wrong shape loaded, then planning crashed with a
+    bare `KeyError: 'weights'`; a bad variant or a missing field said neither the
+    file nor what it received."""
+    saved = {}
+    for variant in ("constant", "additive", "ridge", "gbr"):
+        est = LearnedEstimator(variant).fit(records)
+        est.save(tmp_path / f"{variant}.json")
+        saved[variant] = json.loads((tmp_path / f"{variant}.json").read_text())
+    # The packaged estimators (ensembles of the additive model and the GNN) pass the check.
+    packaged = {b: json.loads(open(learned.default_path(b)).read()) for b in learned.BACKENDS}
+    for backend in learned.BACKENDS:
+        assert LearnedEstimator.load(learned.default_path(backend)).variant == "ensemble"
+
+    def refused(data, change, field, received, name="bad.json"):
+        path = _load_changed(tmp_path, data, name, change)
+        with pytest.raises(EstimatorError) as info:
+            LearnedEstimator.load(path)
+        message = str(info.value)
+        assert message.startswith(f"{path}: malformed learned estimator, field `{field}`"), message
+        assert "LearnedEstimator.save()" in message
+        assert f"Received: {field}={received}" in message, message
+
+    for variant, data in saved.items():
+        first = {"constant": "log_ratio", "additive": "weights", "ridge": "mean",
+                 "gbr": "init"}[variant]
+        refused(data, lambda d: d.update(params={"foo": 1}), f"params.{first}", "missing")
+    refused(saved["additive"], lambda d: d.update(variant="xgboost"), "variant", "'xgboost'")
+    refused(saved["ridge"], lambda d: d.pop("params"), "params", "missing")
+    refused(saved["ridge"], lambda d: d["params"]["coef"].pop(), "params.coef", "[")
+    refused(saved["additive"], lambda d: d["params"].update(weights={"mxnet": [1.0]}),
+            f"params.weights.{BACKEND}", "missing")
+    refused(saved["gbr"], lambda d: d["params"]["trees"][3]["left"].__setitem__(0, 10 ** 6),
+            "params.trees[3].left", "[")
+    refused(saved["constant"], lambda d: d.pop("clip"), "clip", "missing")
+    refused(saved["constant"], lambda d: d.update(domain={"x": 1}), "domain.devices", "missing")
+    refused(packaged["torch"],
+            lambda d: d["params"]["members"]["gnn"]["ensemble"][0].update(head2=[[1.0]]),
+            "params.members.gnn.ensemble[0].head2", "[[1.0]]")
+
+
+def test_malformed_measurement_records_name_file_field_and_value(records, tmp_path):
+    save_measurements(records, tmp_path / "m.json")
+    data = json.loads((tmp_path / "m.json").read_text())
+    missing = _load_changed(tmp_path, data, "missing.json",
+                            lambda d: d["records"][1].pop("measured_s"))
+    with pytest.raises(EstimatorError, match=(
+            f"^{missing} record 1: malformed measurement record: field `measured_s` is "
+            r"missing\..*Received: fields \['backend', ")):
+        load_measurements(missing)
+    typo = _load_changed(tmp_path, data, "typo.json",
+                         lambda d: d["records"][0].update(measured_s="fast"))
+    with pytest.raises(EstimatorError, match=(
+            f"^{typo} record 0: malformed measurement record, field `measured_s` "
+            r"\(ValueError: .*\)\. .*Received: measured_s='fast'$")):
+        load_measurements(typo)

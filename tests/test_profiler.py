@@ -264,3 +264,17 @@ def test_profile_main_writes_json(tmp_path, capsys):
         profiler.profile_main(["--model", "mlp", "--batch-sizes", "4", "--out", str(tmp_path),
                                "--cache-dir", str(tmp_path / "cache2"), "--quiet"])
     assert not (tmp_path / "cache2").exists()  # nothing was measured
+
+
+def test_train_cost_model_with_nothing_measured_says_to_raise_the_budget(tmp_path):
+    """`profile --budget-s 0 --train-cost-model` failed with "Training needs a
+    non-empty list of profiled samples", which did not say what to change."""
+    cost = tmp_path / "cost.json"
+    with pytest.raises(EstimatorError, match=(
+            r"--train-cost-model needs measured layer times, but the profile has none "
+            r"\(3 measurement\(s\) skipped; the first because: time budget of 0 s spent\)\. "
+            r"Raise --budget-s \(or leave it out\).*Received: --budget-s=0\.0$")):
+        profiler.profile_main(["--model", "mlp", "--batch-sizes", "4", "--budget-s", "0",
+                               "--train-cost-model", str(cost),
+                               "--cache-dir", str(tmp_path / "cache"), "--quiet"])
+    assert not cost.exists()

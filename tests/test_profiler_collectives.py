@@ -6,12 +6,15 @@ of a script without a main guard runs under both: the script the children
 would import loads the Keras backend it was started with.
 """
 
+import dataclasses
+import json
 import math
 import multiprocessing
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import keras
 import pytest
@@ -19,9 +22,12 @@ import pytest
 from autodist_keras.devices import Cluster
 from autodist_keras.errors import EstimatorError
 from autodist_keras.estimator.comm import CommModel
+from autodist_keras.estimator.learned_cost import LearnedCostModel
 from autodist_keras.estimator.profiler import CollectiveProfile
+from autodist_keras.estimator.profiler import ProfileCache
 from autodist_keras.estimator.profiler import fit_alpha_beta
 from autodist_keras.estimator.profiler import profile_collectives
+from autodist_keras.estimator.profiler import write_json_atomic
 
 pytest.importorskip("torch.distributed")
 torch_only = pytest.mark.skipif(
@@ -147,3 +153,135 @@ def test_script_without_main_guard_is_refused_before_anything_is_spawned(tmp_pat
     assert "bootstrapping phase" not in stderr  # no child was started
     assert "can only join a started process" not in stderr
     assert left == [], f"processes left behind: {left}"
+
+
+def _strict_json(text):
+    """Parses `text` as standard JSON (RFC 8259): NaN and Infinity are errors."""
+    def refuse(constant):
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_unbounded_bandwidth_is_null_in_json_and_reads_back_unbounded(tmp_path):
+    """A link whose time did not grow with size got bandwidth inf, which Python's
+    json wrote as `Infinity` (JavaScript's JSON.parse rejects it) into the
+    collective cache, the learned cost model and `profile --out`."""
+    pair = ["node0/cpu0", "node0/cpu1"]
+    sizes = [1 << 10, 1 << 20]
+    flat = fit_alpha_beta(sizes, [5e-5, 5e-5])
+    assert flat["bandwidth"] == math.inf
+    ring = dict(flat, op="allreduce", devices=pair, ring_link_latency_s=2.5e-5,
+                ring_link_bandwidth=math.inf)
+    samples = {str(s): 5e-5 for s in sizes}
+    links = CollectiveProfile(devices=pair, backend="gloo", sizes=sizes,
+                              samples={"allreduce": {"all": samples},
+                                       "p2p": {"|".join(pair): samples}},
+                              fits=[dict(flat, op="p2p", devices=pair), ring])
+    data = _strict_json(json.dumps(links.to_dict(), allow_nan=False))
+    assert data["fits"][0]["bandwidth"] is None and data["fits"][1]["ring_link_bandwidth"] is None
+    assert CollectiveProfile.from_dict(data).fits == links.fits  # null reads back as inf
+    # Files written before (Python's `Infinity`) read the same.
+    legacy = json.loads(json.dumps(dict(dataclasses.asdict(links),
+                                        schema="autodist_keras.collective_profile/1")))
+    assert CollectiveProfile.from_dict(legacy).fits == links.fits
+
+    cache = ProfileCache(tmp_path / "cache")
+    fields = {"kind": "collective", "devices": pair}
+    cache.put(fields, links.to_dict())
+    _strict_json(open(cache.path(fields)).read())
+    assert CollectiveProfile.from_dict(cache.get(fields)).fits == links.fits
+
+    cluster = Cluster.cpu_testbed()
+    path = tmp_path / "cost.json"
+    text = LearnedCostModel(cluster, links=links).to_json(path)
+    _strict_json(text)
+    _strict_json(path.read_text())
+    again = LearnedCostModel.from_json(path, cluster)
+    assert again.links.fits == links.fits
+    assert again.transfer_time(1 << 20, *pair) == pytest.approx(5e-5)  # latency only
+
+    # The writers refuse NaN and Infinity instead of writing them, naming the field.
+    with pytest.raises(EstimatorError, match=(
+            r"Cannot write .*bad\.json: field `fits\[0\]\.bandwidth` is inf, which standard "
+            r"JSON cannot hold.*Received: fits\[0\]\.bandwidth=inf$")):
+        write_json_atomic(tmp_path / "bad.json", dataclasses.asdict(links))
+    assert not (tmp_path / "bad.json").exists()
+
+
+PARENT = """
+from autodist_keras.devices import Cluster
+from autodist_keras.estimator.profiler import profile_collectives
+
+if __name__ == "__main__":
+    profile_collectives(Cluster.cpu_testbed(), devices=["node0/cpu0", "node0/cpu1"],
+                        sizes=(1 << 10, 1 << 20), warmup=1, repeats=100000, timeout_s=600,
+                        use_cache=False)
+"""
+
+
+def _spawned_children(live_processes, pid):
+    children = []
+    for child in live_processes("ppid", pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    children.append(child)
+        except OSError:
+            pass
+    return children
+
+
+@torch_only
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads processes from /proc")
+def test_workers_exit_when_the_profiling_process_is_killed(tmp_path, live_processes):
+    """Daemon children are cleaned up only when the parent exits normally: after a
+    SIGKILL (or SIGTERM) of `autodist-keras profile --collectives` its workers
+    and the resource tracker went on for about ten minutes."""
+    script = tmp_path / "links.py"
+    script.write_text(PARENT)
+    env = dict(os.environ, PYTHONPATH=ROOT, TMPDIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while len(_spawned_children(live_processes, proc.pid)) < 2:
+            assert proc.poll() is None, "the profiling process ended early"
+            assert time.monotonic() < deadline, "the workers did not start"
+            time.sleep(0.2)
+        time.sleep(3)  # into the measurement
+        workers = _spawned_children(live_processes, proc.pid)
+        assert len(workers) == 2 and proc.poll() is None
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        deadline = time.monotonic() + 10
+        while live_processes("session", proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = live_processes("session", proc.pid)  # the session's id is the parent's pid
+        assert left == [], f"processes left behind 10 s after the parent died: {left}"
+    finally:
+        for pid in live_processes("session", proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@torch_only
+def test_cli_trains_the_cost_model_with_the_links_it_measured(tmp_path):
+    """`profile --collectives --train-cost-model` wrote "links": null."""
+    from autodist_keras.estimator import profiler
+
+    cost, out = tmp_path / "cost.json", tmp_path / "profile.json"
+    assert profiler.profile_main([
+        "--model", "mlp", "--cluster", "cpu_testbed", "--batch-sizes", "4,8",
+        "--warmup", "1", "--repeats", "2", "--collectives",
+        "--collective-sizes", "1024,32768", "--train-cost-model", str(cost),
+        "--out", str(out), "--cache-dir", str(tmp_path / "cache"), "--quiet",
+    ]) == 0
+    measured = _strict_json(out.read_text())["collectives"]
+    model = _strict_json(cost.read_text())
+    assert measured is not None and model["links"] == measured
+    links = LearnedCostModel.from_json(cost, Cluster.cpu_testbed()).links
+    assert links.fits == CollectiveProfile.from_dict(measured).fits

@@ -177,3 +177,42 @@ def test_untrained_model_is_the_analytic_model_and_bad_inputs_raise(tmp_path):
         LearnedCostModel.from_json(path)
     with pytest.raises(EstimatorError, match="Cannot read learned cost model"):
         LearnedCostModel.from_json(tmp_path / "missing.json")
+
+
+def test_cost_model_file_without_its_samples_is_refused(tmp_path):
+    """Without `samples` a trained model's file loaded as the analytic model but kept
+    its report ("learned_mape 68.75%"), which then described predictions it no
+    longer made."""
+    cluster = Cluster.cpu_testbed()
+    graph = ModelGraph.from_keras(zoo.mlp(8, (16,), name="mlp_check"))
+    device = cluster.device(DEVICE)
+    node = next(n for n in graph.nodes.values() if n.layer_type == "Dense")
+    good = _sample(node, device, 8, "forward", 1e-4, 2e-5)
+    trained = LearnedCostModel(cluster, samples=[good, dict(good, batch=16)], regressor="ridge")
+    path = tmp_path / "cost.json"
+    trained.to_json(path)
+    data = json.loads(path.read_text())
+    assert data["report"] and data["samples"]
+    path.write_text(json.dumps({k: v for k, v in data.items() if k != "samples"}))
+    with pytest.raises(EstimatorError, match=(
+            f"^{path}: field `samples` must list the profiled samples .*report.* "
+            r"Received: samples=missing, regressor='ridge'$")):
+        LearnedCostModel.from_json(path, cluster)
+    path.write_text(json.dumps(dict(data, samples=[])))
+    with pytest.raises(EstimatorError, match=r"Received: samples=\[\], regressor='ridge'$"):
+        LearnedCostModel.from_json(path, cluster)
+    # Other malformed fields name the file and the field, and say what was received.
+    path.write_text(json.dumps(dict(data, objective="rmse")))
+    with pytest.raises(EstimatorError, match=(
+            f"^{path}: malformed learned cost model, field `objective`.*"
+            r"Received: objective='rmse'$")):
+        LearnedCostModel.from_json(path, cluster)
+    path.write_text(json.dumps(dict(data, analytic={"speed": 2})))
+    with pytest.raises(EstimatorError, match=(
+            f"^{path}: malformed learned cost model, field `analytic` \\(TypeError: .*speed.*"
+            r"Received: analytic=\{'speed': 2\}$")):
+        LearnedCostModel.from_json(path, cluster)
+    # An untrained model's file (regressor null, no samples) is the analytic model.
+    LearnedCostModel(cluster).to_json(path)
+    untrained = LearnedCostModel.from_json(path, cluster)
+    assert not untrained.trained and untrained.report == {}

@@ -34,9 +34,17 @@ class PipeReporter:
             pass
 
 
-def _watch_parent(parent_pid):
-    # Spawned workers are children of rank 0; forked ones are children of the
-    # fork server. Either way, a worker ends when rank 0 is gone.
+def watch_parent(parent_pid):
+    """Ends this process (exit code 1) within 0.5 s of `parent_pid` ending; runs forever.
+
+    Run it in a daemon thread of a child process: a parent killed outright
+    (SIGKILL) cleans up nothing, and its children would live on. Spawned
+    workers are children of rank 0; forked ones are children of the fork
+    server. Either way, a worker ends when rank 0 is gone.
+
+    Args:
+        parent_pid: The process id to watch.
+    """
     start_ppid = os.getppid()
     while True:
         if os.getppid() != start_ppid or not process_alive(parent_pid):
@@ -59,7 +67,7 @@ def worker_main(rank, world_size, port, ctl_conn, status_conn, parent_pid, timeo
     """
     os.environ["KERAS_BACKEND"] = "torch"
     os.environ["AUTODIST_KERAS_WORKER_RANK"] = str(rank)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
     reporter = PipeReporter(status_conn)
     try:
         import datetime

@@ -920,6 +920,126 @@ def _check_variant(variant, allow_auto=True):
         raise EstimatorError(f"variant must be one of {allowed}. Received: variant={variant!r}")
 
 
+# ------------------------------------------------- checking loaded files
+_MISSING = object()
+
+
+class _BadParams(Exception):
+    """A field of a loaded estimator that prediction cannot use."""
+
+    def __init__(self, field, expected, value):
+        super().__init__(field)
+        self.field, self.expected, self.value = field, expected, value
+
+
+def _shape(value):
+    """`()` for a number, `(n,)` for a non-empty list of numbers, `(n, m)` for a
+    rectangular list of such lists; None for anything else."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return ()
+    if isinstance(value, list) and value:
+        inner = {_shape(v) for v in value}
+        if len(inner) == 1:
+            (item,) = inner
+            if item is not None and len(item) < 2:
+                return (len(value),) + item
+    return None
+
+
+def _expect(parent, key, shape, field):
+    """`parent[key]`'s shape, which must be `shape` (None: any length)."""
+    value = parent.get(key, _MISSING) if isinstance(parent, dict) else _MISSING
+    actual = _shape(value)
+    if actual is None or len(actual) != len(shape) or any(
+            want is not None and want != got for want, got in zip(shape, actual)):
+        if not shape:
+            expected = "a number"
+        elif len(shape) == 1:
+            expected = f"a list of {shape[0] or 'some'} numbers"
+        else:
+            sizes = " x ".join("n" if n is None else str(n) for n in shape)
+            expected = f"a {sizes} matrix (a list of lists) of numbers"
+        raise _BadParams(field, expected, value)
+    return actual
+
+
+def _member(parent, key, kind, field, empty=False):
+    """`parent[key]`, which must be a `kind` (dict or list), non-empty unless `empty`."""
+    value = parent.get(key, _MISSING) if isinstance(parent, dict) else _MISSING
+    if not (isinstance(value, kind) and (value or empty)):
+        what = "JSON object" if kind is dict else "list"
+        raise _BadParams(field, f"a {what}" if empty else f"a non-empty {what}", value)
+    return value
+
+
+def _check_params(variant, params, backends, field="params"):
+    """Raises `_BadParams` unless `params` has what `_PREDICT[variant]` reads."""
+    if not isinstance(params, dict):
+        raise _BadParams(field, "a JSON object", params)
+    features, node_features = len(FEATURES), len(NODE_FEATURES)
+    if variant in ("constant", "additive"):
+        key, shape = (("log_ratio", ()) if variant == "constant"
+                      else ("weights", (len(ADDITIVE_TERMS),)))
+        by_backend = _member(params, key, dict, f"{field}.{key}")
+        for backend in backends:
+            _expect(by_backend, backend, shape, f"{field}.{key}.{backend}")
+    elif variant == "ridge":
+        for key in ("mean", "scale", "coef"):
+            _expect(params, key, (features,), f"{field}.{key}")
+        _expect(params, "intercept", (), f"{field}.intercept")
+    elif variant == "gbr":
+        _expect(params, "init", (), f"{field}.init")
+        _expect(params, "learning_rate", (), f"{field}.learning_rate")
+        for i, tree in enumerate(_member(params, "trees", list, f"{field}.trees")):
+            where = f"{field}.trees[{i}]"
+            (nodes,) = _expect(tree, "left", (None,), f"{where}.left")
+            for key in ("right", "feature", "threshold", "value"):
+                _expect(tree, key, (nodes,), f"{where}.{key}")
+            for key, low, high in (("left", -1, nodes), ("right", -1, nodes),
+                                   ("feature", -2, features)):
+                if not all(isinstance(v, int) and low <= v < high for v in tree[key]):
+                    raise _BadParams(f"{where}.{key}",
+                                     f"a list of integers in [{low}, {high})", tree[key])
+    elif variant == "gnn":
+        for key, n in (("node_mean", node_features), ("node_scale", node_features),
+                       ("feature_mean", features), ("feature_scale", features)):
+            _expect(params, key, (n,), f"{field}.{key}")
+        for i, net in enumerate(_member(params, "ensemble", list, f"{field}.ensemble")):
+            where = f"{field}.ensemble[{i}]"
+            width = node_features
+            for r, layer in enumerate(_member(net, "rounds", list, f"{where}.rounds", True)):
+                hidden = _expect(layer, "self", (width, None), f"{where}.rounds[{r}].self")[1]
+                for key in ("in", "out"):
+                    _expect(layer, key, (width, hidden), f"{where}.rounds[{r}].{key}")
+                _expect(layer, "bias", (hidden,), f"{where}.rounds[{r}].bias")
+                width = hidden
+            head = _expect(net, "head1", (2 * width + features, None), f"{where}.head1")[1]
+            _expect(net, "head1_bias", (head,), f"{where}.head1_bias")
+            _expect(net, "head2", (head, 1), f"{where}.head2")
+            _expect(net, "head2_bias", (1,), f"{where}.head2_bias")
+    elif variant == "ensemble":
+        members = _member(params, "members", dict, f"{field}.members")
+        for name, member in members.items():
+            if name not in VARIANTS or name == "ensemble":
+                raise _BadParams(f"{field}.members",
+                                 f"keyed by variants among {VARIANTS[:-1]}", members)
+            _check_params(name, member, backends, f"{field}.members.{name}")
+
+
+def _check_domain(domain):
+    """Raises `_BadParams` unless `domain` has what `in_domain` reads."""
+    if not isinstance(domain, dict):
+        raise _BadParams("domain", "null or a JSON object", domain)
+    for key in ("devices", "structures", "sync"):
+        _member(domain, key, list, f"domain.{key}", empty=True)
+    calibration = _member(domain, "calibration", dict, "domain.calibration")
+    for backend in calibration:
+        _expect(calibration, backend, (), f"domain.calibration.{backend}")
+    for key in ("param_bytes", "flops_per_sample", "batch_size"):
+        if key in domain:
+            _expect(domain, key, (2,), f"domain.{key}")
+
+
 def _torch_available():
     import importlib.util
 
@@ -1396,41 +1516,79 @@ class LearnedEstimator:
 
     @classmethod
     def from_dict(cls, data, source="<dict>"):
-        """Rebuilds an estimator from `to_dict()` output."""
+        """Rebuilds an estimator from `to_dict()` output.
+
+        Every field prediction reads is checked here, the parameters against
+        the shapes their variant needs, so a damaged file fails when loaded,
+        not when a plan is scored.
+
+        Args:
+            data: The dict.
+            source: Where it came from (a file path), for messages.
+
+        Raises:
+            EstimatorError: Naming `source` and the field, if the data is not
+                a learned estimator of this version or a field is malformed.
+        """
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             raise EstimatorError(
                 f"{source}: not a learned estimator (expected schema {SCHEMA!r}). Write it "
                 "with LearnedEstimator.save(). Received: "
                 f"{data.get('schema') if isinstance(data, dict) else type(data).__name__!r}"
             )
-        if (list(data.get("features", [])) != list(FEATURES)
-                or list(data.get("node_features", [])) != list(NODE_FEATURES)
-                or list(data.get("additive_terms", [])) != list(ADDITIVE_TERMS)):
+        if (data.get("features") != list(FEATURES)
+                or data.get("node_features") != list(NODE_FEATURES)
+                or data.get("additive_terms") != list(ADDITIVE_TERMS)):
             raise EstimatorError(
                 f"{source}: the estimator was trained on other features than this version "
                 "of autodist_keras computes; retrain it on the measurements. Received: "
                 f"features={data.get('features')!r}"
             )
+
+        def bad(field, expected, value):
+            shown = "missing" if value is _MISSING else repr(value)
+            shown = shown if len(shown) <= 200 else shown[:200] + "..."
+            return EstimatorError(
+                f"{source}: malformed learned estimator, field `{field}` must be {expected}. "
+                f"Write it with LearnedEstimator.save(). Received: {field}={shown}"
+            )
+
+        variant = data.get("variant", _MISSING)
+        if variant not in VARIANTS:
+            raise bad("variant", f"one of {VARIANTS}", variant)
+        backends = data.get("backends", _MISSING)
+        if not (isinstance(backends, list) and backends
+                and all(isinstance(b, str) for b in backends)):
+            raise bad("backends", "a non-empty list of backend names", backends)
+        clip = data.get("clip", _MISSING)
+        if _shape(clip) != (2,):
+            raise bad("clip", "a list of two numbers", clip)
+        domain = data.get("domain")
         try:
-            estimator = cls(variant=data["variant"], hyperparameters=data.get("hyperparameters"))
-            if estimator.variant == "auto":
-                raise KeyError("variant")
-            estimator.params = data["params"]
-            estimator.clip = [float(c) for c in data["clip"]]
-            estimator.backends = list(data["backends"])
-            estimator.report = dict(data.get("report") or {})
-            estimator.domain = data.get("domain")
-            estimator.machine_probe_s = {
-                str(b): float(v) for b, v in (data.get("machine_probe_s") or {}).items()}
-            if estimator.domain is not None:
-                estimator.domain = dict(estimator.domain)
-                estimator.domain["calibration"] = {
-                    b: float(v) for b, v in estimator.domain["calibration"].items()}
-        except (KeyError, TypeError, ValueError) as e:
-            raise EstimatorError(
-                f"{source}: malformed learned estimator ({type(e).__name__}: {e}). Write it "
-                "with LearnedEstimator.save()."
-            ) from None
+            _check_params(variant, data.get("params", _MISSING), backends)
+            if domain is not None:
+                _check_domain(domain)
+        except _BadParams as e:
+            raise bad(e.field, e.expected, e.value) from None
+        probes = data.get("machine_probe_s") or {}
+        if not (isinstance(probes, dict) and all(_shape(v) == () for v in probes.values())):
+            raise bad("machine_probe_s", "a JSON object of seconds by backend", probes)
+        report = data.get("report") or {}
+        if not isinstance(report, dict):
+            raise bad("report", "a JSON object", report)
+        hyperparameters = data.get("hyperparameters")
+        if hyperparameters is not None and not isinstance(hyperparameters, dict):
+            raise bad("hyperparameters", "a JSON object", hyperparameters)
+        estimator = cls(variant=variant, hyperparameters=hyperparameters)
+        estimator.params = data["params"]
+        estimator.clip = [float(c) for c in clip]
+        estimator.backends = list(backends)
+        estimator.report = dict(report)
+        estimator.machine_probe_s = {str(b): float(v) for b, v in probes.items()}
+        if domain is not None:
+            estimator.domain = dict(domain)
+            estimator.domain["calibration"] = {
+                b: float(v) for b, v in domain["calibration"].items()}
         return estimator
 
     @classmethod

@@ -38,7 +38,6 @@ t = cost.layer_time(graph.nodes["dense"], cluster.device("node0/cpu0"), 32, "for
 ```
 """
 
-import json
 import math
 import os
 
@@ -181,6 +180,12 @@ def samples_from_profile(profile, graph, cluster, base=None, model_name=None, co
 
 def _log(x):
     return math.log(max(float(x), 1e-30))
+
+
+def _short(value, limit=200):
+    """`repr(value)` cut to `limit` characters, for messages."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _feature_rows(samples, vocabulary):
@@ -607,34 +612,76 @@ class LearnedCostModel(AnalyticCostModel):
 
     def to_json(self, path=None):
         """Returns the JSON text; writes it atomically to `path` if given."""
+        from autodist_keras.estimator.profiler import json_text
+        from autodist_keras.estimator.profiler import write_json_atomic
+
         data = self.to_dict()
         if path is not None:
-            from autodist_keras.estimator.profiler import write_json_atomic
-
             write_json_atomic(path, data)
-        return json.dumps(data, sort_keys=True)
+        return json_text(data, "the learned cost model")
 
     @classmethod
     def from_dict(cls, data, cluster=None, source="<dict>"):
-        """Rebuilds a model from `to_dict()` output, refitting the regressor."""
+        """Rebuilds a model from `to_dict()` output, refitting the regressor.
+
+        The regressor is refitted on the stored samples, so a file of a
+        trained model (`regressor` set) without them is refused: loading it
+        as the analytic model would keep a report that describes a
+        correction it no longer applies. An untrained model's file
+        (`regressor` null, `samples` empty) loads as the analytic model.
+
+        Raises:
+            EstimatorError: Naming the file and the field, if the data is
+                not a learned cost model or a field is missing or malformed.
+        """
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             raise EstimatorError(
                 f"{source}: not a learned cost model (expected schema {SCHEMA!r}). "
                 "Write it with LearnedCostModel.to_json(). Received: "
                 f"{data.get('schema') if isinstance(data, dict) else type(data).__name__!r}"
             )
-        analytic = dict(data.get("analytic") or {})
-        objective = data.get("objective", "mape")
-        try:
-            model = cls(cluster, objective=objective, links=data.get("links"), **analytic)
-            if data.get("samples"):
-                model.fit(data["samples"], regressor=data["regressor"],
-                          hyperparameters=data.get("hyperparameters"), evaluate=False)
-        except (TypeError, KeyError) as e:
+        samples = data.get("samples")
+        if not isinstance(samples, list) or (data.get("regressor") is not None and not samples):
             raise EstimatorError(
-                f"{source}: malformed learned cost model ({type(e).__name__}: {e}). Write "
-                "it with LearnedCostModel.to_json()."
-            ) from None
+                f"{source}: field `samples` must list the profiled samples the model is "
+                "refitted on (an empty list only in an untrained model's file, whose "
+                "`regressor` is null): without them neither the learned correction nor the "
+                "accuracy `report` stored beside it applies. Write the file with "
+                "LearnedCostModel.to_json(). Received: "
+                f"samples={'missing' if 'samples' not in data else _short(samples)}, "
+                f"regressor={data.get('regressor')!r}"
+            )
+        from autodist_keras.estimator.profiler import CollectiveProfile
+
+        def malformed(field, error):
+            reason = (str(error).split(" Received:")[0] if isinstance(error, EstimatorError)
+                      else f"{type(error).__name__}: {error}")
+            return EstimatorError(
+                f"{source}: malformed learned cost model, field `{field}` ({reason}). Write "
+                f"it with LearnedCostModel.to_json(). Received: {field}={_short(data.get(field))}"
+            )
+
+        errors = (EstimatorError, TypeError, KeyError, ValueError, AttributeError)
+        links = data.get("links")
+        try:
+            links = CollectiveProfile.from_dict(links) if links is not None else None
+        except errors as e:
+            raise malformed("links", e) from None
+        objective = data.get("objective", "mape")
+        if objective not in OBJECTIVES:
+            raise malformed("objective", EstimatorError(f"must be one of {OBJECTIVES}"))
+        try:
+            model = cls(cluster, objective=objective, links=links,
+                        **dict(data.get("analytic") or {}))
+        except errors as e:
+            raise malformed("analytic", e) from None
+        if samples:
+            field = "regressor" if data.get("regressor") not in REGRESSORS else "samples"
+            try:
+                model.fit(samples, regressor=data["regressor"],
+                          hyperparameters=data.get("hyperparameters"), evaluate=False)
+            except errors as e:
+                raise malformed(field, e) from None
         model.report = data.get("report") or {}
         return model
 

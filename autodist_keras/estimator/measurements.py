@@ -66,6 +66,7 @@ BACKENDS = ("tensorflow", "torch")
 DEFAULT_STEPS = 20
 DEFAULT_WARMUP = 5
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_MISSING = object()
 
 
 # -------------------------------------------------------------------- plans
@@ -403,35 +404,45 @@ class Record:
                 "Write records with save_measurements(). Received: "
                 f"{data.get('schema') if isinstance(data, dict) else type(data).__name__!r}"
             )
-        try:
-            graph = data["graph"]
-            if isinstance(graph, str):
-                graph = (graphs or {})[graph]
-            cluster = data["cluster"]
-            if isinstance(cluster, str):
-                cluster = (clusters or {})[cluster]
-            if isinstance(graph, dict):
-                graph = ModelGraph.from_dict(graph, source=source)
-            if isinstance(cluster, dict):
-                cluster = Cluster.from_dict(cluster, source=source)
-            return cls(
-                case=Case.from_dict(data["case"]),
-                backend=str(data["backend"]),
-                graph=graph,
-                cluster=cluster,
-                plan=Plan.from_dict(data["plan"], source=source),
-                predicted_analytic_s=float(data["predicted_analytic_s"]),
-                measured_s=float(data["measured_s"]),
-                passes=list(data.get("passes") or []),
-                steps=int(data.get("steps", 0)),
-                warmup=int(data.get("warmup", 0)),
-                mode=str(data.get("mode", "adapter")),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise EstimatorError(
-                f"{source}: malformed measurement record ({type(e).__name__}: {e}). "
-                "Write records with save_measurements()."
-            ) from None
+
+        def field(name, convert, default=_MISSING):
+            """`convert(data[name])` (or of `default`); a missing or bad value names the field."""
+            value = data.get(name, default)
+            if value is _MISSING:
+                raise EstimatorError(
+                    f"{source}: malformed measurement record: field `{name}` is missing. "
+                    f"Write records with save_measurements(). Received: fields {sorted(data)}"
+                )
+            try:
+                return convert(value)
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                shown = repr(value) if len(repr(value)) <= 200 else repr(value)[:200] + "..."
+                raise EstimatorError(
+                    f"{source}: malformed measurement record, field `{name}` "
+                    f"({type(e).__name__}: {e}). Write records with save_measurements(). "
+                    f"Received: {name}={shown}"
+                ) from None
+
+        def shared(table, build):
+            def convert(value):
+                if isinstance(value, str):
+                    value = (table or {})[value]
+                return build(value, source=source) if isinstance(value, dict) else value
+            return convert
+
+        return cls(
+            case=field("case", Case.from_dict),
+            backend=field("backend", str),
+            graph=field("graph", shared(graphs, ModelGraph.from_dict)),
+            cluster=field("cluster", shared(clusters, Cluster.from_dict)),
+            plan=field("plan", lambda v: Plan.from_dict(v, source=source)),
+            predicted_analytic_s=field("predicted_analytic_s", float),
+            measured_s=field("measured_s", float),
+            passes=field("passes", lambda v: list(v or []), None),
+            steps=field("steps", int, 0),
+            warmup=field("warmup", int, 0),
+            mode=field("mode", str, "adapter"),
+        )
 
 
 def _median_of_passes(passes):

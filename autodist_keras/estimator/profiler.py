@@ -77,6 +77,9 @@ MAX_LOOP_ITERATIONS = 1000
 DEFAULT_UNKNOWN_DIM = 64
 DEFAULT_COLLECTIVE_SIZES = tuple(1 << k for k in (10, 13, 16, 18, 20, 22))
 COLLECTIVE_OPS = ("allreduce", "broadcast", "p2p")
+# Fit fields in bytes/s that are `inf` when a time does not grow with size; JSON
+# has no Infinity, so `CollectiveProfile.to_dict` stores them as null.
+BANDWIDTH_FIELDS = ("bandwidth", "ring_link_bandwidth")
 PHASES = ("forward", "backward")
 
 
@@ -105,13 +108,63 @@ def write_json_atomic(path, data):
     path leave one complete version. A symbolic link is written through
     (`strategies.plan.write_atomic`).
 
+    The text is standard JSON (`json_text`): NaN and Infinity are refused.
+
     Raises:
         OutputError: If the file cannot be written (nothing is left behind).
+        EstimatorError: If `data` holds NaN or Infinity (nothing is written).
     """
     from autodist_keras.strategies.plan import write_atomic
 
-    text = json.dumps(data, indent=1, sort_keys=True)
+    text = json_text(data, os.fspath(path), indent=1)
     write_atomic(path, lambda f: f.write(text.encode("utf-8")), suffix=".json")
+
+
+def _non_finite_field(value, field=""):
+    """`(dotted path, value)` of the first NaN or infinite float in `value`, or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return field or "<top level>", value
+    if isinstance(value, dict):
+        items = ((f"{field}.{k}" if field else str(k), v) for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{field}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for path, item in items:
+        found = _non_finite_field(item, path)
+        if found is not None:
+            return found
+    return None
+
+
+def json_text(data, where, indent=None):
+    """`data` as standard JSON text (RFC 8259, keys sorted), refusing NaN and Infinity.
+
+    Python's `json` would write them as the bare words `NaN` and `Infinity`,
+    which JavaScript's `JSON.parse` and other strict readers reject. Store an
+    unbounded or unknown number as None (`null`) instead.
+
+    Args:
+        data: A JSON-able value.
+        where: The file (or object) being written, for the message.
+        indent: As for `json.dumps`.
+
+    Raises:
+        EstimatorError: If `data` holds a NaN or infinite float, naming its field.
+    """
+    try:
+        return json.dumps(data, indent=indent, sort_keys=True, allow_nan=False)
+    except ValueError:
+        found = _non_finite_field(data)
+        if found is None:
+            raise
+        field, value = found
+        raise EstimatorError(
+            f"Cannot write {where}: field `{field}` is {value!r}, which standard JSON "
+            "cannot hold (strict readers such as JavaScript's JSON.parse reject NaN and "
+            "Infinity). Store None (null) or a finite number there. "
+            f"Received: {field}={value!r}"
+        ) from None
 
 
 def read_json(path, what, hint=""):
@@ -583,7 +636,7 @@ class LayerProfile:
         data = self.to_dict()
         if path is not None:
             write_json_atomic(path, data)
-        return json.dumps(data, indent=1, sort_keys=True)
+        return json_text(data, "the layer profile", indent=1)
 
     @classmethod
     def from_json(cls, path):
@@ -1501,8 +1554,8 @@ def fit_alpha_beta(sizes, times):
 
     Returns:
         A dict with `latency_s`, `bandwidth` (bytes/s; `inf` when the time
-        does not grow with size), `max_rel_error` and `mean_rel_error` of the
-        fit over the points.
+        does not grow with size, stored as null in JSON), `max_rel_error` and
+        `mean_rel_error` of the fit over the points.
 
     Raises:
         EstimatorError: With fewer than two sizes or non-positive times.
@@ -1535,8 +1588,18 @@ def fit_alpha_beta(sizes, times):
 
 
 def _collective_worker(rank, world, port, dist_backend, ops, sizes, warmup, repeats,
-                       affinities, threads, timeout_s, out_dir):
-    """One rank of `profile_collectives` (runs in a spawned process)."""
+                       affinities, threads, timeout_s, out_dir, parent_pid):
+    """One rank of `profile_collectives` (runs in a spawned process).
+
+    A parent killed outright (SIGKILL, or SIGTERM without a handler) cleans
+    nothing up, so the rank watches it as the PyTorch runtime's workers do
+    (`torch_worker.watch_parent`) and exits within a second of its death.
+    """
+    import threading
+
+    from autodist_keras.backends.torch_worker import watch_parent
+
+    threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
     result = {"rank": rank, "ok": False}
     try:
         affinity = affinities[rank]
@@ -1666,12 +1729,20 @@ class CollectiveProfile:
         return MeasuredTopology(self, base)
 
     def to_dict(self):
+        """JSON-ready dict; an unbounded bandwidth (`inf`) is stored as None (`null`)."""
         data = dataclasses.asdict(self)
+        data["fits"] = [{k: (None if k in BANDWIDTH_FIELDS and v == math.inf else v)
+                         for k, v in fit.items()} for fit in data["fits"]]
         data["schema"] = "autodist_keras.collective_profile/1"
         return data
 
     @classmethod
     def from_dict(cls, data):
+        """Builds a profile from `to_dict()` output (a null bandwidth reads as `inf`).
+
+        Files written before bandwidths were stored as null hold `Infinity`
+        there; they read the same.
+        """
         if not isinstance(data, dict) or data.get("schema") != "autodist_keras.collective_profile/1":
             raise EstimatorError(
                 "Not a collective profile (expected schema "
@@ -1679,7 +1750,13 @@ class CollectiveProfile:
                 f"Received: {data.get('schema') if isinstance(data, dict) else type(data).__name__!r}"
             )
         fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in fields})
+        kwargs = {k: v for k, v in data.items() if k in fields}
+        if isinstance(kwargs.get("fits"), list):
+            kwargs["fits"] = [
+                {k: (math.inf if k in BANDWIDTH_FIELDS and v is None else v)
+                 for k, v in fit.items()} if isinstance(fit, dict) else fit
+                for fit in kwargs["fits"]]
+        return cls(**kwargs)
 
     def summary(self):
         lines = [f"Collectives over {self.devices} ({self.backend}), measured, median of runs:"]
@@ -1860,7 +1937,7 @@ def profile_collectives(
             ctx.Process(
                 target=_collective_worker,
                 args=(rank, world, port, dist_backend, list(ops), sizes, warmup, repeats,
-                      affinities, threads, float(timeout_s), out_dir),
+                      affinities, threads, float(timeout_s), out_dir, os.getpid()),
                 daemon=True,
             )
             for rank in range(world)
@@ -2041,7 +2118,24 @@ def profile_main(args):
         budget_s=args.budget_s, progress=not args.quiet,
     )
     print(profile.summary())
+    samples = None
+    if args.train_cost_model:
+        from autodist_keras.estimator.learned_cost import samples_from_profile
+
+        # Checked before the collectives are measured, which take a while.
+        samples = samples_from_profile(profile, graph, cluster)
+        if not samples:
+            why = (f"; the first because: {profile.skipped[0]['reason']}"
+                   if profile.skipped else "")
+            fix = ("Raise --budget-s (or leave it out) so that the layers are measured."
+                   if args.budget_s is not None else "Fix the errors of the skipped layers.")
+            raise EstimatorError(
+                "--train-cost-model needs measured layer times, but the profile has none "
+                f"({len(profile.skipped)} measurement(s) skipped{why}). {fix} "
+                f"Received: --budget-s={args.budget_s!r}"
+            )
     result = {"layers": profile.to_dict(), "collectives": None, "cluster": cluster.to_dict()}
+    links = None
     if args.collectives:
         sizes = (_int_list(args.collective_sizes, "--collective-sizes")
                  if args.collective_sizes else DEFAULT_COLLECTIVE_SIZES)
@@ -2052,10 +2146,8 @@ def profile_main(args):
         result["collectives"] = links.to_dict()
     if args.train_cost_model:
         from autodist_keras.estimator.learned_cost import LearnedCostModel
-        from autodist_keras.estimator.learned_cost import samples_from_profile
 
-        samples = samples_from_profile(profile, graph, cluster)
-        cost = LearnedCostModel.train(samples, cluster, regressor="auto")
+        cost = LearnedCostModel.train(samples, cluster, regressor="auto", links=links)
         cost.to_json(args.train_cost_model)
         report = cost.report
         print(
