@@ -7,6 +7,7 @@ import pytest
 
 from autodist_keras.devices import Cluster
 from autodist_keras.errors import ClusterSpecError
+from autodist_keras.errors import EstimatorError
 from autodist_keras.errors import PlanError
 from autodist_keras.estimator import AnalyticCostModel
 from autodist_keras.estimator import CostModel
@@ -342,6 +343,10 @@ def test_trace_prediction_and_plan_round_trip(chain, tmp_path):
     assert set(names) == set(cluster.names) and len(set(names.values())) == 4
     assert {e["tid"] for e in spans} == {1, 2}  # compute and comm streams
     assert max(e["ts"] + e["dur"] for e in spans) == pytest.approx(result.step_time_s * 1e6)
+    # Trace viewers parse strict JSON: a NaN is refused, and nothing is written.
+    with pytest.raises(EstimatorError, match="field `otherData.note` is nan"):
+        result.export_trace(tmp_path / "bad.json", other_data={"note": float("nan")})
+    assert not (tmp_path / "bad.json").exists()
     prediction = result.to_prediction()
     assert isinstance(prediction, Prediction) and "predicted" in prediction.source
     assert prediction.step_time_s == result.step_time_s

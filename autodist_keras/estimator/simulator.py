@@ -64,6 +64,7 @@ import dataclasses
 import heapq
 import json
 import math
+import os
 import threading
 from typing import Optional
 
@@ -244,8 +245,14 @@ class SimResult:
 
         Returns:
             The path.
+
+        Raises:
+            EstimatorError: If a figure is NaN or infinite, which the strict JSON
+                that trace viewers read cannot hold (nothing is written).
         """
-        write_text_atomic(path, json.dumps(self.trace(other_data)))
+        from autodist_keras.estimator.profiler import json_text
+
+        write_text_atomic(path, json_text(self.trace(other_data), os.fspath(path)))
         return path
 
     def summary(self):
