@@ -152,3 +152,67 @@ def test_compiling_again_outside_the_scope_trains_with_the_new_optimizer():
     for steps, weights in ours:
         assert steps == plain_steps, [r[0] for r in results]
         np.testing.assert_allclose(weights, plain, rtol=1e-5, atol=1e-6)
+
+
+class _FreezeBaseAfterBatch(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 1:
+            self.model.get_layer("base").trainable = False
+
+
+def test_freezing_during_fit_is_a_clear_error_and_the_next_fit_trains_the_rest():
+    """A callback freezing a layer mid-fit crashed deep in the runtimes ('Tensor lists
+    must have the same number of tensors' on PyTorch, IndexError on TensorFlow once a
+    step traced again). It is refused before the next step's exchange, and the next
+    fit plans for what is still trainable."""
+    from autodist_keras.errors import BackendError
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 9)).astype("float32")  # a last batch of 8: TF traces again
+    y = rng.integers(0, 3, size=(200,))
+    strategy = AutoStrategy("proportional", cluster=Cluster.cpu_testbed())
+    with strategy.scope():
+        model = _model()
+        _compile(model)
+    try:
+        with pytest.raises(BackendError, match="trainable variables changed during fit .*"
+                                               "Received: 2 trainable variables now, 4 at"):
+            model.fit(x, y, batch_size=48, epochs=1, shuffle=False, verbose=0,
+                      callbacks=[_FreezeBaseAfterBatch()])
+        frozen = [w.copy() for w in model.get_layer("base").get_weights()]
+        head = [w.copy() for w in model.get_layer("head").get_weights()]
+        model.fit(x, y, batch_size=48, epochs=1, shuffle=False, verbose=0)
+    finally:
+        if hasattr(strategy.adapter, "close"):
+            strategy.adapter.close()
+    for got, want in zip(model.get_layer("base").get_weights(), frozen):
+        np.testing.assert_array_equal(got, want)
+    assert any(not np.array_equal(got, want)
+               for got, want in zip(model.get_layer("head").get_weights(), head))
+
+
+def test_fit_takes_a_single_callback_or_a_callback_list_as_keras_does():
+    """`fit(callbacks=cb)` and `fit(callbacks=CallbackList([...]))` are Keras's too;
+    the strategy's fit raised "'LambdaCallback' object is not iterable"."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 9)).astype("float32")
+    y = rng.integers(0, 3, size=(96,))
+    strategy = AutoStrategy("proportional", cluster=Cluster.cpu_testbed())
+    with strategy.scope():
+        model = _model()
+        _compile(model)
+    seen = []
+    single = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: seen.append(b))
+    given = keras.callbacks.CallbackList(
+        [keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: seen.append(("epoch", e)))],
+        add_history=True, model=model)
+    try:
+        model.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0, callbacks=single)
+        history = model.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0,
+                            callbacks=given)
+    finally:
+        if hasattr(strategy.adapter, "close"):
+            strategy.adapter.close()
+    assert seen == [0, 1, 2, 3, ("epoch", 0)]
+    assert len(given.callbacks) == 2  # the caller's list is left as it was (and its History)
+    assert len(history.history["loss"]) == 1 and strategy.measured["steps"] >= 1

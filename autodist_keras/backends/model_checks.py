@@ -451,3 +451,28 @@ def check_model_for_plan(model, x, y, plan):
     if not warn_masked_outputs(model):
         warn_loss_not_per_sample(model, x, y)
     warn_inexact_batchnorm(model)
+
+
+def trainable_changed_during_fit(before, now):
+    """The error for a model whose trainable variables changed in the middle of a fit.
+
+    Both runtimes set up a fit's gradient buckets (and the PyTorch workers'
+    replicas) for the variables trainable when it begins; a callback that
+    freezes or unfreezes a layer mid-fit would pair gradients with the wrong
+    variables. Between fits the strategy plans the model again.
+
+    Args:
+        before: Number of variables trainable when the fit began.
+        now: Number trainable now.
+
+    Returns:
+        A `BackendError` to raise.
+    """
+    return BackendError(
+        "The model's trainable variables changed during fit (a callback froze or unfroze a "
+        f"layer), but this fit's gradient exchange was set up for the {before} variables "
+        "trainable when it began. Change `trainable` between fits: the strategy plans the "
+        "model again at the next fit (Keras, too, advises compiling again after changing "
+        "`trainable`); e.g. fit for the first epochs, freeze, then fit with initial_epoch. "
+        f"Received: {now} trainable variables now, {before} at the start of this fit"
+    )

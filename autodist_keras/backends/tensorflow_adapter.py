@@ -746,6 +746,10 @@ class _Runtime:
             key = (kind, shares)
         fn = self.fns.get(key)
         if fn is None:
+            if kind == "train" and self.trainable_changed():
+                # (Keras would trace the new variables against the old buckets.)
+                raise model_checks.trainable_changed_during_fit(
+                    len(self.trained_paths), len(self.model.trainable_variables))
             if placement is not None:
                 body = getattr(placement, f"{kind}_step")(batch_size)
             else:

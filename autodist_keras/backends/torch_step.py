@@ -198,6 +198,13 @@ class ReplicaTrainer:
         model = self.model
         profile = self.profile
         weight = float(share) / float(global_batch)
+        trainable = model.trainable_weights
+        if len(trainable) != len(self.reducer.variables) or any(
+                a is not b for a, b in zip(trainable, self.reducer.variables)):
+            # A callback froze or unfroze a layer since the fit began (rank 0):
+            # refused before this step's collectives start, so no rank waits.
+            raise model_checks.trainable_changed_during_fit(len(self.reducer.variables),
+                                                            len(trainable))
         profile.mark("step_begin")
         self.state_sync.snapshot()
         self.trackers.begin()

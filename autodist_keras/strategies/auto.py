@@ -484,8 +484,8 @@ class AutoStrategy:
             if len(args) > 5:  # callbacks passed positionally: leave them alone
                 return original_fit(*args, **kwargs)
             timer = StepTimer(warmup=2)
-            callbacks = strategy.adapter.callbacks_for_fit(list(kwargs.get("callbacks") or []))
-            kwargs["callbacks"] = callbacks + [timer]
+            kwargs["callbacks"] = _with_callbacks(
+                kwargs.get("callbacks"), strategy.adapter.callbacks_for_fit, timer)
             strategy.adapter.first_train_batch = None
             history = original_fit(*args, **kwargs)
             known = strategy._known(model)
@@ -814,6 +814,26 @@ class AutoStrategy:
 
 NOT_HERE_NOTE = ("planned for a cluster whose devices are not on this machine: every candidate "
                  "was considered, as by `autodist-keras plan`; fit here would refuse to run it")
+
+
+def _with_callbacks(given, adapt, timer):
+    """The `callbacks` argument of `fit` with the adapter's changes and `timer` added
+    (until session 23 a single callback or a `CallbackList` raised a TypeError).
+
+    Keras takes a list, a single callback or a `CallbackList`; so does this,
+    and a `CallbackList` stays one (a copy: the caller's is not changed).
+    """
+    import copy
+
+    import keras
+
+    if isinstance(given, keras.callbacks.CallbackList):
+        given = copy.copy(given)
+        given.callbacks = adapt(list(given.callbacks)) + [timer]
+        return given
+    if isinstance(given, keras.callbacks.Callback):
+        given = [given]
+    return adapt(list(given or [])) + [timer]
 
 
 def _not_made_error(name, reason):
