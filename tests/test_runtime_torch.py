@@ -1177,3 +1177,20 @@ def test_replicas_that_differ_are_named_with_the_reason():
     finally:
         strategy.adapter.close()
     assert strategy.adapter.last_run["in_sync"] is False
+
+
+def test_a_layer_with_bfloat16_variables_trains_and_ends_fit_in_sync():
+    """fit's end-of-fit check hashed each variable through NumPy, which has no
+    bfloat16: 'Got unsupported ScalarType BFloat16' after the last step, no History."""
+    strategy = _strategy("proportional", 3)
+    x, y = _data("mlp", n=48)
+    with strategy.scope():
+        inputs = keras.Input((x.shape[1],))
+        hidden = keras.layers.Dense(8, dtype="bfloat16", name="half")(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(int(y.max()) + 1, name="logits")(hidden))
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert model.get_layer("half").kernel.dtype == "bfloat16"
+    assert len(history.history["loss"]) == 1
+    assert strategy.adapter.last_run["in_sync"] is True

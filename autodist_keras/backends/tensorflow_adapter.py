@@ -867,7 +867,7 @@ class _Runtime:
                         loss = model._compute_loss(
                             x=xi, y=yi, y_pred=y_pred, sample_weight=swi, training=True
                         )
-                        weighted = loss * tf.cast(share / total, loss.dtype)
+                        weighted = loss * tf.constant(share / total, loss.dtype)
                         scaled = (
                             model.optimizer.scale_loss(weighted)
                             if model.optimizer is not None else weighted
@@ -985,7 +985,7 @@ class _Runtime:
                         x=xi, y=yi, y_pred=y_pred, sample_weight=swi, training=False
                     )
                     if loss is not None:
-                        weighted_losses.append(loss * tf.cast(share / total, loss.dtype))
+                        weighted_losses.append(loss * tf.constant(share / total, loss.dtype))
                 trackers.record(share, restore=index < len(local) - 1)
                 y_preds.append(y_pred)
             if trackers is None:
@@ -1205,7 +1205,7 @@ class _Runtime:
             entries = values[id(variable)]
             if loss_trackers.is_float(variable):
                 parts = [
-                    tf.cast(v, variable.dtype) * tf.cast(s / total, variable.dtype)
+                    tf.cast(v, variable.dtype) * tf.constant(s / total, variable.dtype)
                     for s, v in entries
                 ]
                 floats.append((variable, tf.add_n(parts) if len(parts) > 1 else parts[0]))
@@ -1299,7 +1299,7 @@ class _TrackerRecord:
         for j, (v, old) in enumerate(zip(self.variables, self.old)):
             if not loss_trackers.is_float(v) or not self.new:
                 continue
-            parts = [tf.cast(s / total, old.dtype) * (values[j] - old) for s, values in self.new]
+            parts = [tf.constant(s / total, old.dtype) * (values[j] - old) for s, values in self.new]
             out.append((_TrackerDelta(v, old), tf.add_n(parts) if len(parts) > 1 else parts[0]))
         return out
 

@@ -620,7 +620,7 @@ class _SplitState:
                 total = float(sum(s for s, _ in entries))
                 first = tf.cast(entries[0][1], variable.dtype)
                 value = first + tf.add_n([
-                    (tf.cast(v, variable.dtype) - first) * tf.cast(s / total, variable.dtype)
+                    (tf.cast(v, variable.dtype) - first) * tf.constant(s / total, variable.dtype)
                     for s, v in entries[1:]
                 ])
             self.scope.add_update((variable, value))

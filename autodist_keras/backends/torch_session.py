@@ -93,8 +93,10 @@ def checksums(model):
     import torch
 
     weights, opt_vars = state_variables(model)
+    # The raw bytes (as uint8): NumPy has no bfloat16.
     digests = b"".join(
-        hashlib.blake2b(_value(v).to("cpu").contiguous().numpy().tobytes(), digest_size=16).digest()
+        hashlib.blake2b(_value(v).to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                        .numpy().tobytes(), digest_size=16).digest()
         for v in weights + opt_vars
     )
     return torch.frombuffer(bytearray(digests), dtype=torch.uint8)
