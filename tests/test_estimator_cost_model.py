@@ -53,6 +53,25 @@ def test_compute_bound_layer_follows_peak_flops(graph, cluster):
     assert cost.layer_time(node, v100, 2 * batch, "forward") > t
 
 
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16", "bfloat16"])
+def test_a_layer_computing_in_half_precision_uses_the_fp16_peak(cluster, policy):
+    """A model under a mixed-precision policy was priced at the FP32 peak (V100: 15.7
+    instead of 125 TFLOP/s) unless the cost model was made with precision='mixed',
+    which AutoStrategy never did: the graph's output dtypes say it."""
+    inputs = keras.Input((2048,))
+    half = keras.layers.Dense(4096, dtype=policy, name="big")(inputs)
+    graph = ModelGraph.from_keras(keras.Model(inputs, half))
+    node = graph.nodes["big"]
+    assert node.output_dtypes[0] in ("float16", "bfloat16")
+    v100, batch = cluster.devices[0], 512
+    cost = AnalyticCostModel(cluster, framework=ROOFLINE)
+    mixed = AnalyticCostModel(cluster, framework=ROOFLINE, precision="mixed")
+    t = cost.layer_time(node, v100, batch, "forward")
+    assert t == mixed.layer_time(node, v100, batch, "forward")
+    assert t == pytest.approx(node.forward_flops * batch / (v100.peak_flops_fp16 * 0.55)
+                              + cm.LAUNCH_OVERHEAD_S["gpu"], rel=1e-12)
+
+
 def test_memory_bound_layer_follows_bandwidth(graph, cluster):
     cost = AnalyticCostModel(cluster, framework=ROOFLINE)
     node = graph.nodes["relu"]

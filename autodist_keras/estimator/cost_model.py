@@ -129,6 +129,12 @@ def op_category(layer_type):
     return "other"
 
 
+def _computes_in_half(node):
+    """Whether the layer computes in float16 or bfloat16 (tensor cores on GPUs)."""
+    dtypes = getattr(node, "output_dtypes", None) or ()
+    return bool(dtypes) and dtypes[0] in ("float16", "bfloat16")
+
+
 def input_bytes_per_sample(node, dtype_bytes=4):
     """Bytes of a node's input activations per sample (unknown dims count as 1)."""
     total = 0
@@ -266,7 +272,10 @@ class AnalyticCostModel(CostModel):
         memory_efficiency: Overrides of `MEMORY_EFFICIENCY`, `{kind: fraction}`.
         launch_overhead_s: Overrides of `LAUNCH_OVERHEAD_S`, `{kind: seconds}`.
         precision: `"fp32"` (default) or `"mixed"` (matmul-like layers use
-            the device's FP16 peak).
+            the device's FP16 peak). Either way a matmul-like layer that
+            computes in float16 or bfloat16 (its output dtype: a
+            `mixed_float16` / `mixed_bfloat16` policy, or a half-precision
+            layer) uses the FP16 peak.
         dtype_bytes: Bytes per activation element for input activations.
         framework: The Keras backend that will run the plan (`"torch"`,
             `"tensorflow"`, ...); default the active one. On the PyTorch
@@ -398,7 +407,7 @@ class AnalyticCostModel(CostModel):
             moved = 2 * weight_bytes + (2 * in_bytes + out_bytes) * batch
             kernels = 2 if node.variables else 1
         peak = device.peak_flops_fp32
-        if self.precision == "mixed" and category == "matmul":
+        if category == "matmul" and (self.precision == "mixed" or _computes_in_half(node)):
             peak = max(peak, getattr(device, "peak_flops_fp16", 0.0) or 0.0)
         efficiency = self.compute_efficiency[kind].get(category, self.compute_efficiency[kind]["other"])
         compute = flops / (peak * efficiency) if flops else 0.0

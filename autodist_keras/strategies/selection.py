@@ -69,10 +69,11 @@ FAMILY_BUDGET_S = {"fastt": 3.0, "heterog": 4.0, "disco": 2.0}
 # fan-out transfers, HeteroG's sets, starts and LP memory, Disco's straggler types, the
 # backend in the key and in plans; 6: session 21's Disco device subsets, FastT's ties
 # and op-fusion regions without random layers; 7: regions without keras.ops nodes;
-# 8: under PyTorch, only regions its runtime compiles as chains);
+# 8: under PyTorch, only regions its runtime compiles as chains; 9: half-precision
+# matmuls priced at the FP16 peak);
 # the package version is in the key too, so an upgrade never reuses an older
 # release's plans.
-CACHE_VERSION = 8
+CACHE_VERSION = 9
 ESTIMATOR_CHOICES = ("learned", "simulator")
 TIE_RTOL = 1e-6
 SCORER_SIMULATOR = "simulator (predicted)"
