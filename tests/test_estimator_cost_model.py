@@ -53,8 +53,12 @@ def test_compute_bound_layer_follows_peak_flops(graph, cluster):
     assert cost.layer_time(node, v100, 2 * batch, "forward") > t
 
 
-@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16", "bfloat16"])
-def test_a_layer_computing_in_half_precision_uses_the_fp16_peak(cluster, policy):
+@pytest.mark.parametrize("policy, gpu, tensor_cores", [
+    ("mixed_float16", "V100", True), ("float16", "T4", True),
+    ("mixed_bfloat16", "A100", True), ("bfloat16", "H100", True),
+    ("mixed_bfloat16", "V100", False),  # Volta has no bfloat16 tensor cores
+])
+def test_a_layer_computing_in_half_precision_uses_the_fp16_peak(policy, gpu, tensor_cores):
     """A model under a mixed-precision policy was priced at the FP32 peak (V100: 15.7
     instead of 125 TFLOP/s) unless the cost model was made with precision='mixed',
     which AutoStrategy never did: the graph's output dtypes say it."""
@@ -63,12 +67,12 @@ def test_a_layer_computing_in_half_precision_uses_the_fp16_peak(cluster, policy)
     graph = ModelGraph.from_keras(keras.Model(inputs, half))
     node = graph.nodes["big"]
     assert node.output_dtypes[0] in ("float16", "bfloat16")
-    v100, batch = cluster.devices[0], 512
+    cluster = Cluster.from_string(f"1x{gpu}")
+    device, batch = cluster.devices[0], 512
     cost = AnalyticCostModel(cluster, framework=ROOFLINE)
-    mixed = AnalyticCostModel(cluster, framework=ROOFLINE, precision="mixed")
-    t = cost.layer_time(node, v100, batch, "forward")
-    assert t == mixed.layer_time(node, v100, batch, "forward")
-    assert t == pytest.approx(node.forward_flops * batch / (v100.peak_flops_fp16 * 0.55)
+    t = cost.layer_time(node, device, batch, "forward")
+    peak = device.peak_flops_fp16 if tensor_cores else device.peak_flops_fp32
+    assert t == pytest.approx(node.forward_flops * batch / (peak * 0.55)
                               + cm.LAUNCH_OVERHEAD_S["gpu"], rel=1e-12)
 
 

@@ -368,3 +368,24 @@ def lookup_gpu(name, source=None, field=None):
             source=source, field=field, value=name,
         )
     return GPU_CATALOG[key]
+
+
+# Architectures whose tensor cores run bfloat16 (NVIDIA Ampere and later); Volta,
+# Turing and Pascal run float16 only.
+BFLOAT16_ARCHITECTURES = ("Ampere", "Ada", "Hopper", "Blackwell")
+
+
+def has_bfloat16_tensor_cores(model):
+    """Whether the catalog GPU `model` computes bfloat16 at its FP16 (tensor-core) peak.
+
+    Args:
+        model: A device's catalog key or GPU name (`Device.model`).
+
+    Returns:
+        True for a catalog GPU of an Ampere or later architecture; False for
+        older GPUs, CPUs and names outside the catalog (priced at the FP32
+        peak, the conservative choice).
+    """
+    key = _ALIASES.get(normalise_gpu_name(model)) if isinstance(model, str) else None
+    entry = next((e for e in _ENTRIES if e.key == key), None)
+    return entry is not None and entry.architecture.startswith(BFLOAT16_ARCHITECTURES)

@@ -129,10 +129,15 @@ def op_category(layer_type):
     return "other"
 
 
-def _computes_in_half(node):
-    """Whether the layer computes in float16 or bfloat16 (tensor cores on GPUs)."""
+def _computes_in_half(node, device):
+    """Whether the layer computes in a half-precision dtype the device's tensor cores
+    run at its FP16 peak: float16, or bfloat16 on Ampere and later GPUs."""
     dtypes = getattr(node, "output_dtypes", None) or ()
-    return bool(dtypes) and dtypes[0] in ("float16", "bfloat16")
+    if not dtypes or dtypes[0] not in ("float16", "bfloat16"):
+        return False
+    from autodist_keras.devices.catalog import has_bfloat16_tensor_cores
+
+    return dtypes[0] == "float16" or has_bfloat16_tensor_cores(getattr(device, "model", None))
 
 
 def input_bytes_per_sample(node, dtype_bytes=4):
@@ -273,9 +278,10 @@ class AnalyticCostModel(CostModel):
         launch_overhead_s: Overrides of `LAUNCH_OVERHEAD_S`, `{kind: seconds}`.
         precision: `"fp32"` (default) or `"mixed"` (matmul-like layers use
             the device's FP16 peak). Either way a matmul-like layer that
-            computes in float16 or bfloat16 (its output dtype: a
-            `mixed_float16` / `mixed_bfloat16` policy, or a half-precision
-            layer) uses the FP16 peak.
+            computes in float16 (its output dtype: a `mixed_float16` policy,
+            or a float16 layer) uses the FP16 peak, and so does one in
+            bfloat16 on an Ampere or later GPU (Volta, Turing and Pascal
+            have no bfloat16 tensor cores).
         dtype_bytes: Bytes per activation element for input activations.
         framework: The Keras backend that will run the plan (`"torch"`,
             `"tensorflow"`, ...); default the active one. On the PyTorch
@@ -407,7 +413,8 @@ class AnalyticCostModel(CostModel):
             moved = 2 * weight_bytes + (2 * in_bytes + out_bytes) * batch
             kernels = 2 if node.variables else 1
         peak = device.peak_flops_fp32
-        if category == "matmul" and (self.precision == "mixed" or _computes_in_half(node)):
+        if category == "matmul" and (self.precision == "mixed"
+                                     or _computes_in_half(node, device)):
             peak = max(peak, getattr(device, "peak_flops_fp16", 0.0) or 0.0)
         efficiency = self.compute_efficiency[kind].get(category, self.compute_efficiency[kind]["other"])
         compute = flops / (peak * efficiency) if flops else 0.0
