@@ -160,25 +160,30 @@ class _FreezeBaseAfterBatch(keras.callbacks.Callback):
             self.model.get_layer("base").trainable = False
 
 
-def test_freezing_during_fit_is_a_clear_error_and_the_next_fit_trains_the_rest():
+@pytest.mark.parametrize("rows", [200, 192])
+def test_freezing_during_fit_is_a_clear_error_and_the_next_fit_trains_the_rest(rows):
     """A callback freezing a layer mid-fit crashed deep in the runtimes ('Tensor lists
     must have the same number of tensors' on PyTorch, IndexError on TensorFlow once a
-    step traced again). It is refused before the next step's exchange, and the next
-    fit plans for what is still trainable."""
+    step traced again: 200 rows end with a batch of 8), or on TensorFlow without a new
+    trace (192 rows) trained the frozen layer on. It is refused before the next step,
+    and the next fit plans for what is still trainable."""
     from autodist_keras.errors import BackendError
 
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(200, 9)).astype("float32")  # a last batch of 8: TF traces again
-    y = rng.integers(0, 3, size=(200,))
+    x = rng.normal(size=(rows, 9)).astype("float32")
+    y = rng.integers(0, 3, size=(rows,))
     strategy = AutoStrategy("proportional", cluster=Cluster.cpu_testbed())
     with strategy.scope():
         model = _model()
         _compile(model)
+    seen = []
     try:
         with pytest.raises(BackendError, match="trainable variables changed during fit .*"
                                                "Received: 2 trainable variables now, 4 at"):
             model.fit(x, y, batch_size=48, epochs=1, shuffle=False, verbose=0,
-                      callbacks=[_FreezeBaseAfterBatch()])
+                      callbacks=[_FreezeBaseAfterBatch(), keras.callbacks.LambdaCallback(
+                          on_train_batch_begin=lambda batch, logs: seen.append(batch))])
+        assert seen == [0, 1, 2]  # batch 2 began, and its step was refused
         frozen = [w.copy() for w in model.get_layer("base").get_weights()]
         head = [w.copy() for w in model.get_layer("head").get_weights()]
         model.fit(x, y, batch_size=48, epochs=1, shuffle=False, verbose=0)

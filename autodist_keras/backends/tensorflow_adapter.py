@@ -744,12 +744,14 @@ class _Runtime:
         else:
             shares = self.shares(batch_size)
             key = (kind, shares)
+        if kind == "train" and self.trainable_changed():
+            # A callback froze or unfroze a layer since the fit began: the traced
+            # step would go on training it, a new trace would pair the new
+            # variables with the old buckets. (0.2 ms for ResNet50's 214.)
+            raise model_checks.trainable_changed_during_fit(
+                len(self.trained_paths), len(self.model.trainable_variables))
         fn = self.fns.get(key)
         if fn is None:
-            if kind == "train" and self.trainable_changed():
-                # (Keras would trace the new variables against the old buckets.)
-                raise model_checks.trainable_changed_during_fit(
-                    len(self.trained_paths), len(self.model.trainable_variables))
             if placement is not None:
                 body = getattr(placement, f"{kind}_step")(batch_size)
             else:
