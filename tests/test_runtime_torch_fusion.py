@@ -242,7 +242,15 @@ def _models_with_unrealisable_joins():
 
     encoder = zoo.transformer_encoder(num_layers=1, d_model=16, heads=2, seq_len=8, vocab=40,
                                       num_classes=3)
-    return [masked, nested, mixed, encoder]
+
+    frozen_in = keras.Input((16,))
+    hidden = keras.layers.Dense(16, name="frozen_dense")(frozen_in)
+    hidden = keras.layers.BatchNormalization(name="frozen_bn")(hidden, training=False)
+    hidden = keras.layers.Activation("relu", name="frozen_relu")(hidden)
+    hidden = keras.layers.LayerNormalization(name="frozen_norm")(hidden)
+    frozen_bn = keras.Model(frozen_in, keras.layers.Dense(3, name="frozen_out")(hidden),
+                            name="frozen_bn")
+    return [masked, nested, mixed, encoder, frozen_bn]
 
 
 def test_disco_plans_only_regions_the_torch_runtime_compiles():
@@ -272,4 +280,6 @@ def test_disco_plans_only_regions_the_torch_runtime_compiles():
             assert regions["torch"] == [["outer_dense", "outer_relu"]]
         if model.name == "mixed":
             assert regions["torch"] == [["plain_dense", "plain_relu"]]
-    assert fallbacks_by_tf_rules >= 4
+        if model.name == "frozen_bn":  # BatchNormalization called with training=False
+            assert regions["torch"] == [["frozen_relu", "frozen_norm"]]
+    assert fallbacks_by_tf_rules >= 5

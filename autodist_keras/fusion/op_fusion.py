@@ -403,8 +403,9 @@ def candidate_joins(graph, framework=None):
 
     Under PyTorch (`framework="torch"`) a join must also keep the region a
     chain that `backends/torch_fusion.py` compiles: both layers take one
-    input tensor, the first one's only output feeds the second alone (and is
-    no model output), and neither computes a mask, casts for mixed precision
+    input tensor and no other argument (`BatchNormalization()(x,
+    training=False)` has one), the first one's only output feeds the second
+    alone (and is no model output), and neither computes a mask, casts for mixed precision
     or sits inside a nested model. So Disco plans no region the PyTorch
     runtime would run layer by layer while the prediction counted it fused.
 
@@ -440,8 +441,8 @@ def candidate_joins(graph, framework=None):
 def _torch_chain_problem(graph, src, dst, consumers):
     """True when joining `src` and `dst` would make a region PyTorch runs layer by layer."""
     for node in (graph.nodes[src], graph.nodes[dst]):
-        if (len(node.input_shapes) != 1 or node.computes_mask or node.autocasts
-                or node.nested):
+        if (len(node.input_shapes) != 1 or node.extra_arguments or node.computes_mask
+                or node.autocasts or node.nested):
             return True
     return (len(graph.nodes[src].output_shapes) != 1 or consumers.get(src) != [dst]
             or src in graph.outputs)

@@ -110,6 +110,9 @@ class LayerNode:
             fingerprint.
         nested: Whether the call is inside a nested model (a functional or
             Sequential model used as a layer). Not part of the fingerprint.
+        extra_arguments: Whether the call passes more than its one input
+            positionally, or a keyword argument that is not None (e.g.
+            `training=False`). Not part of the fingerprint.
     """
 
     name: str
@@ -132,6 +135,7 @@ class LayerNode:
     computes_mask: bool = False
     autocasts: bool = False
     nested: bool = False
+    extra_arguments: bool = False
 
     @property
     def activation_bytes(self):
@@ -171,6 +175,7 @@ class LayerNode:
             "computes_mask": self.computes_mask,
             "autocasts": self.autocasts,
             "nested": self.nested,
+            "extra_arguments": self.extra_arguments,
         }
 
     @classmethod
@@ -196,6 +201,7 @@ class LayerNode:
             computes_mask=bool(data.get("computes_mask", False)),
             autocasts=bool(data.get("autocasts", False)),
             nested=bool(data.get("nested", False)),
+            extra_arguments=bool(data.get("extra_arguments", False)),
         )
 
 
@@ -850,6 +856,8 @@ class _Builder:
             computes_mask=is_layer and computes_mask(op),
             autocasts=is_layer and autocasts(op),
             nested=nested,
+            extra_arguments=len(node.arguments.args) != 1 or any(
+                v is not None for v in node.arguments.kwargs.values()),
         )
         self.calls[name] = (op, node)
         # Edges: bytes of the distinct tensors each producer feeds this call.
