@@ -14,6 +14,7 @@ backward op of a layer carries the planned device; and in an eager run
 tensors each layer call produced report the device they were computed on.
 """
 
+import contextlib
 import re
 
 import keras
@@ -633,3 +634,39 @@ def test_subclassed_model_graph_refuses_placement():
     plan = _plan("mlp", _chunks(list(_graph("mlp").nodes), [D0, D1]))
     reason = tf_placement.unsupported(plan, graph)
     assert reason and "subclassed" in reason
+
+
+def test_a_plan_given_with_plan_trains_on_after_a_layer_is_frozen_between_fits():
+    """Fine-tuning under a hand-written or saved plan: its buckets and sync named the
+    frozen layer's variables, and the next fit failed ('Plan bucket 0 names variable
+    ...'). They are left out of the plan in force (with a note and a new prediction);
+    the plan given stays whole, and training matches plain Keras doing the same."""
+    names = list(_graph("mlp").nodes)
+    given = _plan("mlp", SPLITS["mlp"](names))
+    assert given.prediction is None  # made in code: predicted when it is used
+    strategy = _strategy(given)
+    x, y = _data("mlp")
+    models = []
+    for scope in (strategy.scope(), contextlib.nullcontext()):
+        with scope:
+            model = MODELS["mlp"]()
+            _compile(model, "adam")
+        model.set_weights(_initial("mlp"))
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        model.get_layer("p_d1").trainable = False
+        model.train_function = None  # plain Keras: trace again, as the strategy does
+        frozen = [w.copy() for w in model.get_layer("p_d1").get_weights()]
+        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        for got, want in zip(model.get_layer("p_d1").get_weights(), frozen):
+            np.testing.assert_array_equal(got, want)
+        models.append((model, history))
+    (model, history), (reference, ref_history) = models
+    for w, got, want in zip(model.weights, model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, err_msg=w.path)
+    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
+    in_force = strategy.plan
+    assert "p_d1/kernel" not in in_force.sync and "p_d1/kernel" in given.sync
+    assert not any("p_d1/kernel" in bucket for bucket in in_force.buckets)
+    assert any("2 variable(s) that no longer train" in note for note in in_force.notes)
+    assert in_force.prediction is not None and given.prediction is None
+    assert strategy.explain(format="json")["measured"]["steps"] >= 1

@@ -559,9 +559,8 @@ class AutoStrategy:
 
         known = self._known(model)
         if known is not None:
-            planned = {name for bucket in known[2].buckets for name in bucket}
-            if self._fixed_plan is not None or planned == {v.path for v in
-                                                           model.trainable_weights}:
+            planned_for = {v.name for v in known[1].variables}  # trainable then
+            if planned_for == {v.path for v in model.trainable_weights}:
                 _, self.graph, self.plan = known
                 return self.plan
             self._plans.pop(id(model))
@@ -606,6 +605,17 @@ class AutoStrategy:
                 + ", ".join(f"{old} -> {new}" for old, new in list(renames.items())[:6])
                 + (" ..." if len(renames) > 6 else "")]
             self.plan = self._fixed_plan = renamed
+        trainable = {v.name for v in self.graph.variables}
+        frozen = sorted(({n for bucket in self.plan.buckets for n in bucket} | set(self.plan.sync))
+                        & ({w.path for w in model.weights} - trainable))
+        if frozen:
+            # Layers frozen since the plan was made: their variables leave the
+            # buckets (the plan given is kept whole for when they train again).
+            self.plan = self.plan.without_variables(frozen)
+            self.plan.notes = list(self.plan.notes) + [
+                f"plan=: {len(frozen)} variable(s) that no longer train (frozen layers) left "
+                "out of its gradient buckets and sync: " + ", ".join(frozen[:4])
+                + (" ..." if len(frozen) > 4 else "")]
         try:
             notes = self.plan.validate(self.graph, self.cluster)
         except PlanError as e:
@@ -637,6 +647,18 @@ class AutoStrategy:
                 f"({recorded.step_time_s * 1e3:.3f} ms, {recorded.source}); the prediction "
                 "shown is the simulator's for the plan as given"
             ]
+        elif self.plan.prediction is None:
+            # A plan made in code (or with frozen layers left out): predict it here,
+            # so that explain() has a figure to put beside the measured step.
+            from autodist_keras.estimator import simulate
+
+            if self.plan is self._fixed_plan:
+                import copy
+
+                self.plan = copy.deepcopy(self.plan)
+            self.plan.prediction = simulate(self.graph, self.cluster, self.plan).to_prediction()
+            self.plan.notes = list(self.plan.notes) + [
+                "plan=: predicted by the simulator for the plan as given"]
 
     def _build_plan(self, graph, batch_size):
         from autodist_keras.strategies import selection

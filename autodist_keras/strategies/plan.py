@@ -719,6 +719,29 @@ class Plan:
             plan.prediction.plan_digest = plan.structure_digest()
         return plan, renames
 
+    def without_variables(self, names):
+        """A copy of the plan whose sync and gradient buckets leave out `names`.
+
+        For variables that no longer train (a layer frozen between fits): the
+        placement and shares stay as they are. Buckets left empty are dropped.
+        The copy has no prediction (it describes another plan).
+
+        Args:
+            names: Variable names (paths) to leave out.
+
+        Returns:
+            A new `Plan`.
+        """
+        import copy
+
+        names = set(names)
+        plan = copy.deepcopy(self)
+        plan.sync = {k: v for k, v in plan.sync.items() if k not in names}
+        plan.buckets = [kept for kept in ([n for n in bucket if n not in names]
+                                          for bucket in plan.buckets) if kept]
+        plan.prediction = None
+        return plan
+
     def summary(self):
         """Returns a short plain-text description of the plan."""
         lines = [
