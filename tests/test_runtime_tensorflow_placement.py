@@ -669,4 +669,16 @@ def test_a_plan_given_with_plan_trains_on_after_a_layer_is_frozen_between_fits()
     assert not any("p_d1/kernel" in bucket for bucket in in_force.buckets)
     assert any("2 variable(s) that no longer train" in note for note in in_force.notes)
     assert in_force.prediction is not None and given.prediction is None
-    assert strategy.explain(format="json")["measured"]["steps"] >= 1
+    data = strategy.explain(format="json")
+    assert data["measured"]["steps"] >= 1 and data["measured_vs_predicted"] is not None
+    # explain() says where each layer ran, split shares included (it gave a layer
+    # count per device only).
+    text = strategy.explain()
+    for group in in_force.groups:
+        replicas = group.replicas
+        where = (f"on {replicas[0].device}" if len(replicas) == 1 else "split over " + ", ".join(
+            f"{r.device} ({r.batch_share} rows)" for r in replicas))
+        assert f"{group.name}: {group.layers[0]}" in text and where in text
+    assert [g["replicas"] for g in data["groups"]] == [
+        [{"device": r.device, "batch_share": r.batch_share} for r in g.replicas]
+        for g in in_force.groups]

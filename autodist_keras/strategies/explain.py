@@ -136,6 +136,14 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
         "measured_vs_predicted": measured_vs_predicted,
         "speedup_vs_even_predicted": speedup,
         "devices": device_rows,
+        # Where each layer runs: one entry per layer group, with its replicas.
+        "data_parallel": plan.is_data_parallel,
+        "groups": [
+            {"name": group.name, "layers": list(group.layers),
+             "replicas": [{"device": r.device, "batch_share": r.batch_share}
+                          for r in group.replicas]}
+            for group in plan.groups
+        ],
         "sync": sync,
         "buckets": {
             "count": len(plan.buckets),
@@ -303,6 +311,23 @@ def _header_lines(data):
     return lines
 
 
+def _group_lines(data):
+    """Where each layer runs, for a plan that is not plain data parallelism."""
+    if data.get("data_parallel", True) or not data.get("groups"):
+        return []
+    lines = ["Layer groups (where each layer runs; split groups divide the batch):"]
+    for group in data["groups"]:
+        layers = group["layers"]
+        named = layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]}"
+        replicas = group["replicas"]
+        where = (f"on {replicas[0]['device']}" if len(replicas) == 1 else
+                 "split over " + ", ".join(f"{r['device']} ({r['batch_share']} rows)"
+                                           for r in replicas))
+        lines.append(f"  {group['name']}: {named} ({len(layers)} layer"
+                     f"{'s' if len(layers) != 1 else ''}) {where}")
+    return lines
+
+
 def _internal_lines(data):
     """The planner's own search figures, apart from the candidates and labelled."""
     rows = data.get("planner_internal") or []
@@ -374,6 +399,9 @@ def _render_plain(data):
     lines = _header_lines(data)
     lines.append("")
     lines += _plain_table(DEVICE_COLUMNS, data["devices"])
+    groups = _group_lines(data)
+    if groups:
+        lines += [""] + groups
     if data["candidates"]:
         lines.append("")
         lines += _plain_table(CANDIDATE_COLUMNS, data["candidates"])
@@ -400,6 +428,8 @@ def _render_rich(data):
     for row in data["devices"]:
         table.add_row(*[_cell(k, row[k]) for k, _ in DEVICE_COLUMNS])
     console.print(table)
+    for line in _group_lines(data):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
     if data["candidates"]:
         table = Table(title="Candidates (predicted)")
         for _, title in CANDIDATE_COLUMNS:
