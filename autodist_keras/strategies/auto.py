@@ -843,16 +843,17 @@ def _with_callbacks(given, adapt, timer):
     (until session 23 a single callback or a `CallbackList` raised a TypeError).
 
     Keras takes a list, a single callback or a `CallbackList`; so does this,
-    and a `CallbackList` stays one (a copy: the caller's is not changed).
+    and a `CallbackList` stays one: a new one with the caller's model and
+    params (Keras sets neither on a list it is given) and its own choice of
+    running callbacks on a thread (the timer must run on the main thread).
+    The caller's is not changed.
     """
-    import copy
-
     import keras
 
     if isinstance(given, keras.callbacks.CallbackList):
-        given = copy.copy(given)
-        given.callbacks = adapt(list(given.callbacks)) + [timer]
-        return given
+        return keras.callbacks.CallbackList(
+            adapt(list(given.callbacks)) + [timer], model=getattr(given, "_model", None),
+            **(getattr(given, "params", None) or {}))
     if isinstance(given, keras.callbacks.Callback):
         given = [given]
     return adapt(list(given or [])) + [timer]
