@@ -420,6 +420,27 @@ def test_settings_of_an_optimizer_wrapped_for_loss_scaling_reach_every_worker(re
     assert not [w for w in recwarn if "differ" in str(w.message)]
 
 
+class _MomentumOffAtTrainBegin(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.model.optimizer.momentum = 0.0
+
+
+def test_a_setting_that_decides_the_optimizer_variables_may_change_as_fit_begins(recwarn):
+    """Keras builds the optimizer as fit begins, before on_train_begin; a callback
+    setting momentum = 0.0 there was taken for the built value, and the workers made
+    no momentum slots ('Rank 1's replica has 2 optimizer variables but rank 0's has 6')."""
+    def make():
+        return keras.optimizers.SGD(0.1, momentum=0.9)
+
+    strategy = _strategy("proportional", 3)
+    model, history = _fit_with_optimizer(make, strategy, [_MomentumOffAtTrainBegin()])
+    reference, ref_history = _fit_with_optimizer(make, callbacks=[_MomentumOffAtTrainBegin()])
+    assert len(model.optimizer.variables) == len(reference.optimizer.variables) > 2
+    assert strategy.adapter.last_run["in_sync"] is True
+    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
+    _assert_same_weights(model, reference)
+
+
 @pytest.mark.parametrize("case", ["sgd_momentum", "adam_amsgrad", "loss_scaled_momentum"])
 def test_a_setting_that_decides_the_optimizer_variables_may_change_between_fits(case, recwarn):
     """SGD makes momentum slots only when momentum is not 0, Adam more with amsgrad:

@@ -32,6 +32,9 @@ class BackendAdapter:
         """The callbacks this process runs in `fit` (default: the user's, unchanged)."""
         return callbacks
 
+    def before_fit(self, model):
+        """Called as `model.fit` is called, before Keras builds anything (default: nothing)."""
+
     def measurement_note(self):
         """What a reader of the measured step time should know, or None.
 

@@ -290,6 +290,12 @@ class TorchAdapter(BackendAdapter):
         name = keras_device_name(info)
         return keras.device(name) if name else contextlib.nullcontext()
 
+    def before_fit(self, model):
+        """Notes the optimizer's settings before Keras builds it (`torch_state_watch`)."""
+        from autodist_keras.backends.torch_state_watch import note_settings_before_build
+
+        note_settings_before_build(getattr(model, "optimizer", None))
+
     def attach(self, model):
         """Wraps `model.fit` so that it runs the strategy's plan."""
         if getattr(model, _ATTACHED, None) is self:

@@ -1060,7 +1060,8 @@ def _check_metas(model, setup, rank):
             hint = "" if kind == "weights" else (
                 " A setting that decides which variables an optimizer makes (SGD's "
                 "momentum, Adam's amsgrad, use_ema) changed after it was built and before "
-                "this runtime first saw it: compile again with a new optimizer.")
+                "this runtime first saw it (an optimizer built, or loaded, before its first "
+                "fit here): compile again with a new optimizer.")
             raise BackendError(
                 f"Rank {rank}'s replica has {len(mine)} {kind} but rank 0's has "
                 f"{len(theirs)}; every rank must build the same model and optimizer.{hint} "

@@ -183,6 +183,18 @@ def _settings_of(optimizer):
     return dict(zip(watch.keys, watch._read()))
 
 
+def note_settings_before_build(optimizer):
+    """Notes an unbuilt `optimizer`'s settings: Keras is about to build it with them.
+
+    Called as `fit` is called. Keras builds the optimizer at the start of
+    `fit`, before callbacks run; one that sets `momentum = 0.0` in
+    `on_train_begin` changes it after the build, and rank 0's setup (at the
+    first step) would take the new value for the one it was built with.
+    """
+    if optimizer is not None and not optimizer.built and optimizer not in _BUILT_WITH:
+        _BUILT_WITH[optimizer] = _settings_of(optimizer)
+
+
 def note_built_settings(optimizer, variables):
     """Builds rank 0's `optimizer` on `variables` if needed, and notes its settings then.
 
@@ -191,8 +203,9 @@ def note_built_settings(optimizer, variables):
     with `amsgrad=True`, any optimizer with `use_ema=True`. Workers build
     their optimizers from rank 0's config at every fit, so after such a
     setting changed they would make other variables (`built_settings_changed`).
-    The settings are noted the first time the runtime sees the optimizer
-    built (Keras builds it at the start of the first fit, just before).
+    The settings are noted as `fit` is called if the optimizer is not built
+    yet (`note_settings_before_build`), else the first time the runtime
+    sees it built.
     """
     if not optimizer.built:
         optimizer.build(variables)

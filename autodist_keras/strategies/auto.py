@@ -481,6 +481,7 @@ class AutoStrategy:
         def fit(*args, **kwargs):
             from autodist_keras.timing import StepTimer
 
+            strategy.adapter.before_fit(model)
             if len(args) > 5:  # callbacks passed positionally: leave them alone
                 return original_fit(*args, **kwargs)
             timer = StepTimer(warmup=2)
