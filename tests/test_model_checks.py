@@ -378,3 +378,24 @@ def test_batchnorm_whose_moving_statistics_combine_inexactly_warns():
         warnings.simplefilter("error")
         assert model_checks.warn_inexact_batchnorm(plain) == []
         assert model_checks.warn_inexact_batchnorm(outer) == []
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="TorchModuleWrapper is PyTorch's")
+def test_probes_leave_a_wrapped_torch_module_as_it_was():
+    """A torch.nn.BatchNorm1d's running statistics are torch buffers, which the probe
+    cannot restore: training mode is not probed for such a model (they moved by 0.23)."""
+    import torch
+
+    module = torch.nn.BatchNorm1d(8)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
+                              keras.layers.TorchModuleWrapper(module), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = _data(8)
+    model.evaluate(x, y, verbose=0)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    training = module.training
+    model_checks.check_summed_losses(model, x, y)
+    model_checks.warn_loss_not_per_sample(model, x, y)
+    for key, value in module.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert module.training == training

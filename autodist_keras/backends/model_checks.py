@@ -153,10 +153,12 @@ def _probe(model, compute):
     """Runs `compute()` with the model's metric states and non-trainable
     variables restored afterwards.
 
-    The probes call the model in inference mode, but a layer may still
-    assign its own variables in `call` (a step counter, a custom moving
-    average, a seed generator's state): those writes are undone, so the
-    first training step starts from the state plain Keras would.
+    The probes call the model in inference and in training mode
+    (`_probe_modes`), and a layer may assign its own variables in `call` (a
+    step counter, a moving average, a seed generator's state): those writes
+    are undone, so the first training step starts from the state plain Keras
+    would. State a layer keeps outside Keras variables (a Python attribute
+    it counts calls with) is not restored.
 
     Returns:
         What `compute` returned, or `None` when it raised or the model has
@@ -201,14 +203,20 @@ def _probe_modes(model, skip_training_if=()):
 
     A loss term a layer adds only in training (`add_loss` under `if training:`)
     exists only in training mode. Training mode is probed unless a layer
-    draws random numbers (Dropout: each probe would drop other units) or is
-    an instance of one of `skip_training_if`.
+    draws random numbers (Dropout: each probe would drop other units), wraps
+    a PyTorch module (`TorchModuleWrapper`: its buffers, such as a
+    `torch.nn.BatchNorm1d`'s running statistics, are no Keras variables the
+    probe could restore) or is an instance of one of `skip_training_if`.
     """
+    import keras
+
     from autodist_keras.graph.model_graph import random_layer
 
+    wrapper = getattr(keras.layers, "TorchModuleWrapper", None)
+    skip = tuple(skip_training_if if isinstance(skip_training_if, tuple)
+                 else (skip_training_if,)) + ((wrapper,) if wrapper is not None else ())
     layers = list(model._flatten_layers(include_self=False))
-    if random_layer(model) is not None or any(
-            isinstance(layer, skip_training_if) for layer in layers):
+    if random_layer(model) is not None or any(isinstance(layer, skip) for layer in layers):
         return (False,)
     return (False, True)
 
