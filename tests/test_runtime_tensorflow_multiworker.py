@@ -770,3 +770,28 @@ def test_a_worker_that_waits_past_timeout_s_says_a_peer_is_slow(tmp_path):
     assert codes[0] != 0
     assert ("BackendError: Worker rank 0 waited timeout_s=3 s for the other workers in a "
             "collective") in outputs[0], outputs[0][-3000:]
+
+
+def test_only_collective_failures_are_reported_as_a_stopped_or_slow_peer():
+    """Other deadline or unavailable errors (a remote file, say) keep TensorFlow's."""
+    import tensorflow as tf
+
+    from autodist_keras.backends.tf_multiworker import WorkerInfo
+    from autodist_keras.backends.tf_multiworker import collective_failure
+    from autodist_keras.errors import BackendError
+    from autodist_keras.errors import WorkerError
+
+    worker = WorkerInfo(2, 0, "worker", 0, ["127.0.0.1:1", "127.0.0.1:2"])
+    for error in (tf.errors.DeadlineExceededError(None, None, "Timed out reading gs://b/x"),
+                  tf.errors.UnavailableError(None, None, "failed to connect to gs://b")):
+        assert collective_failure(error, worker, 60) is None
+    slow = collective_failure(tf.errors.DeadlineExceededError(
+        None, None, "Collective ops is aborted by: Collective has timed out during "
+        "execution."), worker, 60)
+    assert isinstance(slow, BackendError) and "timeout_s=60 s" in str(slow)
+    assert str(slow).endswith("Received: DeadlineExceededError: Collective ops is aborted by: "
+                              "Collective has timed out during execution.")
+    gone = collective_failure(tf.errors.UnavailableError(
+        None, None, "Collective ops is aborted by: Socket closed\nAdditional GRPC error "
+        "information from remote target /job:worker/replica:0/task:1 while calling"), worker, 60)
+    assert isinstance(gone, WorkerError) and gone.rank == 1

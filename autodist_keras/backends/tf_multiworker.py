@@ -338,15 +338,18 @@ def collective_failure(error, worker, timeout_s):
     import tensorflow as tf
 
     text = str(error)
+    aborted = _ABORTED_BY.search(text)
     if isinstance(error, tf.errors.DeadlineExceededError):
+        if aborted is None and "Collective" not in text:
+            return None  # a deadline of something else (reading a remote file, say)
+        said = aborted.group(0).strip() if aborted else "collective timed out"
         return BackendError(
             f"Worker rank {worker.rank} waited timeout_s={timeout_s:g} s for the other workers "
             "in a collective: one of them is stuck or much slower (a callback that runs long "
             "on one worker, a worker that evaluates or saves alone). Check the other workers' "
             "output, or raise AutoStrategy(timeout_s=...). "
-            f"Received: {type(error).__name__}"
+            f"Received: {type(error).__name__}: {said}"
         )
-    aborted = _ABORTED_BY.search(text)
     if not isinstance(error, (tf.errors.UnavailableError, tf.errors.CancelledError,
                               tf.errors.AbortedError)) or aborted is None:
         return None
