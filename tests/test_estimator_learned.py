@@ -529,6 +529,10 @@ def test_malformed_estimator_files_are_refused_at_load_naming_file_and_field(rec
             "params.trees[3].left", "[")
     refused(saved["constant"], lambda d: d.pop("clip"), "clip", "missing")
     refused(saved["constant"], lambda d: d.update(domain={"x": 1}), "domain.devices", "missing")
+    refused(saved["ridge"], lambda d: d["domain"].pop("op_fusion"), "domain.op_fusion", "missing")
+    refused(saved["ridge"], lambda d: d["domain"].update(margin="wide"), "domain.margin", "'wide'")
+    refused(saved["ridge"], lambda d: d["domain"].update(layer_types=[1]), "domain.layer_types",
+            "[1]")
     refused(packaged["torch"],
             lambda d: d["params"]["members"]["gnn"]["ensemble"][0].update(head2=[[1.0]]),
             "params.members.gnn.ensemble[0].head2", "[[1.0]]")

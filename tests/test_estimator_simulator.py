@@ -347,6 +347,9 @@ def test_trace_prediction_and_plan_round_trip(chain, tmp_path):
     with pytest.raises(EstimatorError, match="field `otherData.note` is nan"):
         result.export_trace(tmp_path / "bad.json", other_data={"note": float("nan")})
     assert not (tmp_path / "bad.json").exists()
+    with pytest.raises(EstimatorError, match="has no JSON form .*Received: TypeError"):
+        result.export_trace(tmp_path / "bad.json", other_data={"note": object()})
+    assert not (tmp_path / "bad.json").exists()
     prediction = result.to_prediction()
     assert isinstance(prediction, Prediction) and "predicted" in prediction.source
     assert prediction.step_time_s == result.step_time_s

@@ -72,23 +72,23 @@ def _restore_without_writing(callback, scratch):
     `scratch` directory instead (Keras loads weights only from files named
     `.weights.h5`) and loads them from there.
     """
-    import shutil
+    from keras.src.utils import file_utils  # as Keras reads backup_dir (local or remote)
 
     def on_train_begin(logs=None):
         try:
             callback._load_model()
             return
         except OSError:
-            if not os.path.exists(callback._prev_weights_path):
+            if not file_utils.exists(callback._prev_weights_path):
                 raise
         restore = os.path.join(scratch, "backup_restore")
         os.makedirs(restore, exist_ok=True)
         latest = (callback._weights_path, callback._training_metadata_path)
-        callback._weights_path = shutil.copyfile(
-            callback._prev_weights_path, os.path.join(restore, "latest.weights.h5"))
+        callback._weights_path = os.path.join(restore, "latest.weights.h5")
+        file_utils.copy(callback._prev_weights_path, callback._weights_path)
         callback._training_metadata_path = os.path.join(restore, "training_metadata.json")
-        if os.path.exists(callback._prev_training_metadata_path):
-            shutil.copyfile(callback._prev_training_metadata_path,
+        if file_utils.exists(callback._prev_training_metadata_path):
+            file_utils.copy(callback._prev_training_metadata_path,
                             callback._training_metadata_path)
         elif os.path.exists(callback._training_metadata_path):
             os.remove(callback._training_metadata_path)

@@ -1038,6 +1038,14 @@ def _check_domain(domain):
     for key in ("param_bytes", "flops_per_sample", "batch_size"):
         if key in domain:
             _expect(domain, key, (2,), f"domain.{key}")
+    if not isinstance(domain.get("op_fusion", _MISSING), bool):
+        raise _BadParams("domain.op_fusion", "true or false", domain.get("op_fusion", _MISSING))
+    if "margin" in domain:
+        _expect(domain, "margin", (), "domain.margin")
+    if "layer_types" in domain:
+        types = _member(domain, "layer_types", list, "domain.layer_types", empty=True)
+        if not all(isinstance(t, str) for t in types):
+            raise _BadParams("domain.layer_types", "a list of layer type names", types)
 
 
 def _torch_available():

@@ -150,14 +150,18 @@ def json_text(data, where, indent=None):
         indent: As for `json.dumps`.
 
     Raises:
-        EstimatorError: If `data` holds a NaN or infinite float, naming its field.
+        EstimatorError: If `data` holds a NaN or infinite float (naming its
+            field), or a value or structure JSON cannot hold.
     """
     try:
         return json.dumps(data, indent=indent, sort_keys=True, allow_nan=False)
-    except ValueError:
+    except (TypeError, ValueError) as e:
         found = _non_finite_field(data)
-        if found is None:
-            raise
+        if found is None:  # a value JSON has no form for, or a circular reference
+            raise EstimatorError(
+                f"Cannot write {where}: its data has no JSON form ({e}). Pass numbers, "
+                f"strings, lists and dicts only. Received: {type(e).__name__}: {e}"
+            ) from None
         field, value = found
         raise EstimatorError(
             f"Cannot write {where}: field `{field}` is {value!r}, which standard JSON "
