@@ -459,8 +459,14 @@ def test_a_float64_model_with_thirds_for_shares_is_exact():
     from autodist_keras import AutoStrategy
     from autodist_keras.devices import Cluster
 
+    from keras.src.backend.common import global_state
+
+    # (A global policy set earlier would win over floatx; reading it with
+    # keras.config.dtype_policy() would pin one, so the raw setting is kept.)
     previous = keras.config.floatx()
+    policy = global_state.get_global_attribute("dtype_policy", None)
     keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
     try:
         rng = np.random.default_rng(0)
         x, y = rng.normal(size=(48, 8)), rng.integers(0, 3, size=(48,)).astype("int32")
@@ -485,3 +491,4 @@ def test_a_float64_model_with_thirds_for_shares_is_exact():
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-13)
     finally:
         keras.config.set_floatx(previous)
+        global_state.set_global_attribute("dtype_policy", policy)
