@@ -630,3 +630,20 @@ def test_cli_import_registers_the_custom_layers_of_a_keras_file(tmp_path):
     missing = run("-m", "autodist_keras.cli", "graph", "--model", "custom.keras",
                   "--import", "no_such_module_here")
     assert missing.returncode == 2 and "Cannot import module 'no_such_module_here'" in missing.stderr
+
+
+def test_a_speedup_over_even_from_two_scorers_says_so(graph, hetero):
+    """A plan outside the learned estimator's domain is scored by the simulator,
+    rescaled, while even data parallelism may be scored by the estimator: the speedup
+    then mixes two scorers (2.64x against the planner's own 1.21x in a FastT case)."""
+    plan, _ = selection.choose_plan(graph, hetero, 256, use_cache=False)
+    candidates = dict(plan.prediction.baselines)
+    data = explanation(plan, hetero, candidates=candidates)
+    assert data["speedup_vs_even_scorers"]["even"] == candidates["data_parallel_even"]["scorer"]
+    assert "compare with care" not in render_text(data, use_rich=False)  # one scorer here
+    candidates["data_parallel_even"] = dict(
+        candidates["data_parallel_even"], scorer="learned estimator (ensemble, tensorflow; "
+        "predicted)")
+    text = render_text(explanation(plan, hetero, candidates=candidates), use_rich=False)
+    assert ("(scored differently, so compare with care: this plan by the simulator, even data "
+            "parallelism by the learned (ensemble))") in text

@@ -83,9 +83,12 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
     even = candidates.get("data_parallel_even") or candidates.get("single_device")
     if even and even.get("feasible") is False:
         even = None  # a speedup over a plan that does not fit means nothing
-    speedup = None
+    speedup = speedup_scorers = None
     if prediction is not None and even and even.get("predicted_step_time_s"):
         speedup = round(even["predicted_step_time_s"] / prediction.step_time_s, 3)
+        # A plan outside the learned estimator's domain is scored by the simulator
+        # (rescaled) while the baseline may be scored by the estimator itself.
+        speedup_scorers = {"plan": prediction.source, "even": even.get("scorer")}
     measured_vs_predicted = None
     # Steps of another batch size are no measure of this prediction.
     same_batch = measured and measured.get("batch_size") in (None, plan.global_batch_size)
@@ -135,6 +138,7 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
         "measured": dict(measured or {}),
         "measured_vs_predicted": measured_vs_predicted,
         "speedup_vs_even_predicted": speedup,
+        "speedup_vs_even_scorers": speedup_scorers,
         "devices": device_rows,
         # Where each layer runs: one entry per layer group, with its replicas.
         "data_parallel": plan.is_data_parallel,
@@ -299,8 +303,14 @@ def _header_lines(data):
                 "CPUs run slower than it predicts (docs/estimator.md)"
             )
     if data["speedup_vs_even_predicted"] is not None:
+        scorers = data.get("speedup_vs_even_scorers") or {}
+        mine, even = (short_scorer(scorers.get("plan") or ""),
+                      short_scorer(scorers.get("even") or ""))
+        mixed = (f" (scored differently, so compare with care: this plan by the {mine}, even "
+                 f"data parallelism by the {even})" if scorers.get("even") and mine != even
+                 else "")
         lines.append(f"  predicted speedup over even data parallelism: "
-                     f"{data['speedup_vs_even_predicted']}x")
+                     f"{data['speedup_vs_even_predicted']}x{mixed}")
     sync = ", ".join(f"{k} x{v}" for k, v in data["sync"].items()) or "none (one device)"
     lines.append(
         f"  sync: {sync}; "
