@@ -6,6 +6,20 @@ and quote the offending value as `Received: ...`.
 """
 
 
+def received_repr(value, limit=200):
+    """`repr(value)` cut to `limit` characters (then "..."), for a message's `Received:`.
+
+    Args:
+        value: The offending value.
+        limit: The most characters of its repr to show.
+
+    Returns:
+        A string.
+    """
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 class AutodistError(Exception):
     """Base class of every error autodist_keras raises on purpose."""
 

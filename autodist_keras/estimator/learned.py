@@ -76,6 +76,7 @@ import os
 import statistics
 
 from autodist_keras.errors import EstimatorError
+from autodist_keras.errors import received_repr
 
 SCHEMA = "autodist_keras.learned_estimator/1"
 VARIANTS = ("constant", "additive", "ridge", "gbr", "gnn", "ensemble")
@@ -1554,8 +1555,7 @@ class LearnedEstimator:
             )
 
         def bad(field, expected, value):
-            shown = "missing" if value is _MISSING else repr(value)
-            shown = shown if len(shown) <= 200 else shown[:200] + "..."
+            shown = "missing" if value is _MISSING else received_repr(value)
             return EstimatorError(
                 f"{source}: malformed learned estimator, field `{field}` must be {expected}. "
                 f"Write it with LearnedEstimator.save(). Received: {field}={shown}"

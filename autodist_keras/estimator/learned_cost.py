@@ -42,6 +42,7 @@ import math
 import os
 
 from autodist_keras.errors import EstimatorError
+from autodist_keras.errors import received_repr
 from autodist_keras.estimator.cost_model import PHASES
 from autodist_keras.estimator.cost_model import AnalyticCostModel
 from autodist_keras.estimator.cost_model import input_bytes_per_sample
@@ -180,12 +181,6 @@ def samples_from_profile(profile, graph, cluster, base=None, model_name=None, co
 
 def _log(x):
     return math.log(max(float(x), 1e-30))
-
-
-def _short(value, limit=200):
-    """`repr(value)` cut to `limit` characters, for messages."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _feature_rows(samples, vocabulary):
@@ -648,7 +643,7 @@ class LearnedCostModel(AnalyticCostModel):
                 "`regressor` is null): without them neither the learned correction nor the "
                 "accuracy `report` stored beside it applies. Write the file with "
                 "LearnedCostModel.to_json(). Received: "
-                f"samples={'missing' if 'samples' not in data else _short(samples)}, "
+                f"samples={'missing' if 'samples' not in data else received_repr(samples)}, "
                 f"regressor={data.get('regressor')!r}"
             )
         from autodist_keras.estimator.profiler import CollectiveProfile
@@ -658,7 +653,8 @@ class LearnedCostModel(AnalyticCostModel):
                       else f"{type(error).__name__}: {error}")
             return EstimatorError(
                 f"{source}: malformed learned cost model, field `{field}` ({reason}). Write "
-                f"it with LearnedCostModel.to_json(). Received: {field}={_short(data.get(field))}"
+                f"it with LearnedCostModel.to_json(). "
+                f"Received: {field}={received_repr(data.get(field))}"
             )
 
         errors = (EstimatorError, TypeError, KeyError, ValueError, AttributeError)

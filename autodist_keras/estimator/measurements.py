@@ -58,6 +58,7 @@ import tempfile
 import time
 
 from autodist_keras.errors import EstimatorError
+from autodist_keras.errors import received_repr
 
 RECORD_SCHEMA = "autodist_keras.measurement/1"
 FILE_SCHEMA = "autodist_keras.measurements/1"
@@ -416,11 +417,10 @@ class Record:
             try:
                 return convert(value)
             except (KeyError, TypeError, ValueError, AttributeError) as e:
-                shown = repr(value) if len(repr(value)) <= 200 else repr(value)[:200] + "..."
                 raise EstimatorError(
                     f"{source}: malformed measurement record, field `{name}` "
                     f"({type(e).__name__}: {e}). Write records with save_measurements(). "
-                    f"Received: {name}={shown}"
+                    f"Received: {name}={received_repr(value)}"
                 ) from None
 
         def shared(table, build):
