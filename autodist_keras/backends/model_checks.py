@@ -206,15 +206,14 @@ def _probe_modes(model, skip_training_if=()):
     draws random numbers (Dropout: each probe would drop other units), wraps
     a PyTorch module (`TorchModuleWrapper`: its buffers, such as a
     `torch.nn.BatchNorm1d`'s running statistics, are no Keras variables the
-    probe could restore) or is an instance of one of `skip_training_if`.
+    probe could restore) or is an instance of a class in `skip_training_if`.
     """
     import keras
 
     from autodist_keras.graph.model_graph import random_layer
 
     wrapper = getattr(keras.layers, "TorchModuleWrapper", None)
-    skip = tuple(skip_training_if if isinstance(skip_training_if, tuple)
-                 else (skip_training_if,)) + ((wrapper,) if wrapper is not None else ())
+    skip = tuple(skip_training_if) + ((wrapper,) if wrapper is not None else ())
     layers = list(model._flatten_layers(include_self=False))
     if random_layer(model) is not None or any(isinstance(layer, skip) for layer in layers):
         return (False,)
@@ -391,7 +390,7 @@ def warn_loss_not_per_sample(model, x, y):
     # Training mode too (a term added only in training), except where layers mix
     # samples there by design: BatchNormalization normalises each replica's shard
     # with its own statistics, as data parallelism does (warn_inexact_batchnorm).
-    for training in _probe_modes(model, skip_training_if=keras.layers.BatchNormalization):
+    for training in _probe_modes(model, skip_training_if=(keras.layers.BatchNormalization,)):
         found = _probe(model, lambda: losses(training))
         if found is None or not all(math.isfinite(v) for v in found):
             continue

@@ -387,5 +387,4 @@ def has_bfloat16_tensor_cores(model):
         peak, the conservative choice).
     """
     key = _ALIASES.get(normalise_gpu_name(model)) if isinstance(model, str) else None
-    entry = next((e for e in _ENTRIES if e.key == key), None)
-    return entry is not None and entry.architecture.startswith(BFLOAT16_ARCHITECTURES)
+    return key is not None and GPU_CATALOG[key].architecture.startswith(BFLOAT16_ARCHITECTURES)
