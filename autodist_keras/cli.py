@@ -20,10 +20,10 @@ resource spec, a string such as `2xV100,4x1080Ti`, or `cpu_testbed`.
 """
 
 import argparse
-import json
 import os
 import sys
 
+from autodist_keras import strict_json
 from autodist_keras.errors import AutodistError
 
 
@@ -46,13 +46,18 @@ def _load_graph(spec, imports=()):
     return ModelGraph.from_keras(load_model(spec))
 
 
+def _print_json(data, what):
+    """Prints `data` as standard JSON (`strict_json`: NaN and Infinity refused)."""
+    print(strict_json.dumps(data, what, AutodistError, indent=2, sort_keys=False))
+
+
 def _show(obj, as_json, **extra):
     """Prints `obj.summary()`, or with `--json` its dict, fingerprint and `extra`."""
     if as_json:
         data = obj.to_dict()
         data["fingerprint"] = obj.fingerprint()
         data.update(extra)
-        print(json.dumps(data, indent=2))
+        _print_json(data, f"the {type(obj).__name__}")
     else:
         print(obj.summary())
     return 0
@@ -156,7 +161,7 @@ def _cmd_plan(args):
         plan.to_json(args.out)
         result["plan_file"] = args.out
     if args.json:
-        print(json.dumps(result, indent=2))
+        _print_json(result, "the plan summary")
     else:
         from autodist_keras.strategies.explain import render_text
 
@@ -200,7 +205,7 @@ def _cmd_simulate(args):
         result.export_trace(args.trace)
     if args.json:
         prediction = result.to_prediction()
-        print(json.dumps({
+        _print_json({
             "predicted_step_time_s": result.step_time_s,
             "feasible": result.feasible,
             "infeasible_reason": result.infeasible_reason,
@@ -216,7 +221,7 @@ def _cmd_simulate(args):
             "plan_file_prediction": (
                 {"step_time_s": plan.prediction.step_time_s, "source": plan.prediction.source}
                 if plan.prediction is not None and plan.prediction_matches() else None),
-        }, indent=2))
+        }, "the simulation")
     else:
         print(result.summary())
         print("(the discrete-event simulator's prediction", end="")

@@ -1,6 +1,7 @@
 """The Plan schema, its validation, and the baseline builders, on real graphs and clusters."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from autodist_keras.graph import ModelGraph
 from autodist_keras.strategies import baselines
 from autodist_keras.strategies.plan import SCHEMA_VERSION
 from autodist_keras.strategies.plan import Plan
+from autodist_keras.strategies.plan import Prediction
 from autodist_keras.strategies.plan import Replica
 from autodist_keras.strategies.plan import SyncSpec
 from autodist_keras.strategies.plan import split_batch
@@ -53,6 +55,26 @@ def test_json_round_trip_and_file(graph, testbed, tmp_path):
     assert loaded.validate(graph, testbed) == []
     assert json.loads(path.read_text())["schema_version"] == SCHEMA_VERSION
     assert all(spec.method == "ps" and spec.server == "node0/cpu0" for spec in loaded.sync.values())
+
+
+def test_plan_files_are_standard_json_and_non_finite_numbers_are_refused(graph, testbed,
+                                                                         tmp_path):
+    """Python's json would write NaN / Infinity as bare words, which strict readers
+    (JavaScript's JSON.parse, jq) reject; the plan names the field instead and
+    leaves the file as it was."""
+    plan = baselines.proportional(graph, testbed, 96)
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    before = path.read_text()
+    plan.prediction = Prediction(step_time_s=0.01, per_device={"node0/cpu0": {"idle_s": math.inf}})
+    with pytest.raises(PlanError, match=(
+            r"Cannot write .*plan\.json: field `prediction\.per_device\.node0/cpu0\.idle_s` is "
+            r"inf, which standard JSON cannot hold.*Received: prediction.*=inf$")):
+        plan.to_json(path)
+    assert path.read_text() == before
+    plan.prediction = Prediction(step_time_s=math.nan)
+    with pytest.raises(PlanError, match=r"Cannot write the plan: field `prediction\.step_time_s`"):
+        plan.to_json()
 
 
 def test_damaged_plan_files_get_plan_errors_that_say_what_to_do(graph, testbed, tmp_path):

@@ -59,6 +59,7 @@ import tempfile
 import time
 import traceback
 
+from autodist_keras import strict_json
 from autodist_keras.devices.detect import host_cpu_name
 from autodist_keras.errors import AutodistError
 from autodist_keras.errors import EstimatorError
@@ -120,23 +121,6 @@ def write_json_atomic(path, data):
     write_atomic(path, lambda f: f.write(text.encode("utf-8")), suffix=".json")
 
 
-def _non_finite_field(value, field=""):
-    """`(dotted path, value)` of the first NaN or infinite float in `value`, or None."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return field or "<top level>", value
-    if isinstance(value, dict):
-        items = ((f"{field}.{k}" if field else str(k), v) for k, v in value.items())
-    elif isinstance(value, (list, tuple)):
-        items = ((f"{field}[{i}]", v) for i, v in enumerate(value))
-    else:
-        return None
-    for path, item in items:
-        found = _non_finite_field(item, path)
-        if found is not None:
-            return found
-    return None
-
-
 def json_text(data, where, indent=None):
     """`data` as standard JSON text (RFC 8259, keys sorted), refusing NaN and Infinity.
 
@@ -153,22 +137,7 @@ def json_text(data, where, indent=None):
         EstimatorError: If `data` holds a NaN or infinite float (naming its
             field), or a value or structure JSON cannot hold.
     """
-    try:
-        return json.dumps(data, indent=indent, sort_keys=True, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        found = _non_finite_field(data)
-        if found is None:  # a value JSON has no form for, or a circular reference
-            raise EstimatorError(
-                f"Cannot write {where}: its data has no JSON form ({e}). Pass numbers, "
-                f"strings, lists and dicts only. Received: {type(e).__name__}: {e}"
-            ) from None
-        field, value = found
-        raise EstimatorError(
-            f"Cannot write {where}: field `{field}` is {value!r}, which standard JSON "
-            "cannot hold (strict readers such as JavaScript's JSON.parse reject NaN and "
-            "Infinity). Store None (null) or a finite number there. "
-            f"Received: {field}={value!r}"
-        ) from None
+    return strict_json.dumps(data, where, EstimatorError, indent=indent)
 
 
 def read_json(path, what, hint=""):

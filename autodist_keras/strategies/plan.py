@@ -38,6 +38,7 @@ import os
 import tempfile
 from typing import Optional
 
+from autodist_keras import strict_json
 from autodist_keras.errors import OutputError
 from autodist_keras.errors import PlanError
 
@@ -578,9 +579,16 @@ class Plan:
             indent: JSON indentation.
 
         Returns:
-            The JSON text.
+            The JSON text: standard JSON, which strict readers (JavaScript's
+            `JSON.parse`, `jq`) accept.
+
+        Raises:
+            PlanError: If the plan holds a NaN or infinite number (the
+                field is named; nothing is written).
+            OutputError: If `path` cannot be written.
         """
-        text = json.dumps(self.to_dict(), indent=indent, sort_keys=False)
+        text = strict_json.dumps(self.to_dict(), "the plan" if path is None else os.fspath(path),
+                                 PlanError, indent=indent, sort_keys=False)
         if path is not None:
             write_text_atomic(path, text)
         return text
