@@ -578,8 +578,10 @@ def plan(
 
     # Replicas and shares: the proportional baseline (memory-capped, speed-weighted)
     # on the device subset whose start is predicted fastest (`_choose_devices`).
+    # The layer joins into op-fusion regions that the backend's runtime compiles.
+    joins = op_fusion_lib.candidate_joins(graph, framework=backend)
     chosen = _choose_devices(graph, cluster, batch_size, devices, options.get("speeds"), cost,
-                             algorithms, use_tensor, use_op, backend)
+                             algorithms, use_tensor, use_op, backend, joins)
     start = chosen.start
     base, timeline, ring = start.base, start.timeline, start.ring
     unfused, ddp_bounds, start_time = start.unfused, start.ddp_bounds, start.ring_time
@@ -619,10 +621,7 @@ def plan(
     # event loop, a few times what pricing the layers for the replay took.
     reserve = min(max(4.0 * pricing, 0.02), 0.4 * budget)
     deadline = started + budget - reserve
-    search = _Search(
-        timeline, op_fusion_lib.candidate_joins(graph, framework=backend), deadline, progress,
-        use_op, use_tensor,
-    )
+    search = _Search(timeline, joins, deadline, progress, use_op, use_tensor)
     state, bounds, _ = search.run(unfused, start_bounds)
     if progress is not None:
         progress.update(1)
@@ -840,7 +839,7 @@ def _ranked(devices, cluster, speeds):
 
 
 def _choose_devices(graph, cluster, batch_size, devices, speeds, cost, algorithms, use_tensor,
-                    use_op, backend):
+                    use_op, backend, candidate_joins):
     """The device subset whose data-parallel start is predicted fastest.
 
     Candidates (each the proportional baseline on the subset, priced by
@@ -860,7 +859,9 @@ def _choose_devices(graph, cluster, batch_size, devices, speeds, cost, algorithm
     take the balanced shares `plan` would give them.
 
     With `speeds` (measured speeds) the devices are kept as given, but for
-    the cut to `batch_size` devices.
+    the cut to `batch_size` devices. `candidate_joins` (from
+    `op_fusion.candidate_joins` for `backend`) price each start's first
+    op-fusion move where op fusion is searched.
 
     Returns:
         A `_Choice`.
@@ -880,7 +881,6 @@ def _choose_devices(graph, cluster, batch_size, devices, speeds, cost, algorithm
            and 0 < batch_size < len(allowed) and len(set(allowed)) == len(allowed)
            and all(name in cluster for name in allowed))
     starts = {}
-    candidate_joins = op_fusion_lib.candidate_joins(graph, framework=backend)
 
     def price(base):
         fuses = use_op
