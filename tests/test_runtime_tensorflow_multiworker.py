@@ -8,6 +8,7 @@ worker on failure or timeout, and raises `WorkerError` with the log tail.
 """
 
 import os
+import re
 
 import keras
 import numpy as np
@@ -462,10 +463,10 @@ if __name__ == "__main__":
 """
 
 
-def _two_workers_run(tmp_path, source, args, check=True):
-    """Runs `source` as a script in two TF_CONFIG workers on loopback; returns their
-    outputs once both exited 0 (`args(rank)`: the script's arguments). With
-    `check=False`: `(outputs, exit codes)`, whatever the codes."""
+def _two_workers_run(tmp_path, source, args, check=True, workers=2):
+    """Runs `source` as a script in two (or `workers`) TF_CONFIG workers on loopback;
+    returns their outputs once all exited 0 (`args(rank)`: the script's arguments).
+    With `check=False`: `(outputs, exit codes)`, whatever the codes."""
     import json
     import subprocess
     import sys
@@ -474,11 +475,11 @@ def _two_workers_run(tmp_path, source, args, check=True):
 
     script = tmp_path / "worker_script.py"
     script.write_text(source)
-    ports = tf_multiworker.free_ports(2)
+    ports = tf_multiworker.free_ports(workers)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
-    workers = []
+    count, workers = workers, []
     try:
-        for rank in (0, 1):
+        for rank in range(count):
             env = dict(os.environ, KERAS_BACKEND="tensorflow",
                        AUTODIST_KERAS_CACHE=str(tmp_path / "cache"),
                        TF_CONFIG=json.dumps({"cluster": cluster,
@@ -494,7 +495,7 @@ def _two_workers_run(tmp_path, source, args, check=True):
                 w.wait()
     if not check:
         return outputs, [w.returncode for w in workers]
-    assert [w.returncode for w in workers] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert [w.returncode for w in workers] == [0] * count, "".join(o[-3000:] for o in outputs)
     return outputs
 
 
@@ -727,15 +728,18 @@ from autodist_keras import AutoStrategy, Cluster
 
 class FailsOnWorker1(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
-        if sys.argv[1] == "1" and epoch == 1:
+        failing = sys.argv[3] if len(sys.argv) > 3 else "1"
+        if sys.argv[1] == failing and epoch == 1:
             if sys.argv[2] == "sleep":
                 time.sleep(10)
             else:
-                raise RuntimeError("the script's callback failed on worker 1")
+                raise RuntimeError(f"the script's callback failed on worker {failing}")
 
 
 if __name__ == "__main__":
-    cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
+    workers = int(sys.argv[4]) if len(sys.argv) > 4 else 2
+    cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1},
+                                   {"cores": [1], "threads": 1}][:workers])
     strategy = AutoStrategy("data_parallel", cluster=cluster,
                             timeout_s=3 if sys.argv[2] == "sleep" else 60)
     with strategy.scope():
@@ -760,6 +764,22 @@ def test_a_worker_whose_peer_stopped_names_it(tmp_path):
     assert ("WorkerError: Worker rank 1 failed: worker 1 of TF_CONFIG stopped or became "
             "unreachable during a collective of this step") in outputs[0], outputs[0][-3000:]
     assert "Collective ops is aborted by: Socket closed" in outputs[0]
+
+
+def test_with_three_workers_no_healthy_worker_is_blamed(tmp_path):
+    """Worker 2's callback raises. Worker 0 and worker 1 each name worker 2, or (when
+    worker 0 stopped first and took TensorFlow's coordination service with it) say
+    that the service was lost and the earliest error is the cause: none names a
+    worker that only passed the failure on."""
+    outputs, codes = _two_workers_run(tmp_path, _FAILING_CALLBACK,
+                                      lambda rank: [str(rank), "raise", "2", "3"], check=False,
+                                      workers=3)
+    assert all(code != 0 for code in codes)
+    assert "the script's callback failed on worker 2" in outputs[2]
+    for output in outputs[:2]:
+        blamed = re.findall(r"WorkerError: Worker rank (\d+) failed", output)
+        lost = "which runs TensorFlow's coordination service, stopped" in output
+        assert blamed == ["2"] or (not blamed and lost), output[-3000:]
 
 
 def test_a_worker_that_waits_past_timeout_s_says_a_peer_is_slow(tmp_path):
@@ -795,3 +815,22 @@ def test_only_collective_failures_are_reported_as_a_stopped_or_slow_peer():
         None, None, "Collective ops is aborted by: Socket closed\nAdditional GRPC error "
         "information from remote target /job:worker/replica:0/task:1 while calling"), worker, 60)
     assert isinstance(gone, WorkerError) and gone.rank == 1
+    # Rank 0 runs the coordination service. Seen with three workers: worker 2's callback
+    # raised, worker 0 stopped on the abort, and worker 1 then lost the service; it named
+    # worker 0, whose log shows only the abort.
+    service = ("Collective ops is aborted by: Failed to send RPC to coordination service. "
+               "Either the leader task was preempted/died/restarted unexpectedly or this task "
+               "is experiencing network issues.")
+    lost = collective_failure(tf.errors.UnavailableError(
+        None, None, service + "\nAdditional GRPC error information from remote target "
+        "/job:worker/replica:0/task:0 while calling"),
+        WorkerInfo(3, 1, "worker", 1, ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]), 60)
+    assert type(lost) is BackendError
+    assert str(lost).startswith(
+        "A collective failed: worker 0 of TF_CONFIG, which runs TensorFlow's coordination "
+        "service, stopped or became unreachable during this step.")
+    assert "another worker failed first: the earliest error in the 3 workers' output" in str(lost)
+    assert str(lost).endswith("Received: UnavailableError: " + service)
+    with_chief = collective_failure(tf.errors.UnavailableError(None, None, service),
+                                    WorkerInfo(3, 2, "worker", 1, ["a:1", "b:2", "c:3"]), 60)
+    assert "A collective failed: chief 0 of TF_CONFIG" in str(with_chief)

@@ -332,8 +332,11 @@ def collective_failure(error, worker, timeout_s):
         timeout_s: The collectives' timeout (AutoStrategy's `timeout_s`).
 
     Returns:
-        A `WorkerError` naming the other worker (or a `BackendError` for a
-        timeout), or None when `error` is no collective failure.
+        A `WorkerError` naming the other worker, or a `BackendError` for a
+        timeout or for a lost coordination service (rank 0's: with three or
+        more workers it often stopped only because another worker failed
+        first, so it is not blamed), or None when `error` is no collective
+        failure.
     """
     import tensorflow as tf
 
@@ -353,6 +356,21 @@ def collective_failure(error, worker, timeout_s):
     if not isinstance(error, (tf.errors.UnavailableError, tf.errors.CancelledError,
                               tf.errors.AbortedError)) or aborted is None:
         return None
+    if "coordination service" in aborted.group(0):
+        # The service runs on rank 0 (the chief, else worker 0). With three or more
+        # workers, rank 0 often stopped only because another worker failed first and
+        # aborted its collective: blaming it would send the user to a healthy log.
+        chiefs = (worker.rank - worker.task_index if worker.task_type == "worker" else 1)
+        leader = "chief 0" if chiefs else "worker 0"
+        return BackendError(
+            f"A collective failed: {leader} of TF_CONFIG, which runs TensorFlow's "
+            "coordination service, stopped or became unreachable during this step. It may "
+            "have failed itself (an exception in its script or callbacks, a kill, a network "
+            "failure) or stopped because another worker failed first: the earliest error in "
+            f"the {worker.num_workers} workers' output is the cause. Every worker runs every "
+            f"step, so worker rank {worker.rank} stops too. "
+            f"Received: {type(error).__name__}: {aborted.group(0).strip()}"
+        )
     remote = _REMOTE_TASK.search(text)
     if remote is None:
         peer, who = None, "another worker"
