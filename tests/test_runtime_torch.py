@@ -498,6 +498,37 @@ def test_ema_optimizer_ends_fit_with_the_replicas_in_sync(recwarn):
     _assert_same_weights(model, reference)
 
 
+@pytest.mark.parametrize("loss_scaled", [False, True], ids=["plain", "loss_scale"])
+def test_a_callable_learning_rate_reaching_the_optimizer_trains_like_one_device(loss_scaled):
+    """Keras allows a learning rate that is a function of no arguments. One that reads
+    the optimizer (its iterations) made the workers' setup recurse without end (a raw
+    RecursionError, as Keras's own model.save does); rank 0 now evaluates it and sends
+    the value before every step, and the workers hold no function and no extra
+    variable (also inside a LossScaleOptimizer)."""
+
+    def compile_with_decay(model):
+        inner = keras.optimizers.SGD(0.1)
+        inner.learning_rate = lambda: 0.3 * 0.5 ** keras.ops.cast(inner.iterations, "float32")
+        optimizer = keras.optimizers.LossScaleOptimizer(inner) if loss_scaled else inner
+        model.compile(optimizer=optimizer,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    strategy = _strategy("proportional", 3)
+    with strategy.scope():
+        model = _build("mlp")
+        compile_with_decay(model)
+    x, y = _data("mlp")
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert strategy.adapter.last_run["in_sync"] is True
+    reference = _build("mlp")
+    compile_with_decay(reference)
+    reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    _assert_same_weights(model, reference)
+    # Still the user's function after fit, and it still decays.
+    steps = int(reference.optimizer.iterations)
+    assert float(model.optimizer.learning_rate) == pytest.approx(0.3 * 0.5 ** steps)
+
+
 class _HalveWeights(keras.callbacks.Callback):
     """Writes rank 0's weights between epochs (as weight averaging or max-norm callbacks do)."""
 

@@ -46,13 +46,18 @@ from autodist_keras.backends.torch_device import unpin
 from autodist_keras.backends.torch_shm import SharedSlots
 from autodist_keras.backends.torch_shm_reduce import ReduceArea
 from autodist_keras.backends.torch_state_watch import SCALAR_TYPES
+from autodist_keras.backends.torch_state_watch import SentLearningRate
 from autodist_keras.backends.torch_state_watch import OptimizerSettingsWatch
 from autodist_keras.backends.torch_state_watch import StateWatch
 from autodist_keras.backends.torch_state_watch import apply_settings
 from autodist_keras.backends.torch_state_watch import build_as
 from autodist_keras.backends.torch_state_watch import built_settings_changed
+from autodist_keras.backends.torch_state_watch import callable_learning_rate_as_value
 from autodist_keras.backends.torch_state_watch import decay_excluded
 from autodist_keras.backends.torch_state_watch import exclude_from_decay
+from autodist_keras.backends.torch_state_watch import has_callable_learning_rate
+from autodist_keras.backends.torch_state_watch import learning_rate_holder
+from autodist_keras.backends.torch_state_watch import use_sent_learning_rate
 from autodist_keras.backends.torch_state_watch import note_built_settings
 from autodist_keras.backends.torch_step import ReplicaTrainer
 from autodist_keras.errors import BackendError
@@ -537,29 +542,33 @@ class Driver:
             },
         }
         if self.spawned:
-            check_serializable(model)
-            check_config_round_trip(model)
-            from keras.src.saving import serialization_lib
+            # A callable learning rate goes as its value (sent again before every step).
+            with callable_learning_rate_as_value(optimizer):
+                check_serializable(model)
+                check_config_round_trip(model)
+                from keras.src.saving import serialization_lib
 
-            try:
-                model_config = serialization_lib.serialize_keras_object(model)
-            except (NotImplementedError, TypeError, ValueError) as e:
-                said = " ".join(str(e).split()).split(". ")[0].rstrip(".")  # Keras's first sentence
-                raise BackendError(
-                    "The PyTorch runtime rebuilds the model in each spawned worker process "
-                    f"from its Keras config, and model {model.name!r} "
-                    f"({type(model).__name__}) could not give one: {said}. Implement "
-                    "get_config() on the class (returning its constructor's arguments, as "
-                    "Keras's own saving needs too), or train it without AutoStrategy. "
-                    f"Received: {type(e).__name__} from get_config()"
-                ) from e
-            model_config.pop("compile_config", None)
-            compile_config = dict(model.get_compile_config() or {})
-            compile_config["optimizer"] = serialization_lib.serialize_keras_object(optimizer)
-            for key in ("metrics", "weighted_metrics"):
-                compile_config.pop(key, None)
-            payload["model"] = json.loads(json.dumps(model_config, default=_json_default))
-            payload["compile"] = json.loads(json.dumps(compile_config, default=_json_default))
+                try:
+                    model_config = serialization_lib.serialize_keras_object(model)
+                except (NotImplementedError, TypeError, ValueError, RecursionError) as e:
+                    said = " ".join(str(e).split()).split(". ")[0].rstrip(".")  # Keras's first sentence
+                    raise BackendError(
+                        "The PyTorch runtime rebuilds the model in each spawned worker process "
+                        f"from its Keras config, and model {model.name!r} "
+                        f"({type(model).__name__}) could not give one: {said}. Implement "
+                        "get_config() on the class (returning its constructor's arguments, as "
+                        "Keras's own saving needs too), or train it without AutoStrategy. "
+                        f"Received: {type(e).__name__} from get_config()"
+                    ) from e
+                model_config.pop("compile_config", None)
+                compile_config = dict(model.get_compile_config() or {})
+                compile_config["optimizer"] = serialization_lib.serialize_keras_object(optimizer)
+                for key in ("metrics", "weighted_metrics"):
+                    compile_config.pop(key, None)
+                payload["model"] = json.loads(json.dumps(model_config, default=_json_default))
+                payload["compile"] = json.loads(json.dumps(compile_config, default=_json_default))
+            payload["learning_rate_sent"] = (self._learning_rate()
+                                             if has_callable_learning_rate(optimizer) else None)
             payload["modules"] = custom_modules(model)
             # State that is neither config nor variables (adapted lookup tables).
             payload["assets"] = layer_assets(model)
@@ -594,10 +603,19 @@ class Driver:
 
     # -------------------------------------------------------------- train
     def _learning_rate(self):
-        optimizer = self.model.optimizer
-        lr = getattr(optimizer, "_learning_rate", None)
+        """The learning rate the workers set before this step (nan: theirs applies).
+
+        A variable's value (a callback may have set it), or a callable learning
+        rate's value now: the workers' optimizers hold a variable instead of the
+        function (`callable_learning_rate_as_value`). A schedule is evaluated
+        by every replica at its own, equal, `iterations`.
+        """
+        holder = learning_rate_holder(self.model.optimizer)
+        lr = getattr(holder, "_learning_rate", None)
         if hasattr(lr, "assign"):
             return float(lr.numpy()) if hasattr(lr, "numpy") else float(lr)
+        if has_callable_learning_rate(holder):
+            return float(holder.learning_rate)
         return math.nan
 
     def _layout(self, n):
@@ -971,6 +989,8 @@ def _rebuild_model(setup, rank):
         ) from None
     load_layer_assets(model, setup.get("assets") or {}, rank)
     model.compile(**compile_config)
+    if setup.get("learning_rate_sent") is not None:  # rank 0's is a function
+        use_sent_learning_rate(model.optimizer, setup["learning_rate_sent"])
     if not model.built:
         raise BackendError(
             f"Worker rank {rank} rebuilt the model but could not build it (no build "
@@ -1270,6 +1290,8 @@ def _set_learning_rate(model, lr):
     """Sets the optimizer's learning rate to rank 0's (`serve` calls it only on a change)."""
     if lr is None or math.isnan(lr):
         return
-    variable = getattr(model.optimizer, "_learning_rate", None)
+    variable = getattr(learning_rate_holder(model.optimizer), "_learning_rate", None)
     if hasattr(variable, "assign"):
         variable.assign(lr)
+    elif isinstance(variable, SentLearningRate):
+        variable.value = lr

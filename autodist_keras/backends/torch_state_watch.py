@@ -24,6 +24,7 @@ watch.changed()           # indices of the variables written since `mark()`
 ```
 """
 
+import contextlib
 import weakref
 
 from autodist_keras.errors import BackendError
@@ -142,11 +143,80 @@ def _target(optimizer, key):
     return optimizer, key
 
 
+def learning_rate_holder(optimizer):
+    """The optimizer whose learning rate applies: a `LossScaleOptimizer`'s inner one."""
+    while getattr(optimizer, "inner_optimizer", None) is not None:
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
+def has_callable_learning_rate(optimizer):
+    """Whether the learning rate is a function of no arguments (`opt.learning_rate =
+    lambda: ...`, which Keras allows), rather than a number or a schedule."""
+    from keras.optimizers.schedules import LearningRateSchedule
+
+    lr = getattr(learning_rate_holder(optimizer), "_learning_rate", None)
+    return callable(lr) and not isinstance(lr, LearningRateSchedule) and not hasattr(lr, "assign")
+
+
+@contextlib.contextmanager
+def callable_learning_rate_as_value(optimizer):
+    """Within the block, a callable learning rate is its current value to `get_config()`.
+
+    Keras serialises a callable learning rate with its code and closure; one
+    that reads the optimizer (`lambda: 0.1 * 0.9 ** opt.iterations`) recurses
+    without end (`RecursionError`, in plain Keras's `model.save` too), and any
+    other object in its closure would be a copy in the workers. The workers
+    need no function: rank 0 evaluates it before every step and sends the
+    value (`TrainerSession._learning_rate`), as it does for a learning rate
+    a callback sets. Outside the block the optimizer is as it was.
+
+    Args:
+        optimizer: Rank 0's optimizer (or None).
+    """
+    if optimizer is None or not has_callable_learning_rate(optimizer):
+        yield
+        return
+    import keras
+
+    holder = learning_rate_holder(optimizer)
+    function = holder._learning_rate
+    holder._learning_rate = keras.ops.convert_to_tensor(float(holder.learning_rate), "float32")
+    try:
+        yield
+    finally:
+        holder._learning_rate = function
+
+
+class SentLearningRate:
+    """A worker's stand-in for rank 0's callable learning rate: the value rank 0 sent.
+
+    Rank 0 evaluates its function before every step and sends the value; the
+    worker's optimizer calls this, as Keras calls a callable learning rate,
+    and has no learning-rate variable, as rank 0's has none.
+
+    Args:
+        value: The learning rate rank 0 sent with its setup.
+    """
+
+    def __init__(self, value):
+        self.value = float(value)
+
+    def __call__(self):
+        return self.value
+
+
+def use_sent_learning_rate(optimizer, value):
+    """Makes a worker's `optimizer` take its learning rate from rank 0 (`SentLearningRate`)."""
+    learning_rate_holder(optimizer).learning_rate = SentLearningRate(value)
+
+
 def _setting_keys(optimizer):
     """The config keys of `optimizer` with plain scalar values that it holds
     as attributes of the same name."""
     try:
-        config = optimizer.get_config()
+        with callable_learning_rate_as_value(optimizer):
+            config = optimizer.get_config()
     except (NotImplementedError, TypeError, ValueError):
         return []
     return [key for key, value in config.items()
