@@ -699,3 +699,75 @@ def test_a_baseline_shaped_by_options_that_cannot_be_made_is_a_strategy_error():
                                             "than the number of devices.*Received: "
                                             "batch_size=1.*Try strategy='auto'"):
         strategy.plan_for(zoo.mlp(input_dim=8, hidden=(16,), name="one_row"), 1)
+
+
+def _sequence_model(length):
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((length,), dtype="int32")
+    h = keras.layers.LSTM(16)(keras.layers.Embedding(100, 8)(tokens))
+    model = keras.Model(tokens, keras.layers.Dense(3)(h))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def test_a_model_with_an_unknown_sequence_length_is_planned_for_the_first_batch(recwarn):
+    """keras.Input((None,)) left the sequence length unknown, counted as 1: a 200-token
+    LSTM model was predicted 53x too fast, and auto chose another family on those
+    figures. fit plans it for its first batch's shapes (the plan says so); plan_for
+    without shapes warns, and takes them."""
+    import warnings
+
+    import numpy as np
+
+    cluster = Cluster.cpu_testbed()
+    strategy = AutoStrategy("proportional", cluster=cluster)
+    with strategy.scope():
+        model = _sequence_model(None)
+    x = np.random.default_rng(0).integers(1, 100, size=(48, 30))
+    model.fit(x, np.arange(48) % 3, batch_size=24, verbose=0)
+    assert not [w for w in recwarn if "leaves some shapes unknown" in str(w.message)]
+    fixed = AutoStrategy("proportional", cluster=cluster)
+    fixed.plan_for(_sequence_model(30), 24)
+    assert strategy.graph.unknown_dims == []
+    assert strategy.graph.fingerprint() == fixed.graph.fingerprint()
+    assert strategy.plan.prediction.step_time_s == pytest.approx(
+        fixed.plan.prediction.step_time_s, rel=1e-9)
+    assert "Planned for per-sample input shapes [(30,)] (the first batch's)" in " ".join(
+        strategy.plan.notes)
+
+    with pytest.warns(UserWarning, match=(
+            r"leaves some shapes unknown \(None: a sequence length\?\) in 3 layer\(s\).*far "
+            r"too low.*input_shapes=\[\.\.\.\].*Received: input_shapes=None")):
+        AutoStrategy("proportional", cluster=cluster).plan_for(_sequence_model(None), 24)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        given = AutoStrategy("proportional", cluster=cluster)
+        given.plan_for(_sequence_model(None), 24, input_shapes=[(30,)])
+    assert given.graph.fingerprint() == fixed.graph.fingerprint()
+
+
+def test_a_subclassed_model_with_an_unknown_length_is_warned_about_with_what_to_do():
+    """A subclassed model's graph comes from its build shapes, which the first batch
+    cannot fill: the warning says so and how to fix it, instead of asking for shapes."""
+    import numpy as np
+
+    class Tagger(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.embed = keras.layers.Embedding(100, 8)
+            self.head = keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.head(keras.ops.mean(self.embed(x), axis=1))
+
+    strategy = AutoStrategy("single_device", cluster=Cluster.cpu_testbed())
+    with strategy.scope():
+        model = Tagger()
+        model.build((None, None))
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    with pytest.warns(UserWarning, match=(
+            r"could not be filled from the input shapes given \(a subclassed model's graph "
+            r"comes from its build shapes\): build the model with fixed shapes.*"
+            r"Received: input_shapes=\[\(30,\)\]")):
+        strategy.plan_for(model, 24, input_shapes=[(30,)])
+    model.fit(np.ones((24, 30), "int32"), np.zeros(24), batch_size=24, verbose=0)

@@ -264,3 +264,42 @@ def test_frozen_nested_model_with_dict_inputs():
     assert graph.nodes["dp"].non_trainable_params == 3 * 2 + 2
     assert graph.nodes["dp"].backward_flops == graph.nodes["dp"].forward_flops  # frozen: 1x
     assert graph.params == model.count_params()
+
+
+def _text_model(length, dict_input=False):
+    """Embedding, LSTM, a nested model, self-attention, pooling: every shape after the
+    input follows the sequence length."""
+    tokens = keras.Input((length,), dtype="int32", name="tokens")
+    h = L.Embedding(1000, 16)(tokens)
+    h = L.LSTM(32, return_sequences=True)(h)
+    inner_in = keras.Input((length, 32))
+    inner = keras.Model(inner_in, L.Dense(16)(inner_in), name="inner")
+    h = inner(h)
+    h = L.MultiHeadAttention(2, 8)(h, h)
+    outputs = L.Dense(5)(L.GlobalAveragePooling1D()(h))
+    return keras.Model({"tokens": tokens} if dict_input else tokens, outputs)
+
+
+@pytest.mark.parametrize("dict_input", [False, True], ids=["array", "dict"])
+def test_input_shapes_fill_an_unknown_sequence_length(dict_input):
+    """A model on keras.Input((None,)) counted its sequence length as 1 (FLOPs 200x
+    too low for 200 tokens, and the plans chosen on them); with the first batch's
+    shapes every layer, the nested model's and attention's included, has the shapes
+    and costs of the same model built for that length."""
+    unknown = ModelGraph.from_keras(_text_model(None, dict_input))
+    fixed = ModelGraph.from_keras(_text_model(200, dict_input))
+    filled = ModelGraph.from_keras(_text_model(None, dict_input), input_shapes=[(200,)])
+    assert len(unknown.unknown_dims) >= 5 and fixed.unknown_dims == []
+    assert filled.unknown_dims == [] and not any("unknown (None)" in w for w in filled.warnings)
+    assert filled.fingerprint() == fixed.fingerprint()
+    assert filled.forward_flops == fixed.forward_flops > 150 * unknown.forward_flops
+    assert filled.activation_bytes == fixed.activation_bytes
+    # Shapes that do not fit the inputs leave the graph as the model gives it, and say so.
+    for wrong in ([(200, 3)], [(200,), (4,)], [("x",)]):
+        kept = ModelGraph.from_keras(_text_model(None, dict_input), input_shapes=wrong)
+        assert kept.fingerprint() == unknown.fingerprint()
+        assert any(w.startswith("input_shapes do not") and w.endswith(f"Received: "
+                   f"input_shapes={wrong!r}") for w in kept.warnings), kept.warnings
+    # A dimension the model fixes is kept; only the unknown ones are filled.
+    again = ModelGraph.from_keras(_text_model(200, dict_input), input_shapes=[(None,)])
+    assert again.fingerprint() == fixed.fingerprint()

@@ -517,7 +517,10 @@ class _Runtime:
         with tf.device(self.adapter.home):
             model._symbolic_build(data_batch=data)
         strategy = self.adapter.strategy
-        plan = strategy._plan_for_training(model, batch_size)
+        # Several TF_CONFIG workers each plan on their own and must agree: from the
+        # model's shapes alone (each worker's first batch may be padded differently).
+        shapes = strategy.sample_shapes(data[0]) if self.adapter.worker is None else None
+        plan = strategy._plan_for_training(model, batch_size, input_shapes=shapes)
         self.trained_paths = [v.path for v in model.trainable_variables]
         with tf.device(self.adapter.home):
             model_checks.check_model_for_plan(model, data[0], data[1], plan)

@@ -266,6 +266,16 @@ class ModelGraph:
         return float(sum(n.multiply_adds for n in self.nodes.values()))
 
     @property
+    def unknown_dims(self):
+        """Names of the nodes with a shape dimension the model leaves unknown (None).
+
+        Such a dimension (a sequence length of `Input((None,))`, say) counts as
+        1 in FLOPs and bytes; `from_keras(model, input_shapes=...)` fills it.
+        """
+        return [n.name for n in self.nodes.values()
+                if any(d is None for s in list(n.input_shapes) + list(n.output_shapes) for d in s)]
+
+    @property
     def trainable_params(self):
         return sum(v.size for v in self.variables)
 
@@ -316,7 +326,7 @@ class ModelGraph:
 
     # -------------------------------------------------------- construction
     @classmethod
-    def from_keras(cls, model):
+    def from_keras(cls, model, input_shapes=None):
         """Builds the graph of a built Keras model.
 
         Args:
@@ -324,6 +334,15 @@ class ModelGraph:
                 It must be built: a Sequential needs an input shape (an
                 `Input` first or a `build()` call); a subclassed model must
                 have been called or built.
+            input_shapes: Optional per-sample shapes (without the batch axis)
+                of the model's inputs, in the order of `model.inputs`, such as
+                those of the first training batch. They fill the dimensions
+                the model leaves unknown (`keras.Input((None,))`: a sequence
+                length), which otherwise count as 1 in FLOPs and bytes; every
+                layer's shapes are derived again from them (Keras's
+                `compute_output_spec`). Dimensions the model fixes are kept.
+                Functional and Sequential models only; ignored, with a
+                warning in `graph.warnings`, where they do not fit.
 
         Returns:
             A `ModelGraph`.
@@ -360,6 +379,10 @@ class ModelGraph:
                 )
             return _from_subclassed(cls, model)
         builder = _Builder(model)
+        if input_shapes is not None:
+            builder.concrete, problem = _concrete_tensors(functional, input_shapes)
+            if problem:
+                builder.warnings.append(problem)
         builder.walk(functional, container=model.name, seed=None, top=True)
         return builder.finish(cls)
 
@@ -514,6 +537,77 @@ class ModelGraph:
 # ---------------------------------------------------------------------------
 # Extraction
 # ---------------------------------------------------------------------------
+def _concrete_tensors(functional, input_shapes):
+    """The tensors of `functional` re-derived from per-sample `input_shapes`.
+
+    Each input's unknown (None) per-sample dimensions take the given ones;
+    every layer call is then run symbolically (`compute_output_spec`, nested
+    models call by call), as Keras's own `Functional.compute_output_spec`
+    does, without adding nodes to the layers.
+
+    Args:
+        functional: The model's Functional graph.
+        input_shapes: Per-sample shapes of `functional.inputs`, in order.
+
+    Returns:
+        `(tensors, problem)`: `{id(symbolic tensor): KerasTensor}` and None,
+        or `({}, sentence)` when the shapes do not fit the inputs or a layer
+        cannot derive its output from them (the graph then keeps the
+        model's own shapes).
+    """
+    from keras import KerasTensor
+
+    inputs = list(functional.inputs)
+    try:
+        shapes = [tuple(None if d is None else int(d) for d in shape) for shape in input_shapes]
+    except (TypeError, ValueError):
+        shapes = None
+    if shapes is None or len(shapes) != len(inputs):
+        return {}, (f"input_shapes do not match the model's {len(inputs)} input(s); shapes "
+                    f"kept as the model gives them. Received: input_shapes={input_shapes!r}")
+    given = []
+    for tensor, shape in zip(inputs, shapes):
+        own = tuple(tensor.shape)[1:]
+        if len(shape) != len(own) or any(
+                d is not None and g is not None and d != g for d, g in zip(own, shape)):
+            return {}, (f"input_shapes do not fit input {tensor.name!r} of shape {own}; shapes "
+                        f"kept as the model gives them. Received: input_shapes={input_shapes!r}")
+        filled = tuple(d if d is not None else g for d, g in zip(own, shape))
+        given.append(KerasTensor((tensor.shape[0],) + filled, dtype=tensor.dtype,
+                                 sparse=getattr(tensor, "sparse", False)))
+    found = {}
+    try:
+        _derive(functional, given, found)
+    except Exception as e:  # noqa: BLE001  (a layer's own shape inference failing)
+        return {}, (f"The layers' shapes could not be derived from input_shapes "
+                    f"({type(e).__name__}: {str(e)[:200]}); shapes kept as the model gives "
+                    f"them. Received: input_shapes={input_shapes!r}")
+    return found, None
+
+
+def _derive(functional, given, found):
+    """Adds `functional`'s tensors computed from `given` to `found`; returns its outputs."""
+    from keras import tree
+
+    for x, y in zip(functional.inputs, given):
+        found[id(x)] = y
+    for node in _Builder._ordered_nodes(functional):
+        op = node.operation
+        if op is None or node.is_input or any(id(x) not in found for x in node.input_tensors):
+            continue
+        args, kwargs = node.arguments.fill_in(found)
+        inner = _functional_of(op)
+        if inner is not None:  # a nested model: its own layers, call by call
+            passed = args[0] if args else next(iter(kwargs.values()), None)
+            # `inner.inputs` is its input structure flattened (a dict by sorted key).
+            outputs = _derive(inner, tree.flatten(passed), found)
+        else:
+            outputs = tree.flatten(op.compute_output_spec(*args, **kwargs))
+        for x, y in zip(node.outputs, outputs):
+            found[id(x)] = y
+    return [found.get(id(x)) for x in functional.outputs]
+
+
 def _functional_of(model):
     """The Functional graph object of a model, or None (unbuilt Sequential, subclassed)."""
     from keras.src.models.functional import Functional
@@ -627,8 +721,9 @@ def _variable_info(v):
 _SIGNATURES = {}
 
 
-def _bound_arguments(layer, node):
-    """Dict from call-argument name to a per-sample shape (tensors only)."""
+def _bound_arguments(layer, node, spec=lambda tensor: tensor):
+    """Dict from call-argument name to a per-sample shape (tensors only); `spec`
+    maps a symbolic tensor to the one whose shape counts (`_Builder._spec`)."""
     from keras import KerasTensor
 
     cls = type(layer)
@@ -648,11 +743,11 @@ def _bound_arguments(layer, node):
     out = {}
     for name, value in bound.arguments.items():
         if isinstance(value, KerasTensor):
-            out[name] = _known(_per_sample(value.shape))
+            out[name] = _known(_per_sample(spec(value).shape))
         elif isinstance(value, (list, tuple)) and value and all(
             isinstance(v, KerasTensor) for v in value
         ):
-            out[name] = [_known(_per_sample(v.shape)) for v in value]
+            out[name] = [_known(_per_sample(spec(v).shape)) for v in value]
     return out
 
 
@@ -675,6 +770,12 @@ class _Builder:
         self.info_by_id = {}
         self.calls = {}
         self.trainable_ids = {id(v) for v in model.trainable_weights}
+        # {id(symbolic tensor): tensor of the same value with the shapes of
+        # `from_keras(input_shapes=...)`}; shapes, dtypes and bytes are read there.
+        self.concrete = {}
+
+    def _spec(self, tensor):
+        return self.concrete.get(id(tensor), tensor)
 
     # -- naming ----------------------------------------------------------
     def _name_for(self, obj, container):
@@ -776,7 +877,7 @@ class _Builder:
 
     def _add_input(self, layer, node):
         name = self._name_for(layer, self.model.name)
-        outputs = list(node.outputs)
+        outputs = [self._spec(t) for t in node.outputs]
         self.nodes[name] = LayerNode(
             name=name,
             layer_name=layer.name,
@@ -802,14 +903,15 @@ class _Builder:
         is_layer = isinstance(op, Layer)
         name = self._name_for(op, container)
         first_call = self.call_counts[id(op)] == 1
-        inputs = list(node.input_tensors)
-        outputs = list(node.outputs)
+        symbolic_inputs = list(node.input_tensors)
+        inputs = [self._spec(t) for t in symbolic_inputs]
+        outputs = [self._spec(t) for t in node.outputs]
         in_shapes = [_per_sample(t.shape) for t in inputs]
         out_shapes = [_per_sample(t.shape) for t in outputs]
         call = flops_lib.CallInfo(
             inputs=[_known(s) for s in in_shapes],
             outputs=[_known(s) for s in out_shapes],
-            arguments=_bound_arguments(op, node) if is_layer else {},
+            arguments=_bound_arguments(op, node, self._spec) if is_layer else {},
         )
         cost = flops_lib.cost_of(op, call, is_op=not is_layer)
         estimated = cost.estimated
@@ -862,7 +964,7 @@ class _Builder:
         self.calls[name] = (op, node)
         # Edges: bytes of the distinct tensors each producer feeds this call.
         seen = set()
-        for t in inputs:
+        for t in symbolic_inputs:
             if id(t) in seen:
                 continue
             seen.add(id(t))
@@ -870,7 +972,7 @@ class _Builder:
             if producer is None:
                 continue
             key = (producer, name)
-            self.edges[key] = self.edges.get(key, 0) + _tensor_bytes(t)
+            self.edges[key] = self.edges.get(key, 0) + _tensor_bytes(self._spec(t))
         return name
 
     def _check_unknown(self, name, shapes):

@@ -508,7 +508,7 @@ class AutoStrategy:
         model.fit = fit
 
     # ------------------------------------------------------------- planning
-    def plan_for(self, model, batch_size):
+    def plan_for(self, model, batch_size, input_shapes=None):
         """Returns the plan to run `model` with global batches of `batch_size`.
 
         A plan is made once per model and batch size: asked again for the
@@ -520,6 +520,13 @@ class AutoStrategy:
         Args:
             model: The Keras model.
             batch_size: Global batch size, a positive integer.
+            input_shapes: Optional per-sample shapes of the model's inputs (in
+                the order of `model.inputs`) for the dimensions the model
+                leaves unknown, e.g. `[(512,)]` for a text model built on
+                `keras.Input((None,))` and trained on sequences of 512
+                tokens. Without them such a dimension counts as 1 and the
+                predictions come out far too low (a warning says so). `fit`
+                passes the first batch's shapes itself.
 
         Returns:
             A validated `Plan`.
@@ -539,7 +546,8 @@ class AutoStrategy:
         if (known is not None and self._fixed_plan is None
                 and known[2].global_batch_size != int(batch_size)):
             self._plans.pop(id(model))
-        return self._plan_for_training(model, int(batch_size), planning_only=True)
+        return self._plan_for_training(model, int(batch_size), planning_only=True,
+                                       input_shapes=input_shapes)
 
     def _known(self, model):
         """`(model, graph, plan)` made for this very model, or None (an `id` may be reused
@@ -549,13 +557,18 @@ class AutoStrategy:
             return None
         return (model,) + known[1:]
 
-    def _plan_for_training(self, model, batch_size, planning_only=False):
+    def _plan_for_training(self, model, batch_size, planning_only=False, input_shapes=None):
         """The runtimes' `plan_for`: the model's plan, made at its first training step
         and kept for later fits, evaluation and prediction whatever their batch size.
 
         A model whose trainable variables changed since its plan was made (a
         layer frozen or unfrozen between fits without compiling again) is
-        planned again: the plan's gradient buckets list the trainable ones."""
+        planned again: the plan's gradient buckets list the trainable ones.
+
+        `input_shapes` (the first batch's per-sample shapes) fill the
+        dimensions the model leaves unknown, such as a sequence length, for
+        the planners' figures (`ModelGraph.from_keras`). A plan given with
+        `plan=` is checked against the model's own graph, as the CLI made it."""
         from autodist_keras.graph import ModelGraph
 
         known = self._known(model)
@@ -567,12 +580,43 @@ class AutoStrategy:
             self._plans.pop(id(model))
         started = time.perf_counter()
         self.graph = ModelGraph.from_keras(model)
+        unknown = self.graph.unknown_dims
+        if unknown and self._fixed_plan is None:
+            advice = ("Pass the shapes: strategy.plan_for(model, batch_size, "
+                      "input_shapes=[...]) (fit passes its first batch's).")
+            if input_shapes is not None:
+                filled = ModelGraph.from_keras(model, input_shapes=input_shapes)
+                if not filled.unknown_dims:
+                    self.graph = filled
+                else:
+                    why = [w for w in filled.warnings if w.startswith(("input_shapes", "The layers"))]
+                    advice = ("They could not be filled from the input shapes given ("
+                              + (why[0].split("; shapes kept")[0] if why else
+                                 "a subclassed model's graph comes from its build shapes")
+                              + "): build the model with fixed shapes (keras.Input((512,)), or "
+                              "model.build((None, 512)) for a subclassed model).")
+            if self.graph.unknown_dims:
+                warnings.warn(
+                    f"Model {model.name!r} leaves some shapes unknown (None: a sequence "
+                    f"length?) in {len(unknown)} layer(s) ({', '.join(unknown[:3])}"
+                    f"{', ...' if len(unknown) > 3 else ''}); the plan counts each such "
+                    "dimension as 1, so its predicted step times are far too low and the "
+                    f"choice between plans may be wrong. {advice} "
+                    f"Received: input_shapes={input_shapes!r}",
+                    stacklevel=3,
+                )
         if self._fixed_plan is not None:
             self.plan = self._fixed_plan
             self._validate_fixed_plan(model)
         else:
             self.plan = self._build_plan(self.graph, batch_size)
             self.plan.provenance.planning_time_s = time.perf_counter() - started
+            if unknown and not self.graph.unknown_dims:
+                note = (f"Planned for per-sample input shapes {list(map(tuple, input_shapes))} "
+                        "(the first batch's): the model leaves some dimensions unknown, and "
+                        "the predictions hold for batches of these shapes.")
+                if note not in self.plan.notes:
+                    self.plan.notes = list(self.plan.notes) + [note]
             if not planning_only and self.name != "single_device":
                 # (a single_device plan would be the same for any larger batch)
                 setattr(self.plan, _PLANNED_FOR_FIRST_BATCH, True)
@@ -589,6 +633,27 @@ class AutoStrategy:
         self._plans = {k: v for k, v in self._plans.items() if v[0]() is not None}
         self._plans[id(model)] = (weakref.ref(model), self.graph, self.plan)
         return self.plan
+
+    @staticmethod
+    def sample_shapes(x):
+        """Per-sample shapes of a batch's inputs, for `_plan_for_training(input_shapes=)`.
+
+        Args:
+            x: The inputs of one batch (an array, or a list, tuple or dict of
+                arrays, as `fit` takes them).
+
+        Returns:
+            A list of shapes without the batch axis, in `keras.tree.flatten`
+            order (a Functional model's `inputs` order), or None when `x` holds
+            something without a shape.
+        """
+        import numpy as np
+        from keras import tree
+
+        try:
+            return [tuple(np.shape(t))[1:] for t in tree.flatten(x)]
+        except Exception:  # noqa: BLE001  (an input without a shape: plan from the model's)
+            return None
 
     def _validate_fixed_plan(self, model):
         """Checks the plan given with `plan=` against `model`; says so when it was made
