@@ -126,6 +126,22 @@ def test_multi_head_attention_counts_projections_scores_softmax_and_output():
     assert node.activation_bytes == node.output_bytes + 4 * saved
 
 
+@pytest.mark.parametrize("layer, gates", [
+    (lambda: L.SimpleRNN(64), 1), (lambda: L.GRU(64), 3), (lambda: L.LSTM(64), 4),
+    (lambda: L.LSTM(64, return_sequences=True), 4),
+], ids=["simple_rnn", "gru", "lstm", "lstm_sequences"])
+def test_recurrent_layers_keep_every_step_for_backpropagation_through_time(layer, gates):
+    """An LSTM returning its last state (256 bytes a sample) counted no more memory:
+    backpropagation through time keeps every step's gates and states (75 KiB for 50
+    steps), so plans that fitted on paper ran out of memory."""
+    steps, units = 50, 64
+    node = _node(_graph(layer(), (steps, 32)))
+    assert node.saved_bytes == 4 * steps * units * (gates + 2)
+    assert node.activation_bytes == node.output_bytes + node.saved_bytes
+    both = _node(_graph(L.Bidirectional(layer()), (steps, 32)))
+    assert both.saved_bytes == 2 * node.saved_bytes
+
+
 def test_attention_memory_grows_with_the_square_of_the_sequence():
     """At long sequences attention's probabilities (H x T x T per sample) dwarf its
     output; they count in the activation memory the simulator and planners use."""

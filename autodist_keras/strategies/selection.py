@@ -70,10 +70,10 @@ FAMILY_BUDGET_S = {"fastt": 3.0, "heterog": 4.0, "disco": 2.0}
 # backend in the key and in plans; 6: session 21's Disco device subsets, FastT's ties
 # and op-fusion regions without random layers; 7: regions without keras.ops nodes;
 # 8: under PyTorch, only regions its runtime compiles as chains; 9: half-precision
-# matmuls priced at the FP16 peak);
+# matmuls priced at the FP16 peak; 10: recurrent layers' saved activations);
 # the package version is in the key too, so an upgrade never reuses an older
 # release's plans.
-CACHE_VERSION = 9
+CACHE_VERSION = 10
 ESTIMATOR_CHOICES = ("learned", "simulator")
 TIE_RTOL = 1e-6
 SCORER_SIMULATOR = "simulator (predicted)"
