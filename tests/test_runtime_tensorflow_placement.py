@@ -682,3 +682,74 @@ def test_a_plan_given_with_plan_trains_on_after_a_layer_is_frozen_between_fits()
     assert [g["replicas"] for g in data["groups"]] == [
         [{"device": r.device, "batch_share": r.batch_share} for r in g.replicas]
         for g in in_force.groups]
+
+
+# ------------------------------------------------ state assigned in inference mode
+def _stateful_branches():
+    inputs = keras.Input((6, 4), batch_size=BATCH, name="sb_x")
+    a = keras.layers.LSTM(16, stateful=True, name="sb_stateful")(inputs)
+    b = keras.layers.LSTM(16, name="sb_lstm")(inputs)
+    c = keras.layers.Dense(64, activation="relu", name="sb_d")(
+        keras.layers.Flatten(name="sb_flat")(inputs))
+    merged = keras.layers.Concatenate(name="sb_cat")([a, b, c])
+    return keras.Model(inputs, keras.layers.Dense(3, name="sb_out")(merged), name="sb_model")
+
+
+def test_fastt_placement_carries_stateful_rnn_state_through_evaluate_predict_and_validation():
+    """A stateful LSTM that FastT places on a device of its own (one replica, so the
+    batch is not split): its state moves on in fit's validation, evaluate and predict
+    as in plain Keras, whose test and predict steps assign it too."""
+    strategy = _strategy(name="fastt")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 6, 4)).astype("float32")
+    y = rng.integers(0, 3, size=(96,)).astype("int32")
+    xv, yv = x[:48], y[:48]
+    keras.utils.set_random_seed(1)
+    initial = _stateful_branches().get_weights()
+    runs = []
+    for scope in (strategy.scope(), contextlib.nullcontext()):
+        with scope:
+            model = _stateful_branches()
+            _compile(model)
+        model.set_weights(initial)
+        first = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+                          validation_data=(xv, yv))
+        evaluate = model.evaluate(xv, yv, batch_size=BATCH, verbose=0)
+        predict = model.predict(xv, batch_size=BATCH, verbose=0)
+        second = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        states = [s.numpy() for s in model.get_layer("sb_stateful").states]
+        runs.append((first.history, evaluate, predict, second.history, model.get_weights(),
+                     states))
+    plan = strategy.plan
+    assert len(plan.groups) > 1, plan.summary()
+    assert strategy.adapter.runtime_info["mode"] == "single-process placement"
+    (group,) = [g for g in plan.groups if "sb_stateful" in g.layers]
+    assert len(group.replicas) == 1
+    (first, evaluate, predict, second, weights, states), want = runs
+    for key in want[0]:
+        np.testing.assert_allclose(first[key], want[0][key], rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose(evaluate, want[1], rtol=1e-5)
+    np.testing.assert_allclose(predict, want[2], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(second["loss"], want[3]["loss"], rtol=1e-5)
+    for w, got, expected in zip(model.weights, weights, want[4]):
+        np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL, err_msg=w.path)
+    for got, expected in zip(states, want[5]):
+        np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+
+
+def test_split_layer_advances_its_state_once_per_evaluate_and_predict_batch():
+    """A layer split over two devices counts each evaluate and predict batch once, as
+    one device does (the parts' assignments are combined as in training)."""
+    groups = lambda n: [(n[:2], [(D0, BATCH)]), (n[2:4], [(D1, 10), (D2, 14)]),
+                        (n[4:], [(D0, BATCH)])]
+    reference, _, model, _ = _state_run(_state_model, groups)
+    xe, ye = _data("mlp", samples=50, seed=1)  # 3 batches, the last of 2 rows
+    for m in (reference, model):
+        m.evaluate(xe, ye, batch_size=BATCH, verbose=0)
+    np.testing.assert_allclose(model.predict(xe, batch_size=BATCH, verbose=0),
+                               reference.predict(xe, batch_size=BATCH, verbose=0),
+                               rtol=1e-5, atol=1e-6)
+    counter = model.get_layer("s_count")
+    assert float(counter.count.numpy()) == int(counter.steps.numpy()) == 20 + 3 + 3
+    for w, want, got in zip(model.weights, reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, err_msg=w.path)

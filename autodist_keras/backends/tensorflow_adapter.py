@@ -972,18 +972,16 @@ class _Runtime:
         local = self._local_replicas(shares)
 
         def step(x, y, sw):
-            weighted_losses, y_preds, metric_updates = [], [], []
+            weighted_losses, y_preds, all_updates = [], [], []
             trackers = None
-            metric_ids = {id(v) for v in loss_trackers.tracker_variables(model)}
             for index, (replica, share, start) in enumerate(local):
                 xi, yi, swi = _slice((x, y, sw), start, share)
                 with tf.device(replica.device):
                     y_pred, updates = self._forward(xi, training=False)
-                    # Of the state the pass assigned, only metrics (a layer's own,
-                    # updated in call) are kept, combined as in training.
-                    metric_updates.append(
-                        (replica, share, [(v, value) for v, value in updates
-                                          if id(v) in metric_ids]))
+                    # What the pass assigned (a stateful RNN's states, a layer's
+                    # counter or metric) is applied once, combined as in
+                    # training: Keras's test step applies it too.
+                    all_updates.append((replica, share, updates))
                     if trackers is None:
                         trackers = self._trackers(updates)
                     loss = model._compute_loss(
@@ -996,7 +994,7 @@ class _Runtime:
             if trackers is None:
                 trackers = self._trackers([])
             with tf.device(self.adapter.home):
-                floats, ints = self._combined_state(metric_updates, total)
+                floats, ints = self._combined_state(all_updates, total)
                 for variable, value in (_with_variance_corrections(floats + trackers.floats(total))
                                         + ints + trackers.ints()):
                     variable.assign(value)
@@ -1013,15 +1011,22 @@ class _Runtime:
         import tensorflow as tf
 
         local = self._local_replicas(shares)
+        total = sum(shares)
 
         def step(x):
-            y_preds = []
+            y_preds, all_updates = [], []
             for replica, share, start in local:
                 (xi,) = _slice((x,), start, share)
                 with tf.device(replica.device):
-                    y_pred, _ = self._forward(xi, training=False)
+                    y_pred, updates = self._forward(xi, training=False)
                 y_preds.append(y_pred)
+                all_updates.append((replica, share, updates))
             with tf.device(self.adapter.home):
+                # The pass's assignments, as in the test step (Keras's predict
+                # step applies them too).
+                floats, ints = self._combined_state(all_updates, total)
+                for variable, value in _with_variance_corrections(floats) + ints:
+                    variable.assign(value)
                 return self._gather_predictions(y_preds, shares)
 
         return step
