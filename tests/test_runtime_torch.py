@@ -1246,3 +1246,56 @@ def test_a_layer_with_bfloat16_variables_trains_and_ends_fit_in_sync():
     assert model.get_layer("half").kernel.dtype == "bfloat16"
     assert len(history.history["loss"]) == 1
     assert strategy.adapter.last_run["in_sync"] is True
+
+
+# ------------------------------------------------------------- lifetimes
+def test_the_strategy_does_not_keep_the_last_fitted_model_alive():
+    """As the README says, a strategy holds its models weakly: after a good
+    fit, `del model` frees the model (the adapter's last run kept it, its
+    optimizer state and the run's buffers). The run stays readable while its
+    model lives."""
+    import gc
+    import weakref
+
+    strategy = _strategy("proportional", 3)
+    x, y = _data("mlp", n=96)
+    models = []
+    for _ in range(2):
+        with strategy.scope():
+            model = _build("mlp")
+            _compile(model, "sgd")
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        models.append(weakref.ref(model))
+        assert strategy.adapter._run.driver.model is model
+        del model
+    gc.collect()
+    assert [ref() for ref in models] == [None, None]
+    assert strategy.adapter._run is None
+    assert strategy.adapter.last_run["in_sync"] is True
+
+
+def test_idle_workers_of_at_most_two_timeouts_are_kept():
+    """A search that gives each trial its own timeout_s kept every trial's
+    workers until exit. Idle pools of the two timeouts used last are kept per
+    world size (alternating two strategies stays fast); a third timeout ends
+    the idle workers of the least recently used one."""
+    from autodist_keras.backends import torch_pool
+
+    x, y = _data("mlp", n=48)
+    pids = {}
+    for timeout_s in (121, 122, 123, 122):
+        strategy = _strategy("proportional", 2, timeout_s=timeout_s)
+        with strategy.scope():
+            model = _build("mlp")
+            _compile(model, "sgd")
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        pids.setdefault(timeout_s, []).append(strategy.adapter.worker_pids()[1])
+    assert pids[122][0] == pids[122][1]  # the second fit with 122 s reused its workers
+    deadline = time.monotonic() + 10
+    while _alive(pids[121][0]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pids[121][0])
+    assert _alive(pids[122][0]) and _alive(pids[123][0])
+    with torch_pool._pools_lock:
+        kept = [key for key, pools in torch_pool._pools.items() if key[:2] == (2, "gloo") and pools]
+    assert len(kept) <= 2

@@ -284,3 +284,233 @@ def test_ctrl_c_while_workers_start_leaves_no_worker_running():
     started = _InterruptedPool.make(3)
     assert len(started) == 1
     _assert_all_gone(started, within_s=5.0)
+
+
+# ------------------------------------------------------------------ Ctrl-C
+CTRL_C_SCRIPT = '''
+import json, os, signal, sys, time
+import numpy as np
+import keras
+from autodist_keras import AutoStrategy, Cluster
+
+
+@keras.saving.register_keras_serializable(package="ctrl_c_script")
+class CtrlCInStep(keras.layers.Layer):
+    """Presses Ctrl-C (SIGINT to the whole process group) in rank 0's forward pass."""
+
+    armed = False
+
+    def call(self, inputs, training=None):
+        if training and CtrlCInStep.armed and "AUTODIST_KERAS_WORKER_RANK" not in os.environ:
+            CtrlCInStep.armed = False
+            os.killpg(os.getpgrp(), signal.SIGINT)
+            time.sleep(10)  # the KeyboardInterrupt comes first
+        return inputs
+
+
+class ArmAtThirdStep(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        CtrlCInStep.armed = batch == 2
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def fit(model, x, y, callbacks=()):
+    model.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0, callbacks=list(callbacks))
+
+
+if __name__ == "__main__":
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 16)).astype("float32")
+    y = rng.integers(0, 4, size=96)
+    cluster = Cluster.cpu_testbed()
+    strategy = AutoStrategy("data_parallel", cluster=cluster, devices=cluster.names[:3])
+    with strategy.scope():
+        inputs = keras.Input((16,))
+        hidden = CtrlCInStep()(keras.layers.Dense(16, activation="relu")(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(4)(hidden))
+        model.compile(optimizer="sgd",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    fit(model, x, y)
+    report = {"pids": strategy.adapter.worker_pids()}
+    try:  # Ctrl-C between fits, caught by the user's code
+        os.killpg(os.getpgrp(), signal.SIGINT)
+        time.sleep(10)
+    except KeyboardInterrupt:
+        report["caught_idle"] = True
+    time.sleep(1.0)
+    report["alive_after_idle"] = [p for p in report["pids"].values() if alive(p)]
+    fit(model, x, y)
+    report["pids_after_idle"] = strategy.adapter.worker_pids()
+    report["in_sync_after_idle"] = strategy.adapter.last_run["in_sync"]
+    try:  # Ctrl-C inside a training step
+        fit(model, x, y, callbacks=[ArmAtThirdStep()])
+    except KeyboardInterrupt:
+        report["caught_in_step"] = True
+    report["alive_after_step"] = [p for p in report["pids"].values() if alive(p)]
+    fit(model, x, y)
+    report["pids_at_end"] = strategy.adapter.worker_pids()
+    report["in_sync_at_end"] = strategy.adapter.last_run["in_sync"]
+    print(json.dumps(report))
+'''
+
+
+def test_ctrl_c_to_the_process_group_spares_idle_workers_and_still_stops_a_fit(tmp_path):
+    """Ctrl-C in a terminal reaches every process of the group. Idle workers
+    ignore it, so a KeyboardInterrupt the user's code caught between fits
+    leaves them serving the next fit (each printed a KeyboardInterrupt
+    traceback and died); inside a step it still ends the fit in rank 0, which
+    ends the workers, and the next fit trains on new ones."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C_SCRIPT)
+    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=root,
+               AUTODIST_KERAS_CACHE=str(tmp_path / "cache"))
+    # A session of its own: the script's SIGINT reaches its process group only.
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=120, env=env, cwd=tmp_path, start_new_session=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    pids = sorted(report["pids"].values())
+    assert len(pids) == 2
+    assert report["caught_idle"] is True
+    assert sorted(report["alive_after_idle"]) == pids
+    assert report["pids_after_idle"] == report["pids"]  # the same workers served the next fit
+    assert report["in_sync_after_idle"] is True
+    assert report["caught_in_step"] is True
+    assert report["alive_after_step"] == []
+    assert not set(report["pids_at_end"].values()) & set(pids)
+    assert report["in_sync_at_end"] is True
+    assert "KeyboardInterrupt" not in result.stderr
+
+
+def _forkserver_pid(live_processes):
+    """Pid of this process's multiprocessing fork server (a child of it)."""
+    for pid in live_processes("ppid", os.getpid()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"multiprocessing.forkserver" in f.read():
+                    return pid
+        except OSError:
+            continue
+    return None
+
+
+def test_ctrl_c_inside_a_workers_start_leaves_no_worker_behind(monkeypatch, live_processes):
+    """Ctrl-C that lands in `Process.start()` after the fork request went out
+    (while it waits for the fork server to send the worker's pid): the pool
+    never learns the pid, yet the worker it asked for ends at once, silently,
+    because rank 0 closed the worker's status pipe. It waited `timeout_s` for
+    the closed store, printed a c10d timeout and lived until rank 0 exited."""
+    import multiprocessing.forkserver as forkserver
+    import sys
+
+    from autodist_keras.backends import torch_pool
+
+    # A running fork server (started by this warm-up pool if no test did), so
+    # that its new children are the workers this test asks for.
+    torch_pool.release_pool(torch_pool.get_pool(2, 60))
+    server = _forkserver_pid(live_processes)
+    if server is None:
+        pytest.skip("workers are not started by a fork server here")
+    known = set(live_processes("ppid", server))
+    real_read_signed = forkserver.read_signed
+    interrupted = []
+
+    def read_signed(fd):
+        if not interrupted and sys._getframe(1).f_code.co_name == "_launch":
+            interrupted.append(fd)
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C: a KeyboardInterrupt, here
+        return real_read_signed(fd)
+
+    monkeypatch.setattr(forkserver, "read_signed", read_signed)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    left = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            torch_pool.WorkerPool(3, 60)
+        assert interrupted, "the interrupt did not land in Process.start()"
+        time.sleep(1.0)  # the fork server forks the requested worker meanwhile
+        deadline = time.monotonic() + 8.0
+        while True:
+            left = [p for p in live_processes("ppid", server) if p not in known]
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert left == [], "a worker whose start was interrupted is still running"
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+
+
+@keras.saving.register_keras_serializable(package="test_runtime_torch_failures")
+class RaiseOnRank0(keras.layers.Layer):
+    """Identity layer that raises in rank 0's forward pass once armed."""
+
+    armed = False
+
+    def call(self, inputs, training=None):
+        if training and RaiseOnRank0.armed and "AUTODIST_KERAS_WORKER_RANK" not in os.environ:
+            RaiseOnRank0.armed = False
+            raise RuntimeError("user layer failed on rank 0")
+        return inputs
+
+
+class _ArmAt(keras.callbacks.Callback):
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == self.batch:
+            RaiseOnRank0.armed = True
+
+
+def _shared_files_mapped():
+    """The library's /dev/shm files this process maps."""
+    with open("/proc/self/maps") as f:
+        return {line.split(None, 5)[5].strip() for line in f
+                if "/dev/shm/autodist_keras_" in line}
+
+
+def test_a_fit_that_fails_inside_a_step_unmaps_its_shared_memory_and_frees_the_model():
+    """A step that raises on rank 0 discards the workers; rank 0's mappings of
+    the session's (unlinked) shared files go with them, and the model can be
+    collected. Both stayed until the next fit or the strategy's end (20 MiB of
+    /dev/shm for a 1.3M-parameter model)."""
+    import gc
+    import weakref
+
+    strategy = _strategy(3)
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((16,))
+        hidden = RaiseOnRank0()(keras.layers.Dense(64, activation="relu")(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(4)(hidden))
+        model.compile(optimizer="adam",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data(24 * 6)
+    failed = False
+    try:
+        model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False, callbacks=[_ArmAt(3)])
+    except RuntimeError as e:
+        failed = "user layer failed on rank 0" in str(e)
+    assert failed
+    assert strategy.adapter.last_run["gradient_transport"] == "shared_memory"
+    assert _shared_files_mapped() == set()
+    _assert_all_gone(list(strategy.adapter.worker_pids().values()))
+    collected = weakref.ref(model)
+    del model
+    gc.collect()
+    assert collected() is None

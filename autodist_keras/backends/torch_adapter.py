@@ -32,6 +32,7 @@ model.fit(x, y, batch_size=48, epochs=2)   # 3 processes, uneven shares
 import atexit
 import os
 import types
+import weakref
 
 from autodist_keras.backends import model_checks
 from autodist_keras.backends import torch_fusion
@@ -43,6 +44,7 @@ from autodist_keras.strategies.auto import warn_if_batch_outgrows_plan
 
 DEFAULT_TIMEOUT_S = 300.0
 _ATTACHED = "_autodist_keras_torch_adapter"
+_RUN = "_autodist_keras_torch_run"  # a model's last `_FitRun` (see `TorchAdapter._run`)
 
 _torchrun_comm = None
 
@@ -233,6 +235,11 @@ class TorchAdapter(BackendAdapter):
             (the replicas ended with bit-identical weights and optimizer
             state), `worker_pids`, `gradient_transport` (`"shared_memory"`,
             `"gloo"` or `"nccl"`: how the ranks summed gradients).
+
+    The adapter holds its fitted models weakly, as the strategy does: the
+    last fit's state (`_run`: its driver, reducer and op-fusion regions) hangs
+    on that fit's model, so `del model` frees the model, its optimizer state
+    and that state together.
     """
 
     name = "torch"
@@ -243,7 +250,7 @@ class TorchAdapter(BackendAdapter):
         if self.timeout_s <= 0:
             raise BackendError(f"timeout_s must be positive. Received: {self.timeout_s}")
         self.last_run = {}
-        self._run = None
+        self._last_model = None  # a weak reference to the last fitted model
         env = torchrun_env()
         if env is not None and env[1] > len(strategy.devices):
             raise BackendError(
@@ -290,6 +297,27 @@ class TorchAdapter(BackendAdapter):
         name = keras_device_name(info)
         return keras.device(name) if name else contextlib.nullcontext()
 
+    @property
+    def _run(self):
+        """The last fit's `_FitRun` while its model is alive, else None.
+
+        The run (and through its driver the model, its optimizer and their
+        buffers) is kept by the model it trained, not by the adapter: a
+        strategy serves many models and must not keep the last of them alive
+        (`del model; gc.collect()` left a 6.3M-parameter model and its Adam
+        state in memory until the strategy was gone).
+        """
+        model = self._last_model() if self._last_model is not None else None
+        return None if model is None else vars(model).get(_RUN)
+
+    def _remember(self, model, run):
+        """Makes `run` the last fit's, kept by `model` (the previous model forgets its run)."""
+        previous = self._last_model() if self._last_model is not None else None
+        if previous is not None and previous is not model:
+            vars(previous).pop(_RUN, None)
+        object.__setattr__(model, _RUN, run)
+        self._last_model = weakref.ref(model)
+
     def before_fit(self, model):
         """Notes the optimizer's settings before Keras builds it (`torch_state_watch`)."""
         from autodist_keras.backends.torch_state_watch import note_settings_before_build
@@ -324,7 +352,7 @@ class TorchAdapter(BackendAdapter):
         if env is not None and env[0] > 0:
             return self._serve_torchrun(model, *env)
         run = _FitRun(self, model, env)
-        self._run = run
+        self._remember(model, run)
         model.train_function = run.train_function
         try:
             try:
@@ -593,6 +621,11 @@ class _FitRun:
             discard_pool(self.pool)
         elif self.driver is not None:
             self.driver.comm.broken = True
+        if self.driver is not None:
+            # The workers are gone: rank 0's mappings of the session's shared
+            # files (already unlinked, but holding /dev/shm space while mapped)
+            # go now, not when the model or the strategy is collected.
+            self.driver.release_shared_memory()
 
     def release(self):
         """Gives the pool back for the next fit (a discarded one is gone already)."""

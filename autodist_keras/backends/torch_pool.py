@@ -6,10 +6,13 @@ the `spawn` start method on GPU), hosts the TCP store on a free port of
 127.0.0.1 (listening on loopback only), and builds rank 0's `Comm` once every
 worker has joined. Pools are kept (per world size, gradient backend and
 timeout) between `fit` calls of the same process, so only the first fit pays
-for starting Python, PyTorch and Keras in the workers. A pool serves one fit
-at a time: a fit started inside another (from a callback) leases a second
-pool. They are ended at interpreter exit, by `shutdown_pools()`, or as soon
-as one of them fails.
+for starting Python, PyTorch and Keras in the workers. Idle pools of at most
+`TIMEOUTS_KEPT` timeouts are kept per world size and gradient backend: a pool
+for yet another timeout ends the idle ones of the timeout used least recently,
+so a search that gives every trial its own `timeout_s` does not pile up
+workers. A pool serves one fit at a time: a fit started inside another (from a
+callback) leases a second pool. They are ended at interpreter exit, by
+`shutdown_pools()`, or as soon as one of them fails.
 
 The monitor thread watches each worker's process sentinel and status pipe. When
 a worker dies or reports an error, it records why and, after a short grace
@@ -43,6 +46,14 @@ from autodist_keras.errors import WorkerError
 
 GRACE_S = 1.0
 STARTUP_TIMEOUT_S = 300.0
+# How long `close` waits, after closing the status pipes, before it drops the
+# store when a worker's start was interrupted (its pid unknown): that worker
+# ends as its pipe closes, and would otherwise print the store's loss first.
+UNKNOWN_WORKER_EXIT_S = 0.5
+# Idle pools of this many timeouts are kept per (world size, gradient backend):
+# two strategies that differ only in timeout_s, fitted in turn, keep their
+# workers; a third timeout ends the idle pools of the least recently used one.
+TIMEOUTS_KEPT = 2
 
 _pools = {}
 _pools_lock = threading.Lock()
@@ -59,6 +70,27 @@ def get_pool(world_size, timeout_s, grad_backend="gloo"):
     inner fit gets a pool of its own, kept for its next time. Give the lease
     back with `release_pool` when the fit ends.
 
+    Before it starts a new pool, the idle pools of other timeouts beyond
+    `TIMEOUTS_KEPT - 1` (for this world size and backend, least recently used
+    first) are ended: a hyper-parameter search with a new `timeout_s` per
+    trial kept every trial's workers until exit (14 processes after 8 trials).
+
+    Example:
+
+    ```python
+    pool = get_pool(world_size=2, timeout_s=60)
+    try:
+        pool.wake()
+        ...
+    finally:
+        release_pool(pool)
+    ```
+
+    Args:
+        world_size: Number of ranks including rank 0.
+        timeout_s: How long an operation may wait for a peer.
+        grad_backend: `"gloo"` or `"nccl"`.
+
     Returns:
         A `WorkerPool`, marked in use.
     """
@@ -71,10 +103,30 @@ def get_pool(world_size, timeout_s, grad_backend="gloo"):
                 pool.close(graceful=False)
         pool = next((p for p in pools if not p.in_use and not p.close_when_released), None)
         if pool is None:
+            _end_idle_pools_of_other_timeouts(key)
             pool = WorkerPool(world_size, timeout_s, grad_backend)
             pools.append(pool)
         pool.in_use = True
+        pool.last_leased = time.monotonic()
         return pool
+
+
+def _end_idle_pools_of_other_timeouts(key):
+    """Ends idle pools of `key`'s world size and backend but other timeouts, so
+    that with `key`'s those of at most `TIMEOUTS_KEPT` timeouts remain (least
+    recently leased first). Call with `_pools_lock` held."""
+    family = {}
+    for other, pools in _pools.items():
+        idle = [p for p in pools if not p.in_use]
+        if other[:2] == key[:2] and other != key and idle:
+            family[other] = idle
+    ranked = sorted(family, key=lambda k: max(p.last_leased for p in family[k]), reverse=True)
+    for other in ranked[max(TIMEOUTS_KEPT - 1, 0):]:
+        for pool in family[other]:
+            _pools[other].remove(pool)
+            pool.close(graceful=True)
+        if not _pools[other]:
+            del _pools[other]
 
 
 def release_pool(pool):
@@ -246,9 +298,11 @@ class WorkerPool(Reporter):
         self._events = []  # dicts: time, rank, kind ("error" | "exit"), message, secondary
         self._terminated_by_us = set()
         self._closing = False
+        self._unknown_starts = 0  # workers whose start was interrupted before their pid came
         self._ready = set()
         self.comm = None
         self.in_use = False  # leased to a running fit (`get_pool`)
+        self.last_leased = time.monotonic()  # when `get_pool` last handed it out
         self.close_when_released = False  # `shutdown_pools(idle_only=True)` ran meanwhile
         startup = max(STARTUP_TIMEOUT_S, self.timeout_s)
         self.store = loopback_store(self.world_size, startup)
@@ -287,6 +341,14 @@ class WorkerPool(Reporter):
         )
         try:
             process.start()
+        except BaseException:
+            if process.pid is None:
+                # Ctrl-C while `start()` waited for the fork server's answer: the
+                # worker may still be forked, with no pid here to end it by. It
+                # ends itself once `close` closes its status pipe (`st_r`, kept
+                # in `_status`: torch_worker.watch_parent).
+                self._unknown_starts += 1
+            raise
         finally:
             if process.pid is not None:
                 self.processes[rank] = process
@@ -454,7 +516,15 @@ class WorkerPool(Reporter):
                 process.terminate()
 
     def close(self, graceful=True):
-        """Ends the workers: asks them to exit, then terminates and kills stragglers."""
+        """Ends the workers: asks them to exit, then terminates and kills stragglers.
+
+        Closing the status pipes also ends a worker whose start was
+        interrupted before its pid was known (it watches its pipe).
+
+        Args:
+            graceful: Ask the workers to exit first (3 s) instead of
+                terminating them at once.
+        """
         if self._closing:
             return
         self._closing = True
@@ -479,11 +549,15 @@ class WorkerPool(Reporter):
         monitor = self._monitor
         if monitor is not None and monitor.is_alive() and monitor is not threading.current_thread():
             monitor.join(2.0)
+        # Closing the status pipes' read ends also ends any worker this pool
+        # asked for but never learnt the pid of (torch_worker.watch_parent).
         for conn in list(self._ctl.values()) + list(self._status.values()):
             try:
                 conn.close()
             except OSError:
                 pass
+        if self._unknown_starts:
+            time.sleep(UNKNOWN_WORKER_EXIT_S)  # ... before the store it may wait on goes
         if not graceful:
             self._abort_gradient_groups()
         if self.comm is not None:

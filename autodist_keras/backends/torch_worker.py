@@ -7,18 +7,28 @@ process groups, and then loops: wait on its control pipe for the next fit
 ("session"), serve that session (`torch_session.serve`), and wait again. Any
 error is reported through its status pipe before the process exits, so rank 0
 can raise it as a `WorkerError`. A watchdog thread ends the worker if its parent
-disappears, so no worker outlives the user's process.
+disappears, so no worker outlives the user's process, and also when rank 0 has
+closed its end of the worker's status pipe (a pool that was closed, or whose
+start-up was interrupted before it learnt the worker's process id), so no
+worker outlives its pool either.
+
+Workers ignore SIGINT: Ctrl-C in a terminal reaches every process of the
+foreground group, and rank 0 alone decides what it means (it ends or replaces
+the workers when the interrupt stops a fit, and keeps them when the user's
+code caught it between fits).
 
 This module imports neither Keras nor PyTorch at import time: the worker sets
 `KERAS_BACKEND=torch` before importing them.
 """
 
 import os
+import signal
 import sys
 import threading
 import time
 
 from autodist_keras.backends.processes import process_alive
+from autodist_keras.backends.processes import reader_gone
 
 
 class PipeReporter:
@@ -34,22 +44,43 @@ class PipeReporter:
             pass
 
 
-def watch_parent(parent_pid):
-    """Ends this process (exit code 1) within 0.5 s of `parent_pid` ending; runs forever.
+def watch_parent(parent_pid, pipe=None):
+    """Ends this process within 0.5 s of `parent_pid` ending; runs forever.
 
     Run it in a daemon thread of a child process: a parent killed outright
     (SIGKILL) cleans up nothing, and its children would live on. Spawned
     workers are children of rank 0; forked ones are children of the fork
-    server. Either way, a worker ends when rank 0 is gone.
+    server. Either way, a worker ends (exit code 1) when rank 0 is gone.
+
+    With `pipe`, the process also ends (exit code 0, silently) once nobody
+    reads that pipe any more: rank 0 closes the read ends of a pool's status
+    pipes when it closes the pool, and a worker whose start was interrupted
+    (Ctrl-C while `Process.start()` waited for the fork server's answer) is
+    one rank 0 never learnt the process id of, so this is how it learns that
+    nobody waits for it. It would otherwise wait `timeout_s` for a store that
+    is gone and print a c10d timeout into the user's terminal.
+
+    Example:
+
+    ```python
+    threading.Thread(target=watch_parent, args=(parent_pid, status_conn),
+                     daemon=True).start()
+    ```
 
     Args:
         parent_pid: The process id to watch.
+        pipe: Optional write end (a `multiprocessing` `Connection`) of a pipe
+            whose read end belongs to the parent.
     """
     start_ppid = os.getppid()
+    fd = pipe.fileno() if pipe is not None else None
     while True:
         if os.getppid() != start_ppid or not process_alive(parent_pid):
             os._exit(1)
-        time.sleep(0.5)
+        if fd is None:
+            time.sleep(0.5)
+        elif reader_gone(fd, timeout_s=0.5):  # wakes as soon as rank 0 closes its end
+            os._exit(0)
 
 
 def worker_main(rank, world_size, port, ctl_conn, status_conn, parent_pid, timeout_s, grad_backend):
@@ -65,9 +96,13 @@ def worker_main(rank, world_size, port, ctl_conn, status_conn, parent_pid, timeo
         timeout_s: How long an operation may wait for a peer.
         grad_backend: `"gloo"` or `"nccl"`.
     """
+    # Ctrl-C reaches the whole process group; rank 0 ends the workers if it
+    # stops a fit (a traceback per worker said nothing, and idle workers died
+    # although the user's code caught the interrupt).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["KERAS_BACKEND"] = "torch"
     os.environ["AUTODIST_KERAS_WORKER_RANK"] = str(rank)
-    threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=watch_parent, args=(parent_pid, status_conn), daemon=True).start()
     reporter = PipeReporter(status_conn)
     try:
         import datetime
