@@ -784,9 +784,18 @@ def test_with_three_workers_no_healthy_worker_is_blamed(tmp_path):
 
 def test_a_worker_that_waits_past_timeout_s_says_a_peer_is_slow(tmp_path):
     """A worker whose callback runs 10 s makes the other's collective time out
-    (timeout_s=3): a BackendError saying so, not a bare DeadlineExceededError."""
-    outputs, codes = _two_workers_run(tmp_path, _FAILING_CALLBACK,
-                                      lambda rank: [str(rank), "sleep"], check=False)
+    (timeout_s=3): a BackendError saying so, not a bare DeadlineExceededError.
+
+    TensorFlow 2.21 itself sometimes aborts the process while it cancels the
+    timed-out collective ("RAW: Check ... failed: Lock: Mutex corrupt", 1 run in
+    5 on this machine under load), before any Python code can run: that run is
+    tried once more."""
+    for attempt in range(2):
+        (tmp_path / f"try{attempt}").mkdir()
+        outputs, codes = _two_workers_run(tmp_path / f"try{attempt}", _FAILING_CALLBACK,
+                                          lambda rank: [str(rank), "sleep"], check=False)
+        if "Mutex corrupt" not in outputs[0]:
+            break
     assert codes[0] != 0
     assert ("BackendError: Worker rank 0 waited timeout_s=3 s for the other workers in a "
             "collective") in outputs[0], outputs[0][-3000:]
@@ -834,3 +843,82 @@ def test_only_collective_failures_are_reported_as_a_stopped_or_slow_peer():
     with_chief = collective_failure(tf.errors.UnavailableError(None, None, service),
                                     WorkerInfo(3, 2, "worker", 1, ["a:1", "b:2", "c:3"]), 60)
     assert "A collective failed: chief 0 of TF_CONFIG" in str(with_chief)
+
+
+class _ToSparse(keras.layers.Layer):
+    """Dense rows to a tf.SparseTensor (the workers read dense `.npy` arrays)."""
+
+    def call(self, x):
+        import tensorflow as tf
+
+        return tf.sparse.from_dense(x)
+
+    def compute_output_spec(self, x):
+        return keras.KerasTensor(x.shape, x.dtype, sparse=True)
+
+
+def sparse_input_adam_worker_model():
+    """Dense on a tf.SparseTensor (kernel gradient: one row per distinct input column), Adam."""
+    inputs = keras.Input((8,), name="sp_input")
+    outputs = keras.layers.Dense(3, name="sp_logits")(_ToSparse(name="sp_to_sparse")(inputs))
+    model = keras.Model(inputs, outputs, name="sp_model")
+    model.compile(optimizer=keras.optimizers.Adam(learning_rate=1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def embedding_adam_worker_model():
+    """`embedding_worker_model` with Adam (gradient: one row per lookup, repeated ids)."""
+    model = embedding_worker_model()
+    model.compile(optimizer=keras.optimizers.Adam(learning_rate=1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("processes", [None, "per_core"], ids=["one_device_each", "per_core"])
+@pytest.mark.parametrize("model_fn", [sparse_input_adam_worker_model, embedding_adam_worker_model],
+                         ids=["sparse_input", "embedding"])
+def test_workers_combine_sparse_gradients_as_one_device_under_adam(model_fn, processes):
+    """Sparse gradients between workers, with Adam (which squares their rows, so
+    a row repeated or merged changes the step): a deduplicating lookup's rows are
+    merged per id over the workers, an Embedding's concatenated with their repeated
+    ids, and training matches single-device Keras. With a worker driving two replicas
+    (per_core) both used to be densified and summed: exact for the deduplicated rows,
+    but the Embedding's loss drifted from Keras's (1e-4 after 4 steps)."""
+    from autodist_keras.backends import tf_multiworker
+    from autodist_keras.devices import Cluster
+    from autodist_keras.graph import ModelGraph
+    from autodist_keras.strategies import baselines
+
+    rng = np.random.default_rng(3)
+    if model_fn is embedding_adam_worker_model:
+        x = rng.integers(0, 20, size=(96, 6)).astype("int32")
+    else:
+        x = rng.normal(size=(96, 8)).astype("float32")
+        x = x * (x > 0.5)
+    y = rng.integers(0, 3, size=(96,)).astype("int32")
+    keras.utils.set_random_seed(7)
+    reference = model_fn()
+    initial = reference.get_weights()
+    history = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    if processes == "per_core":
+        cluster = Cluster.cpu_testbed()
+        plan = baselines.proportional(ModelGraph.from_keras(reference), cluster, BATCH,
+                                      bucket_bytes=256)
+        assert plan.shares_for(BATCH) == [12, 6, 6]
+    else:
+        cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1},
+                                       {"cores": [1], "threads": 1}])
+        plan = baselines.proportional(ModelGraph.from_keras(reference), cluster, BATCH,
+                                      speeds={"node0/cpu0": 2.0, "node0/cpu1": 1.0})
+        assert plan.shares_for(BATCH) == [16, 8]
+    results = tf_multiworker.launch_local_workers(
+        model_fn, cluster, x, y, BATCH, steps=4, plan=plan, initial_weights=initial,
+        return_weights=True, timeout_s=400,
+        **({"processes": processes} if processes else {}),
+    )
+    assert len(results) == 2
+    for result in results:
+        np.testing.assert_allclose(result["history"]["loss"], history.history["loss"], rtol=1e-5)
+        for w, want, got in zip(reference.weights, reference.get_weights(), result["weights"]):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=w.path)
