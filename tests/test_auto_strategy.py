@@ -730,9 +730,11 @@ def test_a_model_with_an_unknown_sequence_length_is_planned_for_the_first_batch(
     fixed.plan_for(_sequence_model(30), 24)
     assert strategy.graph.unknown_dims == []
     assert strategy.graph.fingerprint() == fixed.graph.fingerprint()
-    # (The same graph; the figures agree to the learned estimator's noise between runs.)
-    assert strategy.plan.prediction.step_time_s == pytest.approx(
-        fixed.plan.prediction.step_time_s, rel=0.05)
+    # The simulator's figures (the learned estimator's scale with this machine's
+    # current speed, probed for each plan: they differ under load).
+    ours, theirs = strategy.plan.prediction, fixed.plan.prediction
+    assert (ours.simulated_step_time_s or ours.step_time_s) == pytest.approx(
+        theirs.simulated_step_time_s or theirs.step_time_s, rel=1e-9)
     assert "Planned for per-sample input shapes [(30,)] (the first batch's)" in " ".join(
         strategy.plan.notes)
 
