@@ -753,3 +753,251 @@ def test_split_layer_advances_its_state_once_per_evaluate_and_predict_batch():
     assert float(counter.count.numpy()) == int(counter.steps.numpy()) == 20 + 3 + 3
     for w, want, got in zip(model.weights, reference.get_weights(), model.get_weights()):
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, err_msg=w.path)
+
+
+# ------------------------------- split inputs: no static batch size, sparse, ragged
+# Session 24: a split group cut only dense inputs whose *static* leading dimension
+# was the batch. TextVectorization traces `(None, 6)`, so a FastT plan that split
+# a layer after it gave every part all the rows: fit failed with "logits shape
+# [48,3] and labels shape [24]" and predict returned 192 rows for 96. Sparse and
+# ragged inputs were not cut either (or failed when an input node was split), and
+# a split layer returning a SparseTensor returned the first part's rows only.
+_WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta", "iota", "kappa"]
+
+
+def _texts(samples, seed):
+    rng = np.random.default_rng(seed)
+    x = np.array([" ".join(rng.choice(_WORDS, size=rng.integers(1, 7)))
+                  for _ in range(samples)], dtype=object)
+    return x, rng.integers(0, 3, size=(samples,)).astype("int32")
+
+
+def _text_model():
+    """TextVectorization's output (and so the Embedding's) has no static batch size."""
+    inputs = keras.Input((), dtype="string", name="t_text")
+    vectorize = keras.layers.TextVectorization(max_tokens=20, output_sequence_length=6,
+                                               name="t_tv")
+    vectorize.adapt(_texts(96, 0)[0])
+    x = keras.layers.Embedding(20, 8, name="t_emb")(vectorize(inputs))
+    x = keras.layers.GlobalAveragePooling1D(name="t_gap")(x)
+    return keras.Model(inputs, keras.layers.Dense(3, name="t_out")(x), name="t_text_model")
+
+
+def _sparse_data(samples, seed):
+    import tensorflow as tf
+
+    rng = np.random.default_rng(seed)
+    dense = rng.normal(size=(samples, 8)).astype("float32")
+    x = tf.sparse.from_dense(dense * (dense > 0.5))
+    return x, rng.integers(0, 3, size=(samples,)).astype("int32")
+
+
+def _sparse_model():
+    inputs = keras.Input((8,), sparse=True, name="s_in")
+    x = keras.layers.Dense(6, activation="relu", name="s_d1")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(3, name="s_out")(x), name="s_sparse_model")
+
+
+class _ToSparse(keras.layers.Layer):
+    """Returns its ReLU'd input as a tf.SparseTensor."""
+
+    def call(self, x):
+        import tensorflow as tf
+
+        return tf.sparse.from_dense(tf.nn.relu(x))
+
+    def compute_output_spec(self, x):
+        return keras.KerasTensor(x.shape, x.dtype, sparse=True)
+
+
+def _sparse_output_model():
+    inputs = keras.Input((8,), name="so_in")
+    x = _ToSparse(name="so_sparse")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(3, name="so_out")(x), name="so_model")
+
+
+def _ragged_data(samples, seed):
+    import tensorflow as tf
+
+    rng = np.random.default_rng(seed)
+    rows = [rng.normal(size=rng.integers(1, 5)).astype("float32").tolist()
+            for _ in range(samples)]
+    return tf.ragged.constant(rows), rng.integers(0, 3, size=(samples,)).astype("int32")
+
+
+class _RaggedSummary(keras.layers.Layer):
+    """Mean and maximum of each ragged row."""
+
+    def call(self, x):
+        import tensorflow as tf
+
+        return tf.stack([tf.reduce_mean(x, axis=1), tf.reduce_max(x, axis=1)], axis=1)
+
+    def compute_output_shape(self, shape):
+        return (shape[0], 2)
+
+
+def _ragged_model():
+    inputs = keras.Input((None,), ragged=True, name="g_in")
+    x = _RaggedSummary(name="g_sum")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(3, name="g_out")(x), name="g_ragged")
+
+
+def _hand_plan(build, groups):
+    from autodist_keras.graph import ModelGraph
+
+    graph = ModelGraph.from_keras(build())
+    return _plan(None, groups(list(graph.nodes)), graph=graph)
+
+
+def _split_groups(plan):
+    return [g for g in plan.groups if sum(1 for s in g.shares if s > 0) > 1]
+
+
+def _matches_plain_keras(build, plan, data, eval_data):
+    """Fits, evaluates and predicts with `plan` and with plain Keras from the same weights."""
+    keras.utils.set_random_seed(5)
+    reference = build()
+    _compile(reference)
+    initial = reference.get_weights()
+    strategy = _strategy(plan)
+    with strategy.scope():
+        model = build()
+        _compile(model)
+    model.set_weights(initial)
+    (x, y), (xe, ye) = data, eval_data
+    want = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    got = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    assert strategy.adapter.runtime_info["mode"] == "single-process placement"
+    for w, expected, actual in zip(model.weights, reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(actual, expected, rtol=RTOL, atol=ATOL, err_msg=w.path)
+    np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(got.history["accuracy"], want.history["accuracy"])
+    np.testing.assert_allclose(model.evaluate(xe, ye, batch_size=BATCH, verbose=0),
+                               reference.evaluate(xe, ye, batch_size=BATCH, verbose=0),
+                               rtol=1e-5)
+    predicted = model.predict(xe, batch_size=BATCH, verbose=0)
+    expected = reference.predict(xe, batch_size=BATCH, verbose=0)
+    assert predicted.shape == expected.shape == (int(ye.shape[0]), 3)
+    np.testing.assert_allclose(predicted, expected, rtol=1e-5, atol=1e-6)
+    return model
+
+
+def test_fastt_plan_splits_a_layer_fed_a_tensor_of_unknown_batch_size():
+    """FastT splits GlobalAveragePooling1D after TextVectorization and Embedding, whose
+    traced outputs are (None, 6) and (None, 6, 8): the parts must get their own rows."""
+    from autodist_keras.devices import Cluster
+    from autodist_keras.graph import ModelGraph
+    from autodist_keras.strategies import fastt
+
+    plan = fastt.plan(ModelGraph.from_keras(_text_model()), Cluster.cpu_testbed(), BATCH)
+    split = _split_groups(plan)
+    assert split and not any({"t_text", "t_tv"} & set(g.layers) for g in split), plan.summary()
+    # 100 rows: a last batch of 4, split like the others; evaluate and predict on 96
+    _matches_plain_keras(_text_model, plan, _texts(100, 0), _texts(96, 1))
+
+
+def test_split_groups_cut_text_vectorization_outputs_with_other_shares():
+    """The string input and TextVectorization split 14/10, the Embedding and pooling
+    10/14: the unknown-size output is joined and cut again by the other shares."""
+    groups = lambda n: [(n[:2], [(D0, 14), (D1, 10)]), (n[2:4], [(D1, 10), (D2, 14)]),
+                        (n[4:], [(D0, BATCH)])]
+    _matches_plain_keras(_text_model, _hand_plan(_text_model, groups),
+                         _texts(100, 0), _texts(96, 1))
+
+
+@pytest.mark.parametrize("case", ["split layer", "split input", "sparse output", "ragged"])
+def test_split_groups_cut_sparse_and_ragged_tensors_by_rows(case):
+    """tf.SparseTensor inputs are cut with tf.sparse.slice and joined with tf.sparse.concat,
+    tf.RaggedTensor inputs by rows; the result matches plain Keras."""
+    build, data = {
+        "split layer": (_sparse_model, _sparse_data),
+        "split input": (_sparse_model, _sparse_data),
+        "sparse output": (_sparse_output_model, lambda n, s: _data("mlp", n, s)),
+        "ragged": (_ragged_model, _ragged_data),
+    }[case]
+    first = [(D0, 14), (D1, 10)] if case == "split input" else [(D0, BATCH)]
+    groups = lambda n: [(n[:1], first), (n[1:2], [(D1, 10), (D2, 14)]), (n[2:], [(D0, BATCH)])]
+    _matches_plain_keras(build, _hand_plan(build, groups), data(100, 0), data(50, 1))
+
+
+class _Flatten1D(keras.layers.Layer):
+    """Flattens to one axis: its output (None,) has 8 rows per sample."""
+
+    def call(self, x):
+        return keras.ops.reshape(x, (-1,))
+
+    def compute_output_shape(self, shape):
+        return (None,)
+
+
+class _Unflatten(keras.layers.Layer):
+    def call(self, x):
+        return keras.ops.reshape(x, (-1, 8))
+
+    def compute_output_shape(self, shape):
+        return (None, 8)
+
+
+class _KeepPositive(keras.layers.Layer):
+    """Keeps the rows whose first feature is positive (a varying number of rows)."""
+
+    def call(self, x):
+        import tensorflow as tf
+
+        return tf.boolean_mask(x, x[:, 0] > 0)
+
+    def compute_output_shape(self, shape):
+        return shape
+
+
+def _flat_model():
+    inputs = keras.Input((8,), name="f_in")
+    x = _Unflatten(name="f_unflat")(_Flatten1D(name="f_flat")(inputs))
+    return keras.Model(inputs, keras.layers.Dense(3, name="f_out")(x), name="f_flat_model")
+
+
+def _filter_model():
+    inputs = keras.Input((8,), name="k_in")
+    x = _KeepPositive(name="k_keep")(inputs)
+    x = keras.layers.Dense(4, name="k_d")(x)
+    return keras.Model(inputs, keras.layers.Dense(3, name="k_out")(x), name="k_filter")
+
+
+def test_split_input_with_rows_other_than_the_batch_is_refused():
+    """A batch-major tensor of the graph whose rows are not the batch's (8 rows per
+    sample here) cannot be cut by the shares: a clear error, not every row per part."""
+    from autodist_keras.errors import BackendError
+
+    groups = lambda n: [(n[:2], [(D0, BATCH)]), (n[2:3], [(D1, 10), (D2, 14)]),
+                        (n[3:], [(D0, BATCH)])]
+    strategy = _strategy(_hand_plan(_flat_model, groups))
+    with strategy.scope():
+        model = _flat_model()
+        _compile(model)
+    x, y = _data("mlp", BATCH)
+    with pytest.raises(BackendError, match="cannot be split along the batch axis") as info:
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+    assert "f_unflat" in str(info.value) and "Received:" in str(info.value)
+
+
+def test_split_input_of_unknown_size_is_checked_against_the_batch():
+    """An input without a static batch size that does not have the batch's rows at run
+    time (a layer dropped some) stops the step with a clear message, where predict
+    returned a wrong number of rows."""
+    import tensorflow as tf
+
+    groups = lambda n: [(n[:2], [(D0, BATCH)]), (n[2:3], [(D1, 10), (D2, 14)]),
+                        (n[3:], [(D0, BATCH)])]
+    strategy = _strategy(_hand_plan(_filter_model, groups))
+    with strategy.scope():
+        model = _filter_model()
+        _compile(model)
+    x = _data("mlp", BATCH)[0]
+    x[:, 0] = np.where(np.arange(BATCH) % 3 == 0, -1.0, 1.0)  # 16 of 24 rows kept
+    y = np.zeros(BATCH, "int32")
+    message = "layer call k_d runs as split replicas"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        model.predict(x, batch_size=BATCH, verbose=0)

@@ -17,7 +17,13 @@ the TensorFlow backend (wired in from `tensorflow_adapter.py`):
 - A group with several replicas runs each of its layer calls as replicas:
   batch-major inputs are split by the group's shares (rescaled to the actual
   batch with `split_batch`), the layer runs on each part under its device,
-  and the outputs are concatenated. Consecutive calls of the same split group
+  and the outputs are concatenated. An input is batch-major when its Keras
+  tensor in the model graph has the batch axis first, whether or not its
+  traced value knows its batch size (TextVectorization's does not; such a
+  value is checked against the batch at run time); dense, sparse
+  (`tf.sparse.slice` / `tf.sparse.concat`) and ragged (by rows) tensors are
+  cut. A batch-major input whose static rows are not the batch's raises
+  `BackendError`. Consecutive calls of the same split group
   hand the parts on directly (the concatenation is then unused and pruned).
   Every part starts from the state as the call found it and draws from its
   own seeds; what the parts assign (counters, moving averages, seed
@@ -289,8 +295,8 @@ class _Forward:
             whole = tf.identity(value)
         plan_devices = self.runner.plan_devices[group.name]
         shares = self.shares(group)
-        if len([s for s in shares if s > 0]) > 1 and _batch_major(whole, self.batch_size):
-            parts = self._split(whole, shares)
+        if len([s for s in shares if s > 0]) > 1 and self._splits(name, whole, reference):
+            parts = self._split(whole, shares, name)
             for share, device, part in zip(shares, plan_devices, parts):
                 if share > 0:
                     self.produced[(name, device)] = [part]
@@ -300,6 +306,38 @@ class _Forward:
 
     def shares(self, group):
         return tuple(split_batch(group.shares, self.batch_size))
+
+    def _splits(self, name, value, symbolic):
+        """Whether the input `value` of the split call `name` is split by the shares.
+
+        Batch-major inputs are: those whose Keras tensor in the model graph
+        (`symbolic`) has the graph's batch axis first (a model input or a
+        layer's output; its traced value may not know its batch size
+        statically, e.g. TextVectorization's output), and, for values the
+        graph does not name, those whose static leading dimension is the
+        batch. Dense, sparse and ragged tensors are split.
+
+        Raises:
+            BackendError: If a batch-major input of the graph has a static
+                leading dimension other than the batch's (it cannot be split
+                by the shares, and each part would get all its rows).
+        """
+        if not _is_batch_value(value):
+            return False
+        rows = _static_rows(value)
+        if symbolic is None:
+            return rows == self.batch_size
+        if not _symbolic_batch_major(symbolic, self.runner.batch_dim):
+            return False
+        if rows is None or rows == self.batch_size:
+            return True
+        raise BackendError(
+            f"Layer call {name!r} runs as split replicas, but its input of shape "
+            f"{tuple(value.shape)} (batch-major in the model graph: "
+            f"{tuple(symbolic.shape)}) has {rows} rows, not the batch's {self.batch_size}, "
+            "so it cannot be split along the batch axis. Plan without splitting this "
+            f"layer. Received: input of shape {tuple(value.shape)}, batch of {self.batch_size}"
+        )
 
     # -------------------------------------------------------------- calls
     def call(self, name, operation, args, kwargs):
@@ -345,10 +383,11 @@ class _Forward:
         plan_devices = runner.plan_devices[group.name]
         structure = (args, kwargs)
         leaves = tree.flatten(structure)
+        symbolic = _symbolic_leaves(runner.graph.calls[name][1], args, kwargs)
         split_leaves = []
         for leaf in leaves:
-            if _is_tensor(leaf) and _batch_major(leaf, self.batch_size):
-                split_leaves.append(self._split(leaf, shares))
+            if self._splits(name, leaf, symbolic.get(id(leaf))):
+                split_leaves.append(self._split(leaf, shares, name))
             else:
                 split_leaves.append(None)
         outs = []
@@ -369,7 +408,7 @@ class _Forward:
             state.combine()
 
         def join(*parts):
-            if not _is_tensor(parts[0]):
+            if not _is_batch_value(parts[0]):
                 return parts[0]
             if parts[0].shape.rank == 0:
                 raise BackendError(
@@ -378,7 +417,7 @@ class _Forward:
                     f"splitting this layer. Received: output of shape {parts[0].shape}"
                 )
             with tf.device(devices[active[0]]):
-                whole = tf.concat(list(parts), axis=0)
+                whole = _concat_rows(list(parts))
                 masks = [get_keras_mask(p) for p in parts]
                 if all(m is not None for m in masks):
                     set_keras_mask(whole, ops.concatenate(masks, axis=0))
@@ -391,33 +430,44 @@ class _Forward:
 
         return tree.map_structure(join, *outs)
 
-    def _split(self, tensor, shares):
-        """Parts of a batch-major tensor by `shares` (reusing parts a split call produced)."""
+    def _split(self, tensor, shares, name):
+        """Parts of a batch-major tensor by `shares` (reusing parts a split call produced).
+
+        `tensor` may be dense, a `tf.SparseTensor` (cut with `tf.sparse.slice`)
+        or a `tf.RaggedTensor` (cut by rows). When its batch size is not known
+        statically (a layer such as TextVectorization traces `(None, ...)`),
+        the step checks at run time that it has the batch's rows.
+        """
         import tensorflow as tf
 
         from keras.src.backend import get_keras_mask
         from keras.src.backend import set_keras_mask
 
-        known = self.split.get(id(tensor))
+        key = id(tensor)
+        known = self.split.get(key)
         if known is not None and known[1] == tuple(shares):
             return known[2]
+        whole = tensor
         if known is not None:
-            tensor = self._join(tensor, known, known[0].device)
+            whole = self._join(tensor, known, _device_of(known[0]))
+        device = _device_of(whole)
         # Slices, not tf.split: Grappler's arithmetic optimizer (TF 2.21) rewrote a
         # SplitV of a ConcatV2 of uneven parts wrongly in a traced step.
-        mask = get_keras_mask(tensor)
+        mask = get_keras_mask(whole)
         parts, start = [], 0
-        with tf.device(tensor.device) if tensor.device else contextlib.nullcontext():
+        with tf.device(device) if device else contextlib.nullcontext():
+            if _static_rows(whole) is None:
+                whole = _checked_rows(whole, self.batch_size, name)
             for share in shares:
                 if share == 0:
                     parts.append(None)
                     continue
-                piece = tensor[start:start + share]
+                piece = _slice_rows(whole, start, share)
                 if mask is not None:
                     set_keras_mask(piece, mask[start:start + share])
                 parts.append(piece)
                 start += share
-        self.split[id(tensor)] = (tensor, tuple(shares), parts)
+        self.split[key] = (tensor, tuple(shares), parts)
         self.keep.append(tensor)
         return parts
 
@@ -426,7 +476,7 @@ class _Forward:
         from keras.src import tree
 
         def whole(leaf):
-            known = self.split.get(id(leaf)) if _is_tensor(leaf) else None
+            known = self.split.get(id(leaf)) if _is_batch_value(leaf) else None
             return leaf if known is None else self._join(leaf, known, device)
 
         return tree.map_structure(whole, structure)
@@ -441,7 +491,7 @@ class _Forward:
         if key not in self.joined:
             parts = [p for p in known[2] if p is not None]
             with tf.device(device):
-                joined = tf.concat(parts, axis=0) if len(parts) > 1 else tf.identity(parts[0])
+                joined = _concat_rows(parts) if len(parts) > 1 else tf.identity(parts[0])
             mask = get_keras_mask(tensor)
             if mask is not None:
                 set_keras_mask(joined, mask)
@@ -673,6 +723,7 @@ class PlacementRuntime:
                     self.previous_forward[(device, layer)] = last
                 last = layer
         self.dataflow = graph.nx  # networkx DiGraph of the layer calls
+        self.batch_dim = _batch_dim(graph)  # the graph's leading dimension (None: any batch)
         variables = model.trainable_variables
         self.trainable_ids = {id(v) for v in variables}
         self.layout = tf_reduce.bucket_layout(
@@ -885,9 +936,128 @@ def _is_tensor(value):
     return isinstance(value, tf.Tensor)
 
 
-def _batch_major(tensor, batch_size):
-    shape = tensor.shape
-    return shape.rank is not None and shape.rank >= 1 and shape[0] == batch_size
+def _is_batch_value(value):
+    """Whether `value` is a tensor a split call can cut by rows (dense, sparse, ragged)."""
+    import tensorflow as tf
+
+    return isinstance(value, (tf.Tensor, tf.SparseTensor, tf.RaggedTensor))
+
+
+def _static_rows(value):
+    """The static leading dimension of a dense, sparse or ragged tensor (None: unknown)."""
+    shape = value.shape
+    if shape.rank is None or shape.rank < 1:
+        return None
+    return shape[0]
+
+
+def _symbolic_batch_major(keras_tensor, batch_dim):
+    """Whether a Keras tensor of the model graph has the graph's batch axis first."""
+    shape = tuple(keras_tensor.shape)
+    return bool(shape) and shape[0] == batch_dim
+
+
+def _symbolic_leaves(knode, args, kwargs):
+    """Maps `id` of each value of a layer call to the Keras tensor it stands for.
+
+    Keras' `_run_through_graph` fills the node's symbolic arguments in
+    (`node.arguments.fill_in`), so the call's `args` and the node's keyword
+    arguments have the node's structure; keyword arguments Keras adds
+    (`training`) are not Keras tensors.
+    """
+    from keras import KerasTensor
+    from keras.src import tree
+
+    arguments = getattr(knode, "arguments", None)
+    if arguments is None:
+        return {}
+    pairs = [(arguments.args, args)]
+    pairs += [(v, kwargs[k]) for k, v in arguments.kwargs.items() if k in kwargs]
+    found = {}
+    for symbolic, actual in pairs:
+        try:
+            flat_symbolic, flat_actual = tree.flatten(symbolic), tree.flatten(actual)
+        except (TypeError, ValueError):
+            continue
+        if len(flat_symbolic) != len(flat_actual):
+            continue
+        for s, a in zip(flat_symbolic, flat_actual):
+            if isinstance(s, KerasTensor) and a is not None:
+                found[id(a)] = s
+    return found
+
+
+def _device_of(value):
+    """The device a dense, sparse or ragged tensor was placed on ("" when unknown)."""
+    import tensorflow as tf
+
+    if isinstance(value, tf.SparseTensor):
+        value = value.values
+    elif isinstance(value, tf.RaggedTensor):
+        value = value.flat_values
+    return getattr(value, "device", "") or ""
+
+
+def _checked_rows(value, rows, name):
+    """`value` with a run-time check that it has `rows` rows (and that static size, when
+    dense or sparse); `name` is the split layer call, for the message."""
+    import tensorflow as tf
+
+    from keras.src.backend import get_keras_mask
+    from keras.src.backend import set_keras_mask
+
+    if isinstance(value, tf.SparseTensor):
+        actual = value.dense_shape[0]
+    elif isinstance(value, tf.RaggedTensor):
+        actual = value.nrows()
+    else:
+        actual = tf.shape(value, out_type=tf.int64)[0]
+    check = tf.debugging.assert_equal(
+        tf.cast(actual, tf.int64), tf.constant(rows, tf.int64),
+        message=(
+            # (no quotes: TensorFlow escapes them in the error it raises)
+            f"autodist_keras placement: layer call {name} runs as split replicas and gets "
+            f"an input of shape {tuple(value.shape)} that is batch-major in the model graph, "
+            f"but it does not have the batch size of {rows} rows, so it cannot be split along "
+            "the batch axis; plan without splitting this layer. Received rows:"
+        ),
+    )
+    with tf.control_dependencies([check]):
+        checked = tf.identity(value)
+    if isinstance(value, (tf.Tensor, tf.SparseTensor)):
+        checked.set_shape([rows] + list(value.shape)[1:])
+    mask = get_keras_mask(value)
+    if mask is not None:
+        set_keras_mask(checked, mask)
+    return checked
+
+
+def _slice_rows(value, start, size):
+    """Rows `start:start + size` of a dense, sparse or ragged tensor."""
+    import tensorflow as tf
+
+    if isinstance(value, tf.SparseTensor):
+        rank = value.shape.rank
+        if rank is None:
+            raise BackendError(
+                "A sparse input of a split layer call has no static rank, so it cannot be "
+                f"split along the batch axis. Received: sparse tensor of shape {value.shape}"
+            )
+        begin = [start] + [0] * (rank - 1)
+        extent = tf.concat([tf.constant([size], tf.int64), value.dense_shape[1:]], axis=0)
+        piece = tf.sparse.slice(value, begin, extent)
+        piece.set_shape([size] + list(value.shape)[1:])
+        return piece
+    return value[start:start + size]
+
+
+def _concat_rows(parts):
+    """Concatenates dense, sparse or ragged parts along the batch axis."""
+    import tensorflow as tf
+
+    if isinstance(parts[0], tf.SparseTensor):
+        return tf.sparse.concat(0, parts)
+    return tf.concat(parts, axis=0)
 
 
 def _dtype_name(variable):
