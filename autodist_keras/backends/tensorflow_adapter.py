@@ -94,6 +94,43 @@ def _restore_losses(model, scope):
             layer._losses[:] = [loss for loss in scope.losses if id(loss) in ids]
 
 
+# Ops through which a sparse gradient's row indices pass unchanged from the
+# lookup ids (the gather's gradient reshapes them), and the ops whose first
+# output is a tensor's distinct values.
+_INDEX_PASSTHROUGH_OPS = frozenset(
+    {"Identity", "Reshape", "Cast", "Squeeze", "ExpandDims", "StopGradient", "Snapshot"})
+_UNIQUE_OPS = frozenset({"Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2"})
+
+
+def _rows_from_unique(slices):
+    """Whether the rows of `slices` are the distinct ids a `Unique` op returned (None: eager).
+
+    True for the gradient of `tf.nn.embedding_lookup_sparse` (a gather of
+    the table at `tf.unique(ids)`), False for that of `tf.gather` at the ids
+    themselves (`Embedding`) or for rows concatenated from several lookups.
+    """
+    t = slices.indices
+    for _ in range(32):
+        try:
+            op = t.op
+        except AttributeError:  # an EagerTensor: no graph to read
+            return None
+        if op.type in _UNIQUE_OPS:
+            return t.value_index == 0
+        if op.type not in _INDEX_PASSTHROUGH_OPS or not op.inputs:
+            return False
+        t = op.inputs[0]
+    return False
+
+
+def _merge_rows(values, indices):
+    """One row per distinct index, in order of first appearance, holding the sum of its rows."""
+    import tensorflow as tf
+
+    unique, position = tf.unique(indices)
+    return tf.math.unsorted_segment_sum(values, position, tf.shape(unique)[0]), unique
+
+
 class _Replica:
     def __init__(self, name, device, share, node):
         self.name = name  # plan device name
@@ -916,7 +953,8 @@ class _Runtime:
                                     and variables[split[k][2][0]].dtype == "float32"), None)
                 for k, (bucket, sparse, dense) in enumerate(split):
                     for i in sparse:
-                        reduced[i] = self._gather_sparse([g[i] for g in per_replica_grads], shares)
+                        reduced[i] = self._gather_sparse(
+                            [g[i] for g in per_replica_grads], shares, variables[i], x)
                     if not dense:
                         continue
                     dtype = variables[dense[0]].dtype
@@ -1037,38 +1075,123 @@ class _Runtime:
 
         return tf.add_n(values) if len(values) > 1 else values[0]
 
-    def _gather_sparse(self, slices, shares):
-        """Combines sparse (IndexedSlices) gradients by concatenation, in replica order.
+    def _gather_sparse(self, slices, shares, variable, x):
+        """Combines the replicas' sparse (`IndexedSlices`) gradients of `variable`.
 
-        The single-device gradient of an embedding lookup over the global
-        batch is the concatenation of the replicas' slices in batch order,
-        so gathering (rather than densifying and summing) hands the
-        optimizer exactly what single-device training would.
+        The result is the `IndexedSlices` one device would compute for the
+        global batch, which depends on how the gradient was produced:
+
+        - one row per lookup (`Embedding`, `tf.gather`: the gradient of the
+          global batch has a row for every id of every sample, repeated ids
+          included): the replicas' slices are concatenated in replica order;
+        - rows deduplicated by a `Unique` op (`tf.nn.embedding_lookup_sparse`,
+          which Keras's `Dense` uses on a `tf.SparseTensor` input: one row per
+          distinct id, holding the sum over the batch): the concatenation is
+          deduplicated again (`_merge_rows`), one row per id distinct over the
+          global batch, in order of first appearance, holding the replicas'
+          sum. Concatenating would repeat an id once per replica holding it,
+          and optimizers that transform the slices before adding them (Adam
+          squares them) would then differ from one device.
+
+        `_rows_deduplicated` tells the two apart. Densifying and summing would
+        give the second case's values but change what Keras's optimizers do
+        with the first case's repeated indices.
         """
         import tensorflow as tf
 
+        deduplicated = self._rows_deduplicated(variable, slices, x)
         dense_shape = slices[0].dense_shape
         if self.adapter.collective is None:
             with tf.device(self.adapter.home):
-                return tf.IndexedSlices(
-                    tf.concat([s.values for s in slices], 0),
-                    tf.concat([s.indices for s in slices], 0),
-                    dense_shape,
-                )
+                values = tf.concat([s.values for s in slices], 0)
+                indices = tf.concat([s.indices for s in slices], 0)
+                if deduplicated and len(slices) > 1:
+                    values, indices = _merge_rows(values, indices)
+                return tf.IndexedSlices(values, indices, dense_shape)
         local_share = shares[self.local_indices[0]]
         rows = slices[0].values.shape[0]
-        if self.adapter.workers_share_devices or rows is None or rows % local_share:
-            # Some worker runs several replicas (no worker knows the others' row
-            # counts, and every worker must issue the same collective), or unknown
-            # rows per sample: densify and sum (numerically a dense gradient).
+        if (deduplicated or self.adapter.workers_share_devices or rows is None
+                or rows % local_share):
+            # Row counts other workers cannot derive from the shares: one
+            # row per distinct id, several local replicas (no worker knows the
+            # others' replicas' rows), or unknown rows per sample. The local
+            # slices are concatenated (deduplicated rows merged first, fewer
+            # to send) and all-gathered with their sizes; densifying and
+            # summing would lose the repeated rows of a lookup's gradient.
             with tf.device(self.adapter.home):
-                dense = tf.add_n([tf.convert_to_tensor(s) for s in slices])
-            return tf_multiworker.all_reduce_sum(self.adapter.collective, dense)
+                values = tf.concat([s.values for s in slices], 0)
+                indices = tf.concat([s.indices for s in slices], 0)
+                if deduplicated and len(slices) > 1:
+                    values, indices = _merge_rows(values, indices)
+            values = tf_multiworker.all_gather_rows(self.adapter.collective, values)
+            indices = tf_multiworker.all_gather_rows(self.adapter.collective, indices)
+            if deduplicated:
+                with tf.device(self.adapter.home):
+                    values, indices = _merge_rows(values, indices)
+            return tf.IndexedSlices(values, indices, dense_shape)
+        # One replica per worker, rows a fixed number per sample: every worker
+        # knows every worker's row count from the shares (one collective each).
         per_sample = rows // local_share
         sizes = [s * per_sample for s in shares]
         values = tf_multiworker.all_gather_uneven(self.adapter.collective, slices[0].values, sizes)
         indices = tf_multiworker.all_gather_uneven(self.adapter.collective, slices[0].indices, sizes)
         return tf.IndexedSlices(values, indices, dense_shape)
+
+    def _rows_deduplicated(self, variable, slices, x):
+        """Whether `variable`'s sparse gradient has one row per distinct id (see `_gather_sparse`).
+
+        In a traced step, read from the graph: the rows of every replica's
+        slices come straight (through reshapes, casts, identities) from the
+        ids a `Unique` op returns. Every replica runs the same code, and a
+        `Unique` over a replica's ids is, for the global batch, a `Unique`
+        over all of them (or over the same ids, when they do not come from the
+        batch), so one device's gradient has one row per distinct id of the
+        global batch. In an eager step (`run_eagerly=True`) tensors carry no
+        graph: the model's forward and backward pass is traced once (never
+        run) on the batch and the same test is read from that trace; a
+        variable whose gradient there is not `IndexedSlices` is taken as one
+        row per lookup (concatenated).
+        """
+        found = [_rows_from_unique(s) for s in slices]
+        if all(f is not None for f in found):
+            return all(found)
+        cache = self.__dict__.setdefault("_eager_rows_deduplicated", {})
+        key = (id(self.model), variable.path)
+        if key not in cache:
+            cache.update({(id(self.model), path): value
+                          for path, value in self._trace_rows_deduplicated(x).items()})
+            cache.setdefault(key, False)
+        return cache[key]
+
+    def _trace_rows_deduplicated(self, x):
+        """{variable path: rows deduplicated} for the sparse gradients of a trace of the model on `x`."""
+        import tensorflow as tf
+        from keras.src import tree
+        from keras.src.backend.common.stateless_scope import StatelessScope
+
+        model = self.model
+        variables = model.trainable_variables
+        found = {}
+
+        def trace(x):
+            # Assignments (BN statistics, seed counters) are recorded and
+            # dropped, `add_loss` losses not collected: nothing changes.
+            with StatelessScope(initialize_variables=False):
+                with tf.GradientTape() as tape:
+                    y_pred = (model(x, training=True) if model._call_has_training_arg
+                              else model(x))
+                    sums = [tf.reduce_sum(tf.cast(t, "float32")) for t in tree.flatten(y_pred)
+                            if t.dtype.is_floating]
+                if not sums:
+                    return tf.constant(0)
+                grads = tape.gradient(tf.add_n(sums), variables)
+            for v, g in zip(variables, grads):
+                if isinstance(g, tf.IndexedSlices):
+                    found[v.path] = bool(_rows_from_unique(g))
+            return tf.constant(0)
+
+        tf.function(trace, autograph=False).get_concrete_function(x)
+        return found
 
     def _gather_predictions(self, y_preds, shares):
         from keras.src import tree

@@ -485,6 +485,24 @@ def all_gather_uneven(strategy, tensor, shares):
     return tf.concat(parts, axis=0)
 
 
+def all_gather_rows(strategy, tensor):
+    """Concatenates each worker's `tensor` in rank order; first dimensions may differ and be unknown.
+
+    TensorFlow's collective all-gather exchanges the workers' first
+    dimensions, pads to the largest and cuts the padding (two collectives):
+    for row counts no worker can know in advance, such as a sparse
+    gradient's (`all_gather_uneven` needs them, and pads with one).
+    """
+    import tensorflow as tf
+
+    def fn(t):
+        ctx = tf.distribute.get_replica_context()
+        return ctx.all_gather(tf.identity(t), axis=0)
+
+    out = strategy.run(fn, args=(tensor,))
+    return strategy.experimental_local_results(out)[0]
+
+
 def check_device_ownership(strategy, devices, mine):
     """Checks that every device is run by exactly one worker (one collective).
 
