@@ -687,12 +687,12 @@ def test_embedding_with_adam_keeps_ids_repeated_across_replicas(run_eagerly):
 
 
 def test_sparse_gradient_rows_are_read_from_the_graph():
-    """`_rows_from_unique` on the gradient of a deduplicating lookup (True), of a
+    """`tf_reduce.rows_from_unique` on the gradient of a deduplicating lookup (True), of a
     plain lookup (False), of a table read by both (rows concatenated: False), and of
     an eager step's gradient (no graph: None)."""
     import tensorflow as tf
 
-    from autodist_keras.backends.tensorflow_adapter import _rows_from_unique
+    from autodist_keras.backends.tf_reduce import rows_from_unique
 
     table = tf.Variable(tf.ones((10, 3)))
     ids = tf.constant([[1, 4], [4, 2]])
@@ -714,9 +714,9 @@ def test_sparse_gradient_rows_are_read_from_the_graph():
     found = []
 
     def trace():
-        found.extend(_rows_from_unique(gradient(lookup)) for lookup in lookups)
+        found.extend(rows_from_unique(gradient(lookup)) for lookup in lookups)
         return tf.constant(0)
 
     tf.function(trace, autograph=False).get_concrete_function()
     assert found == [True, False, False]
-    assert _rows_from_unique(gradient(lookups[0])) is None
+    assert rows_from_unique(gradient(lookups[0])) is None

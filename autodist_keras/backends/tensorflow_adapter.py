@@ -94,43 +94,6 @@ def _restore_losses(model, scope):
             layer._losses[:] = [loss for loss in scope.losses if id(loss) in ids]
 
 
-# Ops through which a sparse gradient's row indices pass unchanged from the
-# lookup ids (the gather's gradient reshapes them), and the ops whose first
-# output is a tensor's distinct values.
-_INDEX_PASSTHROUGH_OPS = frozenset(
-    {"Identity", "Reshape", "Cast", "Squeeze", "ExpandDims", "StopGradient", "Snapshot"})
-_UNIQUE_OPS = frozenset({"Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2"})
-
-
-def _rows_from_unique(slices):
-    """Whether the rows of `slices` are the distinct ids a `Unique` op returned (None: eager).
-
-    True for the gradient of `tf.nn.embedding_lookup_sparse` (a gather of
-    the table at `tf.unique(ids)`), False for that of `tf.gather` at the ids
-    themselves (`Embedding`) or for rows concatenated from several lookups.
-    """
-    t = slices.indices
-    for _ in range(32):
-        try:
-            op = t.op
-        except AttributeError:  # an EagerTensor: no graph to read
-            return None
-        if op.type in _UNIQUE_OPS:
-            return t.value_index == 0
-        if op.type not in _INDEX_PASSTHROUGH_OPS or not op.inputs:
-            return False
-        t = op.inputs[0]
-    return False
-
-
-def _merge_rows(values, indices):
-    """One row per distinct index, in order of first appearance, holding the sum of its rows."""
-    import tensorflow as tf
-
-    unique, position = tf.unique(indices)
-    return tf.math.unsorted_segment_sum(values, position, tf.shape(unique)[0]), unique
-
-
 class _Replica:
     def __init__(self, name, device, share, node):
         self.name = name  # plan device name
@@ -1087,7 +1050,7 @@ class _Runtime:
         - rows deduplicated by a `Unique` op (`tf.nn.embedding_lookup_sparse`,
           which Keras's `Dense` uses on a `tf.SparseTensor` input: one row per
           distinct id, holding the sum over the batch): the concatenation is
-          deduplicated again (`_merge_rows`), one row per id distinct over the
+          deduplicated again (`tf_reduce.merge_rows`), one row per id distinct over the
           global batch, in order of first appearance, holding the replicas'
           sum. Concatenating would repeat an id once per replica holding it,
           and optimizers that transform the slices before adding them (Adam
@@ -1106,7 +1069,7 @@ class _Runtime:
                 values = tf.concat([s.values for s in slices], 0)
                 indices = tf.concat([s.indices for s in slices], 0)
                 if deduplicated and len(slices) > 1:
-                    values, indices = _merge_rows(values, indices)
+                    values, indices = tf_reduce.merge_rows(values, indices)
                 return tf.IndexedSlices(values, indices, dense_shape)
         local_share = shares[self.local_indices[0]]
         rows = slices[0].values.shape[0]
@@ -1122,12 +1085,12 @@ class _Runtime:
                 values = tf.concat([s.values for s in slices], 0)
                 indices = tf.concat([s.indices for s in slices], 0)
                 if deduplicated and len(slices) > 1:
-                    values, indices = _merge_rows(values, indices)
+                    values, indices = tf_reduce.merge_rows(values, indices)
             values = tf_multiworker.all_gather_rows(self.adapter.collective, values)
             indices = tf_multiworker.all_gather_rows(self.adapter.collective, indices)
             if deduplicated:
                 with tf.device(self.adapter.home):
-                    values, indices = _merge_rows(values, indices)
+                    values, indices = tf_reduce.merge_rows(values, indices)
             return tf.IndexedSlices(values, indices, dense_shape)
         # One replica per worker, rows a fixed number per sample: every worker
         # knows every worker's row count from the shares (one collective each).
@@ -1152,7 +1115,7 @@ class _Runtime:
         variable whose gradient there is not `IndexedSlices` is taken as one
         row per lookup (concatenated).
         """
-        found = [_rows_from_unique(s) for s in slices]
+        found = [tf_reduce.rows_from_unique(s) for s in slices]
         if all(f is not None for f in found):
             return all(found)
         cache = self.__dict__.setdefault("_eager_rows_deduplicated", {})
@@ -1187,7 +1150,7 @@ class _Runtime:
                 grads = tape.gradient(tf.add_n(sums), variables)
             for v, g in zip(variables, grads):
                 if isinstance(g, tf.IndexedSlices):
-                    found[v.path] = bool(_rows_from_unique(g))
+                    found[v.path] = bool(tf_reduce.rows_from_unique(g))
             return tf.constant(0)
 
         tf.function(trace, autograph=False).get_concrete_function(x)

@@ -726,6 +726,13 @@ class PlacementRuntime:
         self.batch_dim = _batch_dim(graph)  # the graph's leading dimension (None: any batch)
         variables = model.trainable_variables
         self.trainable_ids = {id(v) for v in variables}
+        # Variables of layers called once in the graph: their gradients on several
+        # devices are the parts of one split call (`_reduce` merges distinct-id rows).
+        calls = {}
+        for op, _ in graph.calls.values():
+            for v in getattr(op, "trainable_weights", None) or []:
+                calls[id(v)] = calls.get(id(v), 0) + 1
+        self.single_call_ids = {i for i, n in calls.items() if n == 1}
         self.layout = tf_reduce.bucket_layout(
             plan, [v.path for v in variables],
             [_dtype_name(v) for v in variables],
@@ -873,8 +880,15 @@ class PlacementRuntime:
                 if not entries:
                     continue
                 if any(isinstance(g, tf.IndexedSlices) for _, g in entries):
+                    slices = [g for _, g in entries]
+                    # The parts of one split call whose rows are distinct ids (a
+                    # Dense on a SparseTensor): one device's gradient has each id
+                    # of the batch once (`tf_reduce.rows_from_unique`).
+                    merge = (len(slices) > 1 and id(variables[i]) in self.single_call_ids
+                             and all(isinstance(g, tf.IndexedSlices)
+                                     and tf_reduce.rows_from_unique(g) for g in slices))
                     with tf.device(target):
-                        reduced[i] = _sum_sparse([g for _, g in entries])
+                        reduced[i] = _sum_sparse(slices, merge)
                     continue
                 key = tuple(d for d, _ in entries)
                 runs.setdefault(key, []).append(i)
@@ -915,19 +929,31 @@ class PlacementRuntime:
         return None
 
 
-def _sum_sparse(slices):
-    """Concatenates `IndexedSlices` gradients (one per device) into one."""
+def _sum_sparse(slices, merge=False):
+    """Concatenates `IndexedSlices` gradients (one per device) into one.
+
+    Args:
+        slices: The devices' gradients of one variable.
+        merge: Whether rows of the same index are summed into one
+            (`tf_reduce.merge_rows`): for the split parts of one call whose
+            rows are distinct ids, as one device computes the whole batch's.
+            Otherwise the rows are concatenated, as TensorFlow joins the
+            gradients of several lookups on one device.
+
+    Returns:
+        One gradient.
+    """
     import tensorflow as tf
 
     if len(slices) == 1:
         return slices[0]
     if not all(isinstance(s, tf.IndexedSlices) for s in slices):
         return tf.add_n([tf.convert_to_tensor(s) for s in slices])
-    return tf.IndexedSlices(
-        tf.concat([s.values for s in slices], 0),
-        tf.concat([s.indices for s in slices], 0),
-        slices[0].dense_shape,
-    )
+    values = tf.concat([s.values for s in slices], 0)
+    indices = tf.concat([s.indices for s in slices], 0)
+    if merge:
+        values, indices = tf_reduce.merge_rows(values, indices)
+    return tf.IndexedSlices(values, indices, slices[0].dense_shape)
 
 
 def _is_tensor(value):

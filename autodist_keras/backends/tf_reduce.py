@@ -48,6 +48,57 @@ class Bucket:
         )
 
 
+# Ops through which a sparse gradient's row indices pass unchanged from the
+# lookup ids (the gather's gradient reshapes them), and the ops whose first
+# output is a tensor's distinct values.
+_INDEX_PASSTHROUGH_OPS = frozenset(
+    {"Identity", "Reshape", "Cast", "Squeeze", "ExpandDims", "StopGradient", "Snapshot"})
+_UNIQUE_OPS = frozenset({"Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2"})
+
+
+def rows_from_unique(slices):
+    """Whether the rows of `slices` are the distinct ids a `Unique` op returned (None: eager).
+
+    True for the gradient of `tf.nn.embedding_lookup_sparse` (a gather of
+    the table at `tf.unique(ids)`), False for that of `tf.gather` at the ids
+    themselves (`Embedding`) or for rows concatenated from several lookups.
+
+    Args:
+        slices: A `tf.IndexedSlices` gradient.
+
+    Returns:
+        True or False read from the graph, or None for an eager tensor.
+    """
+    t = slices.indices
+    for _ in range(32):
+        try:
+            op = t.op
+        except AttributeError:  # an EagerTensor: no graph to read
+            return None
+        if op.type in _UNIQUE_OPS:
+            return t.value_index == 0
+        if op.type not in _INDEX_PASSTHROUGH_OPS or not op.inputs:
+            return False
+        t = op.inputs[0]
+    return False
+
+
+def merge_rows(values, indices):
+    """One row per distinct index, in order of first appearance, holding the sum of its rows.
+
+    Args:
+        values: The rows (first axis).
+        indices: Their indices.
+
+    Returns:
+        `(values, indices)` with each index once.
+    """
+    import tensorflow as tf
+
+    unique, position = tf.unique(indices)
+    return tf.math.unsorted_segment_sum(values, position, tf.shape(unique)[0]), unique
+
+
 def bucket_layout(plan, variable_paths, dtypes):
     """Turns a plan's buckets into `Bucket`s over variable positions.
 
