@@ -3,6 +3,7 @@
 import json
 
 import keras
+import numpy as np
 import pytest
 
 from autodist_keras import AutoStrategy
@@ -769,8 +770,55 @@ def test_a_subclassed_model_with_an_unknown_length_is_warned_about_with_what_to_
         model.build((None, None))
         model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     with pytest.warns(UserWarning, match=(
-            r"could not be filled from the input shapes given \(a subclassed model's graph "
-            r"comes from its build shapes\): build the model with fixed shapes.*"
+            r"could not be filled from the input shapes given: a subclassed model's graph "
+            r"comes from its build shapes. Build it with fixed shapes.*"
             r"Received: input_shapes=\[\(30,\)\]")):
         strategy.plan_for(model, 24, input_shapes=[(30,)])
     model.fit(np.ones((24, 30), "int32"), np.zeros(24), batch_size=24, verbose=0)
+
+
+def test_shapes_a_layer_leaves_unknown_are_named_and_a_saved_plan_for_the_shapes_serves(
+        tmp_path):
+    """A layer that makes its own unknown length (a custom tokenizer-like layer) is named
+    in the warning, not blamed on the inputs; a plan file made for the first batch's
+    shapes is taken back with plan= for the same shapes without a 'different model'
+    note; dict data for a list-input model fills the inputs by name."""
+    import warnings
+
+    class Pad(keras.layers.Layer):
+        """Pads its sequence by a data-dependent length: (None, None) whatever comes in."""
+
+        def call(self, x):
+            return keras.ops.pad(x, [[0, 0], [0, keras.ops.shape(x)[1]]])
+
+        def compute_output_shape(self, shape):
+            return (shape[0], None)
+
+    def padded():
+        tokens = keras.Input((None,), dtype="int32", name="tokens")
+        h = keras.layers.Embedding(100, 8)(Pad()(tokens))
+        model = keras.Model(tokens, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h)))
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        return model
+
+    cluster = Cluster.cpu_testbed()
+    with pytest.warns(UserWarning, match=(
+            r"Layers pad.* produce dimensions the input shapes do not fix.*give them a fixed "
+            r"output length. Received: input_shapes=\[\(30,\)\]")):
+        AutoStrategy("proportional", cluster=cluster).plan_for(padded(), 24, input_shapes=[(30,)])
+
+    planner = AutoStrategy("proportional", cluster=cluster)
+    planner.plan_for(_sequence_model(None), 24, input_shapes=[(30,)])
+    planner.plan.to_json(tmp_path / "plan.json")
+    given = AutoStrategy(cluster=cluster, plan=str(tmp_path / "plan.json"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        plan = given.plan_for(_sequence_model(None), 24, input_shapes=[(30,)])
+    assert not [n for n in plan.notes if "different model" in n], plan.notes
+    assert given.graph.fingerprint() == planner.graph.fingerprint()
+
+    query = keras.Input((None,), name="query")
+    doc = keras.Input((None, 3), name="doc")
+    pair = keras.Model([query, doc], keras.layers.Dense(2)(doc))
+    x = {"doc": np.zeros((4, 500, 3)), "query": np.zeros((4, 20))}
+    assert AutoStrategy.sample_shapes(x, pair) == [(20,), (500, 3)]

@@ -303,3 +303,19 @@ def test_input_shapes_fill_an_unknown_sequence_length(dict_input):
     # A dimension the model fixes is kept; only the unknown ones are filled.
     again = ModelGraph.from_keras(_text_model(200, dict_input), input_shapes=[(None,)])
     assert again.fingerprint() == fixed.fingerprint()
+
+
+def test_input_shapes_reach_each_call_of_a_shared_nested_model():
+    """A siamese text model: one encoder model called on a 20-token query and a
+    500-token document. Each call gets its own lengths (the second call's shapes
+    were given to both)."""
+    query = keras.Input((None,), dtype="int32", name="query")
+    doc = keras.Input((None,), dtype="int32", name="doc")
+    tokens = keras.Input((None,), dtype="int32")
+    encoder = keras.Model(tokens, L.LSTM(8)(L.Embedding(50, 4)(tokens)), name="encoder")
+    model = keras.Model([query, doc], L.Dot(axes=1)([encoder(query), encoder(doc)]))
+    graph = ModelGraph.from_keras(model, input_shapes=[(20,), (500,)])
+    lstm = [n for n in graph.nodes.values() if n.layer_type == "LSTM"]
+    assert [n.input_shapes for n in lstm] == [[(20, 4)], [(500, 4)]]
+    assert lstm[1].forward_flops == pytest.approx(25 * lstm[0].forward_flops)
+    assert graph.unknown_dims == []

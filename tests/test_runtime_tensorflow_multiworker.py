@@ -843,6 +843,11 @@ def test_only_collective_failures_are_reported_as_a_stopped_or_slow_peer():
     with_chief = collective_failure(tf.errors.UnavailableError(None, None, service),
                                     WorkerInfo(3, 2, "worker", 1, ["a:1", "b:2", "c:3"]), 60)
     assert "A collective failed: chief 0 of TF_CONFIG" in str(with_chief)
+    # With two workers the service's worker is the only other one: named.
+    two = collective_failure(tf.errors.UnavailableError(None, None, service),
+                             WorkerInfo(2, 1, "worker", 1, ["a:1", "b:2"]), 60)
+    assert isinstance(two, WorkerError) and two.rank == 0
+    assert "worker 0 of TF_CONFIG stopped or became unreachable" in str(two)
 
 
 class _ToSparse(keras.layers.Layer):

@@ -519,7 +519,7 @@ class _Runtime:
         strategy = self.adapter.strategy
         # Several TF_CONFIG workers each plan on their own and must agree: from the
         # model's shapes alone (each worker's first batch may be padded differently).
-        shapes = strategy.sample_shapes(data[0]) if self.adapter.worker is None else None
+        shapes = strategy.sample_shapes(data[0], model) if self.adapter.worker is None else None
         plan = strategy._plan_for_training(model, batch_size, input_shapes=shapes)
         self.trained_paths = [v.path for v in model.trainable_variables]
         with tf.device(self.adapter.home):

@@ -333,10 +333,10 @@ def collective_failure(error, worker, timeout_s):
 
     Returns:
         A `WorkerError` naming the other worker, or a `BackendError` for a
-        timeout or for a lost coordination service (rank 0's: with three or
-        more workers it often stopped only because another worker failed
-        first, so it is not blamed), or None when `error` is no collective
-        failure.
+        timeout or for a lost coordination service among three or more
+        workers (rank 0's: it often stopped only because another worker
+        failed first, so it is not blamed; with two, rank 0 is named), or
+        None when `error` is no collective failure.
     """
     import tensorflow as tf
 
@@ -356,10 +356,11 @@ def collective_failure(error, worker, timeout_s):
     if not isinstance(error, (tf.errors.UnavailableError, tf.errors.CancelledError,
                               tf.errors.AbortedError)) or aborted is None:
         return None
-    if "coordination service" in aborted.group(0):
+    if "coordination service" in aborted.group(0) and worker.num_workers > 2:
         # The service runs on rank 0 (the chief, else worker 0). With three or more
         # workers, rank 0 often stopped only because another worker failed first and
         # aborted its collective: blaming it would send the user to a healthy log.
+        # (With two, rank 0 is the other worker: named below.)
         chiefs = (worker.rank - worker.task_index if worker.task_type == "worker" else 1)
         leader = "chief 0" if chiefs else "worker 0"
         return BackendError(
@@ -372,7 +373,10 @@ def collective_failure(error, worker, timeout_s):
             f"Received: {type(error).__name__}: {aborted.group(0).strip()}"
         )
     remote = _REMOTE_TASK.search(text)
-    if remote is None:
+    if "coordination service" in aborted.group(0):  # two workers: the other one is rank 0
+        chiefs = (worker.rank - worker.task_index if worker.task_type == "worker" else 1)
+        peer, who = 0, ("chief 0" if chiefs else "worker 0") + " of TF_CONFIG"
+    elif remote is None:
         peer, who = None, "another worker"
     else:
         job, index = remote.group(1), int(remote.group(2))

@@ -550,7 +550,9 @@ def _concrete_tensors(functional, input_shapes):
         input_shapes: Per-sample shapes of `functional.inputs`, in order.
 
     Returns:
-        `(tensors, problem)`: `{id(symbolic tensor): KerasTensor}` and None,
+        `(tensors, problem)`: `{id(symbolic tensor): KerasTensor}` (with,
+        under `_nested_key(node)`, the same map of each nested model's call)
+        and None,
         or `({}, sentence)` when the shapes do not fit the inputs or a layer
         cannot derive its output from them (the graph then keeps the
         model's own shapes).
@@ -600,12 +602,20 @@ def _derive(functional, given, found):
         if inner is not None:  # a nested model: its own layers, call by call
             passed = args[0] if args else next(iter(kwargs.values()), None)
             # `inner.inputs` is its input structure flattened (a dict by sorted key).
-            outputs = _derive(inner, tree.flatten(passed), found)
+            # Each call has its own map: the inner tensors are the same objects in
+            # every call of a shared model (a siamese encoder's query and document).
+            inner_found = found[_nested_key(node)] = {}
+            outputs = _derive(inner, tree.flatten(passed), inner_found)
         else:
             outputs = tree.flatten(op.compute_output_spec(*args, **kwargs))
         for x, y in zip(node.outputs, outputs):
             found[id(x)] = y
     return [found.get(id(x)) for x in functional.outputs]
+
+
+def _nested_key(node):
+    """The key of a nested model's call in `_concrete_tensors`'s map (its inner map)."""
+    return ("nested call", id(node))
 
 
 def _functional_of(model):
@@ -869,7 +879,12 @@ class _Builder:
             producer = produced.get(id(outer_t))
             if producer is not None:
                 seed[id(inner_t)] = producer
-        inner_produced = self.walk(inner, container=model.name, seed=seed)
+        outer_concrete = self.concrete  # this call's shapes inside the nested model
+        self.concrete = outer_concrete.get(_nested_key(node), {}) if outer_concrete else {}
+        try:
+            inner_produced = self.walk(inner, container=model.name, seed=seed)
+        finally:
+            self.concrete = outer_concrete
         for outer_t, inner_t in zip(node.outputs, inner.outputs):
             producer = inner_produced.get(id(inner_t))
             if producer is not None:

@@ -580,38 +580,56 @@ class AutoStrategy:
             self._plans.pop(id(model))
         started = time.perf_counter()
         self.graph = ModelGraph.from_keras(model)
+        import keras
+        from keras.src.models.functional import Functional
+
         unknown = self.graph.unknown_dims
-        if unknown and self._fixed_plan is None:
-            advice = ("Pass the shapes: strategy.plan_for(model, batch_size, "
-                      "input_shapes=[...]) (fit passes its first batch's).")
-            if input_shapes is not None:
-                filled = ModelGraph.from_keras(model, input_shapes=input_shapes)
-                if not filled.unknown_dims:
+        filled = None
+        if unknown and input_shapes is not None:
+            filled = ModelGraph.from_keras(model, input_shapes=input_shapes)
+            if self._fixed_plan is not None:
+                # A plan file made for these shapes (by fit or plan_for here) is
+                # checked against the filled graph; one the CLI made, against the
+                # model's own.
+                if self._fixed_plan.provenance.graph_fingerprint == filled.fingerprint():
                     self.graph = filled
-                else:
-                    why = [w for w in filled.warnings if w.startswith(("input_shapes", "The layers"))]
-                    advice = ("They could not be filled from the input shapes given ("
-                              + (why[0].split("; shapes kept")[0] if why else
-                                 "a subclassed model's graph comes from its build shapes")
-                              + "): build the model with fixed shapes (keras.Input((512,)), or "
-                              "model.build((None, 512)) for a subclassed model).")
-            if self.graph.unknown_dims:
-                warnings.warn(
-                    f"Model {model.name!r} leaves some shapes unknown (None: a sequence "
-                    f"length?) in {len(unknown)} layer(s) ({', '.join(unknown[:3])}"
-                    f"{', ...' if len(unknown) > 3 else ''}); the plan counts each such "
-                    "dimension as 1, so its predicted step times are far too low and the "
-                    f"choice between plans may be wrong. {advice} "
-                    f"Received: input_shapes={input_shapes!r}",
-                    stacklevel=3,
-                )
+            elif len(filled.unknown_dims) < len(unknown):
+                self.graph = filled
+        if unknown and self._fixed_plan is None and self.graph.unknown_dims:
+            left = self.graph.unknown_dims
+            if input_shapes is None:
+                advice = ("Pass the shapes: strategy.plan_for(model, batch_size, "
+                          "input_shapes=[...]) (fit passes its first batch's).")
+            elif not isinstance(model, (keras.Sequential, Functional)):
+                advice = ("They could not be filled from the input shapes given: a "
+                          "subclassed model's graph comes from its build shapes. Build it "
+                          "with fixed shapes (model.build((None, 512))).")
+            elif filled is not None and filled.unknown_dims == unknown:
+                why = [w for w in filled.warnings if w.startswith(("input_shapes", "The layers"))]
+                advice = ("They could not be filled from the input shapes given"
+                          + (f" ({why[0].split('; shapes kept')[0]})" if why else "")
+                          + ": give the model's Input a fixed shape (keras.Input((512,))).")
+            else:
+                advice = (f"Layers {', '.join(left[:3])}{', ...' if len(left) > 3 else ''} "
+                          "produce dimensions the input shapes do not fix (a TextVectorization "
+                          "without output_sequence_length, say): give them a fixed output "
+                          "length.")
+            warnings.warn(
+                f"Model {model.name!r} leaves some shapes unknown (None: a sequence "
+                f"length?) in {len(left)} layer(s) ({', '.join(left[:3])}"
+                f"{', ...' if len(left) > 3 else ''}); the plan counts each such "
+                "dimension as 1, so its predicted step times are far too low and the "
+                f"choice between plans may be wrong. {advice} "
+                f"Received: input_shapes={input_shapes!r}",
+                stacklevel=3,
+            )
         if self._fixed_plan is not None:
             self.plan = self._fixed_plan
             self._validate_fixed_plan(model)
         else:
             self.plan = self._build_plan(self.graph, batch_size)
             self.plan.provenance.planning_time_s = time.perf_counter() - started
-            if unknown and not self.graph.unknown_dims:
+            if unknown and len(self.graph.unknown_dims) < len(unknown):
                 note = (f"Planned for per-sample input shapes {list(map(tuple, input_shapes))} "
                         "(the first batch's): the model leaves some dimensions unknown, and "
                         "the predictions hold for batches of these shapes.")
@@ -635,21 +653,29 @@ class AutoStrategy:
         return self.plan
 
     @staticmethod
-    def sample_shapes(x):
+    def sample_shapes(x, model=None):
         """Per-sample shapes of a batch's inputs, for `_plan_for_training(input_shapes=)`.
 
         Args:
             x: The inputs of one batch (an array, or a list, tuple or dict of
                 arrays, as `fit` takes them).
+            model: The model, whose `inputs` order the shapes follow when `x`
+                is a dict keyed by input names and the model's inputs are a
+                list (Keras matches them by name).
 
         Returns:
-            A list of shapes without the batch axis, in `keras.tree.flatten`
-            order (a Functional model's `inputs` order), or None when `x` holds
-            something without a shape.
+            A list of shapes without the batch axis, in the order of the
+            model's `inputs` (`keras.tree.flatten` order), or None when `x`
+            holds something without a shape.
         """
         import numpy as np
         from keras import tree
 
+        names = [getattr(t, "name", None) for t in (getattr(model, "inputs", None) or [])]
+        if (isinstance(x, dict) and model is not None
+                and not isinstance(getattr(model, "_inputs_struct", None), dict)
+                and names and all(n in x for n in names)):
+            x = [x[n] for n in names]
         try:
             return [tuple(np.shape(t))[1:] for t in tree.flatten(x)]
         except Exception:  # noqa: BLE001  (an input without a shape: plan from the model's)
