@@ -1121,40 +1121,10 @@ class _Runtime:
         cache = self.__dict__.setdefault("_eager_rows_deduplicated", {})
         key = (id(self.model), variable.path)
         if key not in cache:
-            cache.update({(id(self.model), path): value
-                          for path, value in self._trace_rows_deduplicated(x).items()})
+            cache.update({(id(self.model), path): value for path, value
+                          in tf_reduce.traced_rows_deduplicated(self.model, x).items()})
             cache.setdefault(key, False)
         return cache[key]
-
-    def _trace_rows_deduplicated(self, x):
-        """{variable path: rows deduplicated} for the sparse gradients of a trace of the model on `x`."""
-        import tensorflow as tf
-        from keras.src import tree
-        from keras.src.backend.common.stateless_scope import StatelessScope
-
-        model = self.model
-        variables = model.trainable_variables
-        found = {}
-
-        def trace(x):
-            # Assignments (BN statistics, seed counters) are recorded and
-            # dropped, `add_loss` losses not collected: nothing changes.
-            with StatelessScope(initialize_variables=False):
-                with tf.GradientTape() as tape:
-                    y_pred = (model(x, training=True) if model._call_has_training_arg
-                              else model(x))
-                    sums = [tf.reduce_sum(tf.cast(t, "float32")) for t in tree.flatten(y_pred)
-                            if t.dtype.is_floating]
-                if not sums:
-                    return tf.constant(0)
-                grads = tape.gradient(tf.add_n(sums), variables)
-            for v, g in zip(variables, grads):
-                if isinstance(g, tf.IndexedSlices):
-                    found[v.path] = bool(tf_reduce.rows_from_unique(g))
-            return tf.constant(0)
-
-        tf.function(trace, autograph=False).get_concrete_function(x)
-        return found
 
     def _gather_predictions(self, y_preds, shares):
         from keras.src import tree

@@ -733,6 +733,7 @@ class PlacementRuntime:
             for v in getattr(op, "trainable_weights", None) or []:
                 calls[id(v)] = calls.get(id(v), 0) + 1
         self.single_call_ids = {i for i, n in calls.items() if n == 1}
+        self.eager_rows_deduplicated = {}  # {variable path: bool}, for eager steps
         self.layout = tf_reduce.bucket_layout(
             plan, [v.path for v in variables],
             [_dtype_name(v) for v in variables],
@@ -817,7 +818,7 @@ class PlacementRuntime:
                     per_var.setdefault(id(variable), []).append((device, g))
             self._assign_state(forward)
             with tf.device(adapter.home):
-                reduced = self._reduce(variables, per_var, direct)
+                reduced = self._reduce(variables, per_var, direct, x)
                 if model.optimizer is not None:
                     model.optimizer.apply_gradients(zip(reduced, variables))
                 model._loss_tracker.update_state(loss, sample_weight=batch_size)
@@ -855,15 +856,31 @@ class PlacementRuntime:
         return step
 
     # ---------------------------------------------------------- reduction
-    def _reduce(self, variables, per_var, direct):
+    def _rows_deduplicated(self, variable, slices, x):
+        """Whether the parts' sparse gradient rows of `variable` are distinct ids.
+
+        Read from the traced step's graph (`tf_reduce.rows_from_unique`); in an
+        eager step from one trace of the model on `x`, kept per variable
+        (`tf_reduce.traced_rows_deduplicated`).
+        """
+        found = [tf_reduce.rows_from_unique(s) for s in slices]
+        if all(f is not None for f in found):
+            return all(found)
+        if variable.path not in self.eager_rows_deduplicated:
+            self.eager_rows_deduplicated.update(tf_reduce.traced_rows_deduplicated(self.model, x))
+            self.eager_rows_deduplicated.setdefault(variable.path, False)
+        return self.eager_rows_deduplicated[variable.path]
+
+    def _reduce(self, variables, per_var, direct, x):
         """Sums each variable's per-device gradients with its planned sync method.
 
         Per bucket (in plan order), the variables whose gradients come from
         the same devices are fused into one buffer per device and summed by
         `tf_reduce.reduce_local` (ring, tree, hierarchical, or on the PS
-        server); sparse gradients are concatenated. A gradient that reaches
-        a variable directly (weight regularisers, computed where the loss
-        is) is added on the home device.
+        server); sparse gradients are concatenated (rows of distinct ids of
+        one split call merged; `x`, the batch, serves an eager step's check).
+        A gradient that reaches a variable directly (weight regularisers,
+        computed where the loss is) is added on the home device.
         """
         import tensorflow as tf
 
@@ -885,8 +902,8 @@ class PlacementRuntime:
                     # Dense on a SparseTensor): one device's gradient has each id
                     # of the batch once (`tf_reduce.rows_from_unique`).
                     merge = (len(slices) > 1 and id(variables[i]) in self.single_call_ids
-                             and all(isinstance(g, tf.IndexedSlices)
-                                     and tf_reduce.rows_from_unique(g) for g in slices))
+                             and all(isinstance(g, tf.IndexedSlices) for g in slices)
+                             and self._rows_deduplicated(variables[i], slices, x))
                     with tf.device(target):
                         reduced[i] = _sum_sparse(slices, merge)
                     continue

@@ -99,6 +99,47 @@ def merge_rows(values, indices):
     return tf.math.unsorted_segment_sum(values, position, tf.shape(unique)[0]), unique
 
 
+def traced_rows_deduplicated(model, x):
+    """Which variables' sparse gradients have one row per distinct id, from a trace.
+
+    For eager steps (`run_eagerly=True`), whose tensors carry no graph for
+    `rows_from_unique` to read: the model's forward and backward pass on `x`
+    is traced once (never run; assignments such as BN statistics are
+    recorded and dropped) and each sparse gradient of that trace is read.
+
+    Args:
+        model: The Keras model.
+        x: A batch of its inputs.
+
+    Returns:
+        `{variable path: bool}` for the variables whose gradient is
+        `IndexedSlices` in the trace.
+    """
+    import tensorflow as tf
+    from keras.src import tree
+    from keras.src.backend.common.stateless_scope import StatelessScope
+
+    variables = model.trainable_variables
+    found = {}
+
+    def trace(x):
+        with StatelessScope(initialize_variables=False):
+            with tf.GradientTape() as tape:
+                y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
+                sums = [tf.reduce_sum(tf.cast(t, "float32")) for t in tree.flatten(y_pred)
+                        if t.dtype.is_floating]
+            if not sums:
+                return tf.constant(0)
+            grads = tape.gradient(tf.add_n(sums), variables)
+        for v, g in zip(variables, grads):
+            if isinstance(g, tf.IndexedSlices):
+                found[v.path] = bool(rows_from_unique(g))
+        return tf.constant(0)
+
+    tf.function(trace, autograph=False).get_concrete_function(x)
+    return found
+
+
 def bucket_layout(plan, variable_paths, dtypes):
     """Turns a plan's buckets into `Bucket`s over variable positions.
 
