@@ -508,6 +508,7 @@ class _Runtime:
         self.keras_train_function = None  # Keras's own, for one replica on the default device
         self.compiled = None  # which compile() the traced steps were made for
         self.trained_paths = None  # the trainable variables the plan was made for
+        self.eager_rows_deduplicated = {}  # {variable path: bool}, for eager steps
 
     # ------------------------------------------------------------ preparing
     def prepare(self, data, batch_size):
@@ -1066,11 +1067,8 @@ class _Runtime:
         dense_shape = slices[0].dense_shape
         if self.adapter.collective is None:
             with tf.device(self.adapter.home):
-                values = tf.concat([s.values for s in slices], 0)
-                indices = tf.concat([s.indices for s in slices], 0)
-                if deduplicated and len(slices) > 1:
-                    values, indices = tf_reduce.merge_rows(values, indices)
-                return tf.IndexedSlices(values, indices, dense_shape)
+                return tf.IndexedSlices(*tf_reduce.concat_slices(slices, deduplicated),
+                                        dense_shape)
         local_share = shares[self.local_indices[0]]
         rows = slices[0].values.shape[0]
         if (deduplicated or self.adapter.workers_share_devices or rows is None
@@ -1082,10 +1080,7 @@ class _Runtime:
             # to send) and all-gathered with their sizes; densifying and
             # summing would lose the repeated rows of a lookup's gradient.
             with tf.device(self.adapter.home):
-                values = tf.concat([s.values for s in slices], 0)
-                indices = tf.concat([s.indices for s in slices], 0)
-                if deduplicated and len(slices) > 1:
-                    values, indices = tf_reduce.merge_rows(values, indices)
+                values, indices = tf_reduce.concat_slices(slices, deduplicated)
             values = tf_multiworker.all_gather_rows(self.adapter.collective, values)
             indices = tf_multiworker.all_gather_rows(self.adapter.collective, indices)
             if deduplicated:
@@ -1115,16 +1110,8 @@ class _Runtime:
         variable whose gradient there is not `IndexedSlices` is taken as one
         row per lookup (concatenated).
         """
-        found = [tf_reduce.rows_from_unique(s) for s in slices]
-        if all(f is not None for f in found):
-            return all(found)
-        cache = self.__dict__.setdefault("_eager_rows_deduplicated", {})
-        key = (id(self.model), variable.path)
-        if key not in cache:
-            cache.update({(id(self.model), path): value for path, value
-                          in tf_reduce.traced_rows_deduplicated(self.model, x).items()})
-            cache.setdefault(key, False)
-        return cache[key]
+        return tf_reduce.rows_deduplicated(slices, variable, self.model, x,
+                                           self.eager_rows_deduplicated)
 
     def _gather_predictions(self, y_preds, shares):
         from keras.src import tree

@@ -863,13 +863,8 @@ class PlacementRuntime:
         eager step from one trace of the model on `x`, kept per variable
         (`tf_reduce.traced_rows_deduplicated`).
         """
-        found = [tf_reduce.rows_from_unique(s) for s in slices]
-        if all(f is not None for f in found):
-            return all(found)
-        if variable.path not in self.eager_rows_deduplicated:
-            self.eager_rows_deduplicated.update(tf_reduce.traced_rows_deduplicated(self.model, x))
-            self.eager_rows_deduplicated.setdefault(variable.path, False)
-        return self.eager_rows_deduplicated[variable.path]
+        return tf_reduce.rows_deduplicated(slices, variable, self.model, x,
+                                           self.eager_rows_deduplicated)
 
     def _reduce(self, variables, per_var, direct, x):
         """Sums each variable's per-device gradients with its planned sync method.
@@ -966,11 +961,7 @@ def _sum_sparse(slices, merge=False):
         return slices[0]
     if not all(isinstance(s, tf.IndexedSlices) for s in slices):
         return tf.add_n([tf.convert_to_tensor(s) for s in slices])
-    values = tf.concat([s.values for s in slices], 0)
-    indices = tf.concat([s.indices for s in slices], 0)
-    if merge:
-        values, indices = tf_reduce.merge_rows(values, indices)
-    return tf.IndexedSlices(values, indices, slices[0].dense_shape)
+    return tf.IndexedSlices(*tf_reduce.concat_slices(slices, merge), slices[0].dense_shape)
 
 
 def _is_tensor(value):

@@ -99,6 +99,55 @@ def merge_rows(values, indices):
     return tf.math.unsorted_segment_sum(values, position, tf.shape(unique)[0]), unique
 
 
+def rows_deduplicated(slices, variable, model, x, traced):
+    """Whether the replicas' sparse gradient `slices` of `variable` have one row per distinct id.
+
+    In a traced step, read from the graph (`rows_from_unique`) for every
+    replica's slices; in an eager step (`run_eagerly=True`), whose tensors
+    carry no graph, from one trace of `model` on `x`
+    (`traced_rows_deduplicated`), kept in `traced` per variable path. A
+    variable whose gradient there is not `IndexedSlices` counts as one row
+    per lookup.
+
+    Args:
+        slices: The replicas' (or a split call's parts') `IndexedSlices`.
+        variable: Their variable.
+        model: The Keras model.
+        x: A batch of its inputs.
+        traced: A dict kept by the caller across steps (`{path: bool}`).
+
+    Returns:
+        True when the rows are distinct ids (merge them, `merge_rows`).
+    """
+    found = [rows_from_unique(s) for s in slices]
+    if all(f is not None for f in found):
+        return all(found)
+    if variable.path not in traced:
+        traced.update(traced_rows_deduplicated(model, x))
+        traced.setdefault(variable.path, False)
+    return traced[variable.path]
+
+
+def concat_slices(slices, merge):
+    """The rows and indices of several `IndexedSlices` concatenated, in order.
+
+    Args:
+        slices: `IndexedSlices` of one variable.
+        merge: Whether rows of the same index are then summed into one
+            (`merge_rows`): for rows that are distinct ids (`rows_deduplicated`).
+
+    Returns:
+        `(values, indices)`.
+    """
+    import tensorflow as tf
+
+    values = tf.concat([s.values for s in slices], 0)
+    indices = tf.concat([s.indices for s in slices], 0)
+    if merge and len(slices) > 1:
+        values, indices = merge_rows(values, indices)
+    return values, indices
+
+
 def traced_rows_deduplicated(model, x):
     """Which variables' sparse gradients have one row per distinct id, from a trace.
 
