@@ -273,7 +273,7 @@ class ModelGraph:
         1 in FLOPs and bytes; `from_keras(model, input_shapes=...)` fills it.
         """
         return [n.name for n in self.nodes.values()
-                if any(d is None for s in list(n.input_shapes) + list(n.output_shapes) for d in s)]
+                if _has_unknown(list(n.input_shapes) + list(n.output_shapes))]
 
     @property
     def trainable_params(self):
@@ -695,6 +695,11 @@ def _per_sample(shape):
     return tuple(None if d is None else int(d) for d in shape[1:])
 
 
+def _has_unknown(shapes):
+    """Whether any of the per-sample `shapes` has an unknown (None) dimension."""
+    return any(d is None for s in shapes for d in s)
+
+
 def _known(shape):
     return tuple(1 if d is None else d for d in shape)
 
@@ -991,7 +996,7 @@ class _Builder:
         return name
 
     def _check_unknown(self, name, shapes):
-        if any(d is None for s in shapes for d in s):
+        if _has_unknown(shapes):
             self.unknown_dims.append(name)
             return True
         return False

@@ -569,6 +569,9 @@ class AutoStrategy:
         dimensions the model leaves unknown, such as a sequence length, for
         the planners' figures (`ModelGraph.from_keras`). A plan given with
         `plan=` is checked against the model's own graph, as the CLI made it."""
+        import keras
+        from keras.src.models.functional import Functional
+
         from autodist_keras.graph import ModelGraph
 
         known = self._known(model)
@@ -580,9 +583,6 @@ class AutoStrategy:
             self._plans.pop(id(model))
         started = time.perf_counter()
         self.graph = ModelGraph.from_keras(model)
-        import keras
-        from keras.src.models.functional import Functional
-
         unknown = self.graph.unknown_dims
         filled = None
         if unknown and input_shapes is not None:
