@@ -46,8 +46,8 @@ from autodist_keras.backends.torch_device import unpin
 from autodist_keras.backends.torch_shm import SharedSlots
 from autodist_keras.backends.torch_shm_reduce import ReduceArea
 from autodist_keras.backends.torch_state_watch import SCALAR_TYPES
-from autodist_keras.backends.torch_state_watch import SentLearningRate
 from autodist_keras.backends.torch_state_watch import OptimizerSettingsWatch
+from autodist_keras.backends.torch_state_watch import SentLearningRate
 from autodist_keras.backends.torch_state_watch import StateWatch
 from autodist_keras.backends.torch_state_watch import apply_settings
 from autodist_keras.backends.torch_state_watch import build_as
@@ -57,8 +57,8 @@ from autodist_keras.backends.torch_state_watch import decay_excluded
 from autodist_keras.backends.torch_state_watch import exclude_from_decay
 from autodist_keras.backends.torch_state_watch import has_callable_learning_rate
 from autodist_keras.backends.torch_state_watch import learning_rate_holder
-from autodist_keras.backends.torch_state_watch import use_sent_learning_rate
 from autodist_keras.backends.torch_state_watch import note_built_settings
+from autodist_keras.backends.torch_state_watch import use_sent_learning_rate
 from autodist_keras.backends.torch_step import ReplicaTrainer
 from autodist_keras.errors import BackendError
 from autodist_keras.errors import WorkerError

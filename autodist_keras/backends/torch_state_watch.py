@@ -168,7 +168,7 @@ def callable_learning_rate_as_value(optimizer):
     without end (`RecursionError`, in plain Keras's `model.save` too), and any
     other object in its closure would be a copy in the workers. The workers
     need no function: rank 0 evaluates it before every step and sends the
-    value (`TrainerSession._learning_rate`), as it does for a learning rate
+    value (`torch_session.Driver._learning_rate`), as it does for a learning rate
     a callback sets. Outside the block the optimizer is as it was.
 
     Args:
