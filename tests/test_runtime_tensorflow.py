@@ -720,3 +720,76 @@ def test_sparse_gradient_rows_are_read_from_the_graph():
     tf.function(trace, autograph=False).get_concrete_function()
     assert found == [True, False, False]
     assert rows_from_unique(gradient(lookups[0])) is None
+
+
+# ------------------------------------- trainable variables assigned in call
+def _spectral():
+    inputs = keras.Input((8,), name="sn_x")
+    hidden = keras.layers.Dense(16, activation="tanh", name="sn_d0")(inputs)
+    hidden = keras.layers.SpectralNormalization(
+        keras.layers.Dense(8, activation="relu"), power_iterations=1, name="sn_norm")(hidden)
+    return keras.Model(inputs, keras.layers.Dense(3, name="sn_out")(hidden), name="sn_model")
+
+
+@pytest.mark.parametrize("plan_name, run_eagerly", [
+    ("single_device", False), ("single_cpu1", False), ("even2", False), ("prop3", False),
+    ("ps3", False), ("prop3", True)])
+def test_spectral_normalization_trains_as_plain_keras(plan_name, run_eagerly):
+    """SpectralNormalization assigns `kernel := kernel / sigma(kernel)` to its trainable
+    kernel in `call`, then reads the kernel. In plain Keras that read is the variable:
+    the gradient is that of the normalised kernel as a leaf, applied to the variable
+    holding it. The recording scope served the assigned tensor instead, so the
+    gradient flowed back through the normalisation into the old kernel: one SGD step
+    left the kernel 0.105 away from plain Keras's, on one device too (single_device on
+    cpu0 runs the adapter's step for the first step only, which makes the plan)."""
+    from autodist_keras import AutoStrategy
+    from autodist_keras.devices import Cluster
+
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(96, 8)).astype("float32")
+    y = rng.integers(0, 3, size=(96,)).astype("int32")
+    keras.utils.set_random_seed(3)
+    initial = _spectral().get_weights()
+    if plan_name.startswith("single"):
+        devices = ["node0/cpu1"] if plan_name == "single_cpu1" else None
+        strategy = AutoStrategy("single_device", cluster=Cluster.cpu_testbed(), devices=devices)
+    else:
+        strategy = _strategy(plan_name)
+    runs = []
+    for scope in (strategy.scope(), contextlib.nullcontext()):
+        with scope:
+            model = _spectral()
+            model.compile(optimizer=_optimizer("sgd"), run_eagerly=run_eagerly,
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.set_weights(initial)
+        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        runs.append((model, history.history["loss"]))
+    (model, loss), (reference, want_loss) = runs
+    assert (model._autodist_runtime.keras_step_suffices()) == (plan_name == "single_device")
+    assert len(strategy.plan.replicas) == {"even2": 2, "prop3": 3, "ps3": 3}.get(plan_name, 1)
+    for w, got, want in zip(reference.weights, model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, err_msg=w.path)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+
+
+@pytest.mark.parametrize("plan_name, run_eagerly", [
+    ("prop3", False), ("ps3", False), ("prop3", True)])
+def test_xla_compiled_convolutions_train_like_keras(plan_name, run_eagerly):
+    """Keras's TF backend runs a grouped Conv1D and a channels_first Conv3D as their
+    own tf.function(jit_compile=True); a replica's read of the kernel in there made
+    XLA refuse the variable of another device ("Trying to access resource
+    gconv/kernel located in device CPU:0 from device CPU:2") at the first step."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(48, 6, 4, 4, 4)).astype("float32")
+    y = rng.integers(0, 3, size=(48,))
+
+    def build():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((6, 4, 4, 4))
+        h = keras.layers.Conv3D(2, 2, data_format="channels_first")(inputs)
+        h = keras.layers.Reshape((2, 27))(h)
+        h = keras.layers.Conv1D(4, 3, groups=2, data_format="channels_first")(h)
+        h = keras.layers.Flatten()(h)
+        return keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(h))
+
+    _fit_adam_both(build, x, y, plan_name, run_eagerly)

@@ -1014,3 +1014,63 @@ def test_split_input_of_unknown_size_is_checked_against_the_batch():
         model.fit(x, y, batch_size=BATCH, verbose=0)
     with pytest.raises(tf.errors.InvalidArgumentError, match=message):
         model.predict(x, batch_size=BATCH, verbose=0)
+
+
+def _spectral_model():
+    inputs = keras.Input((8,), name="v_x")
+    h = keras.layers.Dense(16, activation="tanh", name="v_d0")(inputs)
+    h = keras.layers.SpectralNormalization(
+        keras.layers.Dense(16, activation="relu", name="v_inner"), power_iterations=1,
+        name="v_norm")(h)
+    return keras.Model(inputs, keras.layers.Dense(3, name="v_out")(h), name="v_model")
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+@pytest.mark.parametrize("run_eagerly", [False, True], ids=["traced", "eager"])
+def test_a_trainable_variable_assigned_in_call_trains_as_plain_keras(split, run_eagerly):
+    """SpectralNormalization assigns `kernel / sigma(kernel)` to its trainable kernel in
+    `call` and reads the kernel afterwards. Plain Keras takes that read's gradient as
+    the variable's (the normalised kernel as a leaf) and applies it to the variable
+    holding the normalised kernel; the placement scope served the assigned tensor, so
+    the gradient flowed back through the normalisation into the old kernel."""
+    parts = [(D1, 10), (D2, 14)] if split else [(D1, BATCH)]
+    groups = lambda n: [(n[:2], [(D0, BATCH)]), ([n[2]], parts), (n[3:], [(D0, BATCH)])]
+    assert _hand_plan(_spectral_model, groups).groups[1].layers == ["v_norm"]
+    reference, ref_history, model, history = _state_run(_spectral_model, groups, run_eagerly)
+    for w, want, got in zip(model.weights, reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, err_msg=w.path)
+    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
+
+
+def _xla_conv_model():
+    # Keras's TF backend compiles these two convolutions as their own
+    # tf.function(jit_compile=True) (keras/src/backend/tensorflow/nn.py `conv`).
+    inputs = keras.Input((6, 4, 4, 4), name="x_in")
+    x = keras.layers.Conv3D(2, 2, data_format="channels_first", name="x_c3d")(inputs)
+    x = keras.layers.Reshape((2, 27), name="x_rs")(x)
+    x = keras.layers.Conv1D(4, 3, groups=2, data_format="channels_first", name="x_gconv")(x)
+    x = keras.layers.Flatten(name="x_flat")(x)
+    return keras.Model(inputs, keras.layers.Dense(3, name="x_out")(x), name="x_conv")
+
+
+def _xla_conv_data(samples, seed):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(samples, 6, 4, 4, 4)).astype("float32"),
+            rng.integers(0, 3, size=(samples,)).astype("int32"))
+
+
+@pytest.mark.parametrize("layout, run_eagerly", [
+    ("home", False), ("split", False), ("split", True)])
+def test_xla_compiled_convolutions_train_on_every_device(layout, run_eagerly):
+    """A grouped Conv1D and a channels_first Conv3D read their kernels inside Keras's
+    XLA function: on the home device the per-device copy made in there got no
+    gradient (the kernel never moved), on another device XLA refused the home
+    device's variable ("Trying to access resource ... from device CPU:2")."""
+    groups = {
+        "home": lambda n: [(n[:3], [(D1, BATCH)]), (n[3:], [(D0, BATCH)])],
+        "split": lambda n: [(n[:2], [(D1, BATCH)]), (n[2:4], [(D0, 12), (D2, 12)]),
+                            (n[4:], [(D0, BATCH)])],
+    }[layout]
+    plan = _hand_plan(_xla_conv_model, groups)
+    _matches_plain_keras(_xla_conv_model, plan, _xla_conv_data(48, 0), _xla_conv_data(30, 1),
+                         optimizer="adam", run_eagerly=run_eagerly)

@@ -60,7 +60,11 @@ def _recording_scope(state_mapping=None):
     are recorded instead of applied; losses added with `add_loss` (activity
     regularisers) are collected, and `_restore_losses` hands them back to
     their layers afterwards. `state_mapping` (`[(variable, value), ...]`)
-    gives variables other values inside (a replica's own seeds).
+    gives variables other values inside (a replica's own seeds). A trainable
+    variable assigned inside (SpectralNormalization's kernel) is read
+    afterwards as the assigned value with the gradient of a read of the
+    variable (`_assigned_read`), as in plain Keras, where the assignment
+    really happens.
     """
     from keras.src.backend.common.stateless_scope import StatelessScope
 
@@ -69,14 +73,110 @@ def _recording_scope(state_mapping=None):
             super().__init__(state_mapping=state_mapping, collect_losses=True,
                              initialize_variables=False)
             self.assigned = []
+            self.outer = _outer_graph()
+            self.lifted = {}  # id(variable) -> its value read in `outer`
 
         def add_update(self, update):
-            variable, _ = update
+            variable, value = update
             if all(v is not variable for v in self.assigned):
                 self.assigned.append(variable)
-            super().add_update(update)
+            if getattr(variable, "trainable", False):
+                value = _assigned_read(value, _leaf_read(self, variable))
+            super().add_update((variable, value))
+
+        def get_current_value(self, variable):
+            value = super().get_current_value(variable)
+            if value is None and _in_nested_function(self.outer):
+                value = self.lifted.get(id(variable))
+                if value is None:
+                    value = self.lifted[id(variable)] = _read_outside(variable, self.outer)
+            return value
 
     return RecordingScope()
+
+
+def _outer_graph():
+    """The graph a forward pass is traced in (None when it runs eagerly)."""
+    import tensorflow as tf
+
+    return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+
+
+def _in_nested_function(outer):
+    """Whether ops made now go into an XLA function traced inside the pass (graph `outer`).
+
+    Keras's TF backend compiles some layers' ops as their own
+    `tf.function(jit_compile=True)`, traced anew at each call (grouped
+    convolutions, channels_first Conv3D: keras/src/backend/tensorflow/nn.py
+    `conv`). A variable read in there captures the variable's resource: XLA
+    refuses a resource on another device than the replica's ("Trying to
+    access resource ... located in device CPU:0 from device CPU:2"), and a
+    per-device copy made in there is no tensor of the pass's graph, so it
+    gets no gradient. Such reads are made in the pass's graph instead
+    (`_read_outside`). Functions compiled without XLA are left alone: they
+    may be traced once and reused, and reading a resource works in them.
+    """
+    import tensorflow as tf
+    from tensorflow.python.ops import control_flow_util
+
+    if tf.executing_eagerly():
+        return False
+    graph = tf.compat.v1.get_default_graph()
+    return graph is not outer and control_flow_util.GraphOrParentsInXlaContext(graph)
+
+
+def _read_outside(variable, outer, device=None):
+    """`variable`'s value read in the pass's graph `outer` (eagerly when None).
+
+    With `device`, a per-device copy made there (`tf_placement`'s leaves),
+    else a read where the pass runs. The XLA function being traced captures
+    the value as an input, so it is copied to the function's device, and
+    the step's tape (or `tf.gradients`) sees the read.
+    """
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    with (outer.as_default() if outer is not None else context.eager_mode()), \
+            tf.control_dependencies(None):
+        if device is None:
+            return tf.convert_to_tensor(variable._value)
+        with tf.device(device):
+            return tf.identity(tf.stop_gradient(variable._value))
+
+
+def _leaf_read(scope, variable):
+    """`variable` as `scope` serves it before an assignment (a read of the variable,
+    a per-device copy, or an earlier assigned value): what its gradient goes to."""
+    import tensorflow as tf
+
+    value = scope.get_current_value(variable)
+    return tf.convert_to_tensor(variable._value) if value is None else value
+
+
+def _assigned_read(value, leaf):
+    """What a read of a trainable variable gives after `variable.assign(value)` in `call`.
+
+    Plain Keras applies the assignment, so a later read is the variable
+    itself: its value is `value`, and its gradient goes to the variable, not
+    back through what computed `value` (SpectralNormalization assigns
+    `kernel / sigma(kernel)`, then reads the kernel). In a stateless scope a
+    later read is `value` itself; this is `value` with the gradient of the
+    variable's read `leaf` instead.
+
+    Args:
+        value: The assigned tensor (in the variable's dtype).
+        leaf: The variable's value as the scope served it before (`_leaf_read`).
+
+    Returns:
+        A tensor equal to `value` whose gradient flows to `leaf` only.
+    """
+    import tensorflow as tf
+
+    @tf.custom_gradient
+    def read(value, leaf):
+        return tf.identity(value), lambda dy: (None, dy)
+
+    return read(value, tf.cast(leaf, value.dtype))
 
 
 def _restore_losses(model, scope):

@@ -183,6 +183,12 @@ def _placement_scope(runner, tape):
 
     from keras.src.backend.common.stateless_scope import StatelessScope
 
+    from autodist_keras.backends.tensorflow_adapter import _assigned_read
+    from autodist_keras.backends.tensorflow_adapter import _in_nested_function
+    from autodist_keras.backends.tensorflow_adapter import _leaf_read
+    from autodist_keras.backends.tensorflow_adapter import _outer_graph
+    from autodist_keras.backends.tensorflow_adapter import _read_outside
+
     class PlacementScope(StatelessScope):
         def __init__(self):
             super().__init__(collect_losses=True, initialize_variables=False)
@@ -190,24 +196,39 @@ def _placement_scope(runner, tape):
             self.log = []  # every assigned variable, in order (repeats kept)
             self.device = None  # TF device of the layer call running now (when copying)
             self.copies = {}  # (id(variable), device) -> (variable, device, copy)
+            self.outer = _outer_graph()
+            self.lifted = {}  # id(variable) -> its value read in `outer` (no copy needed)
 
         def add_update(self, update):
-            variable, _ = update
+            variable, value = update
             self.log.append(variable)
             if all(v is not variable for v in self.assigned):
                 self.assigned.append(variable)
-            super().add_update(update)
+            if getattr(variable, "trainable", False):
+                # Later reads: the assigned value, the gradient of a read (plain Keras).
+                value = _assigned_read(value, _leaf_read(self, variable))
+            super().add_update((variable, value))
 
         def get_current_value(self, variable):
             value = self.state_mapping.get(id(variable))
-            if value is not None or self.device is None:
+            if value is not None:
                 return value
-            if id(variable) not in runner.trainable_ids:
-                return None
+            # Read inside a function Keras traces within the pass (its XLA
+            # convolutions): the copy or read is made in the pass's graph.
+            nested = _in_nested_function(self.outer)
+            if self.device is None or id(variable) not in runner.trainable_ids:
+                if not nested:
+                    return None
+                if id(variable) not in self.lifted:
+                    self.lifted[id(variable)] = _read_outside(variable, self.outer)
+                return self.lifted[id(variable)]
             key = (id(variable), self.device)
             if key not in self.copies:
-                with tf.control_dependencies(None), tf.device(self.device):
-                    copy = tf.identity(tf.stop_gradient(variable._value))
+                if nested:
+                    copy = _read_outside(variable, self.outer, self.device)
+                else:
+                    with tf.control_dependencies(None), tf.device(self.device):
+                        copy = tf.identity(tf.stop_gradient(variable._value))
                 if tape is not None:
                     tape.watch(copy)
                 self.copies[key] = (variable, self.device, copy)
