@@ -1299,3 +1299,40 @@ def test_idle_workers_of_at_most_two_timeouts_are_kept():
     with torch_pool._pools_lock:
         kept = [key for key, pools in torch_pool._pools.items() if key[:2] == (2, "gloo") and pools]
     assert len(kept) <= 2
+
+
+@keras.saving.register_keras_serializable(package="test_runtime_torch")
+class _ForwardCounter(keras.layers.Layer):
+    """Counts its calls in the process it runs in (rank 0: the test's)."""
+
+    calls = 0
+
+    def call(self, x):
+        type(self).calls += 1
+        return x
+
+
+def test_a_later_fit_of_the_same_compiled_model_skips_the_model_checks():
+    """The pre-step model checks (several forward passes: 18 s of a ResNet50
+    fit's first step on this CPU) ran at every fit. They run again only when
+    the model is compiled again, a layer is frozen or the plan changes."""
+    strategy = _strategy("even", 2)
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((16,))
+        hidden = _ForwardCounter()(keras.layers.Dense(8)(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(4)(hidden))
+        _compile(model, "sgd")
+    x, y = _data("mlp", n=48)  # two steps of 24
+
+    def forward_calls():
+        _ForwardCounter.calls = 0
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        return _ForwardCounter.calls
+
+    first, second = forward_calls(), forward_calls()
+    assert second == 2  # rank 0's replica, once per step
+    assert first > second  # the probes ran before the first fit's first step
+    with strategy.scope():
+        _compile(model, "sgd")
+    assert forward_calls() > 2  # compiled again: checked again

@@ -2,7 +2,8 @@
 
 Both backends run them (`check_model_for_plan`) once the plan is made, and only
 for a plan that splits the batch: one replica runs each batch whole, exactly
-as plain Keras. A model that cannot be split is refused with what to change;
+as plain Keras. A later fit of the same compiled model under the same plan
+skips them (they cost several forward passes). A model that cannot be split is refused with what to change;
 one that splits inexactly gets a warning.
 
 Both runtimes weight each replica's total loss by its share of the global
@@ -28,9 +29,11 @@ BatchNormalization layers whose moving statistics cannot be combined exactly
 (called more than once per step, or fed a Keras mask) get a warning.
 """
 
+import functools
 import logging
 import math
 import warnings
+import weakref
 
 from autodist_keras.errors import BackendError
 
@@ -104,8 +107,8 @@ def check_summed_losses(model, x, y):
     terms). A batch mean gives the same value each time; a term that sums
     over the batch grows by the same amount each time. Only the latter is
     refused: other changes (losses that compare samples within the batch)
-    are left alone. Metric states and non-trainable variables are restored
-    afterwards. A model the probe cannot run (no loss, sparse or ragged
+    are left alone. Each call starts from the model's variables and metric
+    states as they were, and they are restored afterwards (`_probe`). A model the probe cannot run (no loss, sparse or ragged
     inputs, stateful layers) is not checked.
 
     Args:
@@ -114,8 +117,9 @@ def check_summed_losses(model, x, y):
         y: Its targets (may be `None`).
     """
     for training in _probe_modes(model):
-        totals = _probe(model, lambda: [_total_loss(model, x, y, copies, training=training)
-                                        for copies in (1, 2, 3)])
+        totals = _probe(model, [
+            functools.partial(_total_loss, model, x, y, copies, training=training)
+            for copies in (1, 2, 3)])
         if _grows_with_batch(totals):
             _refuse_summed(totals, training)
 
@@ -149,36 +153,57 @@ def _refuse_summed(totals, training):
     )
 
 
-def _probe(model, compute):
-    """Runs `compute()` with the model's metric states and non-trainable
-    variables restored afterwards.
+def _probe(model, computes):
+    """Runs each of `computes` from the model's state as it was, and restores it afterwards.
 
     The probes call the model in inference and in training mode
     (`_probe_modes`), and a layer may assign its own variables in `call` (a
-    step counter, a moving average, a seed generator's state): those writes
-    are undone, so the first training step starts from the state plain Keras
-    would. State a layer keeps outside Keras variables (a Python attribute
-    it counts calls with) is not restored.
+    step counter, a moving average, a seed generator's state, and trainable
+    ones too: SpectralNormalization rescales its kernel in training). Every
+    variable of the model and its metrics is restored before each call after
+    the first, so the calls compare the same model (a kernel renormalised
+    by the previous call would change the loss), and afterwards, so the
+    first training step starts from the state plain Keras would. State a
+    layer keeps outside Keras variables (a Python attribute it counts calls
+    with) is not restored.
+
+    Args:
+        model: A compiled, built Keras model.
+        computes: Callables without arguments, each calling the model.
 
     Returns:
-        What `compute` returned, or `None` when it raised or the model has
-        stateful layers, whose state the probe's batches would disturb (the
-        probes are safeguards: a model they cannot run is not checked).
+        The list of what `computes` returned, or `None` when one raised or
+        the model has stateful layers, whose state the probe's batches would
+        disturb (the probes are safeguards: a model they cannot run is not
+        checked).
     """
     import keras
 
     if any(getattr(layer, "stateful", False) for layer in model._flatten_layers()):
         return None
-    kept = list(model.metrics_variables) + list(model.non_trainable_variables)
+    kept, seen = [], set()
+    for variable in list(model.variables) + list(model.metrics_variables):
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            kept.append(variable)
     saved = [keras.ops.convert_to_numpy(v) for v in kept]
+
+    def restore():
+        for variable, value in zip(kept, saved):
+            variable.assign(value)
+
+    results = []
     try:
-        return compute()
+        for i, compute in enumerate(computes):
+            if i:
+                restore()
+            results.append(compute())
+        return results
     except Exception as e:  # noqa: BLE001
         logger.debug("loss probe skipped: %s", e)
         return None
     finally:
-        for variable, value in zip(kept, saved):
-            variable.assign(value)
+        restore()
 
 
 def _total_loss(model, x, y, copies, rows=2, start=0, training=False):
@@ -341,7 +366,8 @@ def warn_loss_not_per_sample(model, x, y):
     batch's first rows against the mean of each row's own total loss, in
     inference mode and, unless a layer draws random numbers or is a
     BatchNormalization (which mixes samples in training by design), in
-    training mode. Metric states and non-trainable variables are restored afterwards.
+    training mode. Each call starts from the model's variables and metric
+    states as they were, and they are restored afterwards (`_probe`).
 
     Call it after `check_summed_losses` (a summed term is refused there, and
     would also differ here), and skip it when `warn_masked_outputs` warned.
@@ -382,16 +408,19 @@ def warn_loss_not_per_sample(model, x, y):
         return False
 
     def losses(training):
-        together = _total_loss(model, x, y, copies=1, rows=rows, training=training)
-        alone = [_total_loss(model, x, y, copies=1, rows=1, start=i, training=training)
-                 for i in range(rows)]
-        return together, sum(alone) / rows
+        # Each call from the same state: one that renormalises a kernel in training
+        # (SpectralNormalization) would otherwise change the model for the next.
+        found = _probe(model, [
+            functools.partial(_total_loss, model, x, y, copies=1, rows=rows, training=training)
+        ] + [functools.partial(_total_loss, model, x, y, copies=1, rows=1, start=i,
+                               training=training) for i in range(rows)])
+        return None if found is None else (found[0], sum(found[1:]) / rows)
 
     # Training mode too (a term added only in training), except where layers mix
     # samples there by design: BatchNormalization normalises each replica's shard
     # with its own statistics, as data parallelism does (warn_inexact_batchnorm).
     for training in _probe_modes(model, skip_training_if=(keras.layers.BatchNormalization,)):
-        found = _probe(model, lambda: losses(training))
+        found = losses(training)
         if found is None or not all(math.isfinite(v) for v in found):
             continue
         together, mean_alone = found
@@ -452,12 +481,36 @@ def check_model_for_plan(model, x, y, plan):
     """
     if not splits_batch(plan):
         return
+    # The probes cost several forward passes (seconds for a ResNet50 on a CPU):
+    # a later fit of the same compiled model under the same plan skips them.
+    key = _checked_key(model, plan)
+    if _CHECKED.get(model) == key:
+        return
     check_loss_reductions(model)  # the specific message first
     check_stateful_layers(model)
     check_summed_losses(model, x, y)
     if not warn_masked_outputs(model):
         warn_loss_not_per_sample(model, x, y)
     warn_inexact_batchnorm(model)
+    _CHECKED[model] = key
+
+
+# Each model's last checked (plan, compiled loss, trainable variables), held
+# weakly: compiling again, freezing a layer or a new plan checks it again.
+_CHECKED = weakref.WeakKeyDictionary()
+
+
+def _checked_key(model, plan):
+    """What `check_model_for_plan`'s verdict on `model` depends on."""
+    try:
+        plan_key = plan.to_json()
+    except Exception:  # noqa: BLE001 - e.g. a non-finite prediction: check again
+        plan_key = object()
+    return (
+        plan_key,
+        id(getattr(model, "_compile_loss", None)),
+        tuple(id(v) for v in model.trainable_variables),
+    )
 
 
 def trainable_changed_during_fit(before, now):
