@@ -6,6 +6,7 @@ tests/test_runtime_torch.py.
 """
 
 import os
+import re
 
 import pytest
 
@@ -110,3 +111,103 @@ def test_shared_files_are_removed_even_if_their_owner_is_killed(end):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _unshare_available():
+    import shutil
+
+    return hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("unshare") is not None
+
+
+_TOO_SMALL = """
+import warnings
+from autodist_keras.backends.torch_shm import SharedSlots
+from autodist_keras.backends.torch_shm_reduce import ReduceArea
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    area = ReduceArea.create([(1 << 17, "float32")], 2)
+    slots = SharedSlots.create(1 << 20)
+print("RESULT", area, slots, len(caught), flush=True)
+for w in caught:
+    print("WARNING", str(w.message).replace(chr(10), " "), flush=True)
+"""
+
+
+def test_a_too_small_dev_shm_warns_once_and_prints_no_tracker_traceback():
+    """A /dev/shm too small for the files (Docker's default 64 MB, here 64 KiB in a
+    private mount namespace): the runtime falls back to gloo and to messages. It did so
+    silently, and Python's resource tracker printed a `KeyError` traceback per file,
+    because the files that were never registered with it were unregistered."""
+    import subprocess
+    import sys
+
+    if not _unshare_available():
+        pytest.skip("needs root and unshare(1) to mount a small tmpfs over /dev/shm")
+    command = ("mount -t tmpfs -o size=64k tmpfs /dev/shm && exec \"$0\" -c \"$1\"")
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", command, sys.executable, _TOO_SMALL],
+                          capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0 and "RESULT" not in proc.stdout:
+        pytest.skip(f"cannot mount a tmpfs in a new mount namespace here: {proc.stderr[-300:]}")
+    assert "RESULT None None 1" in proc.stdout, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "KeyError" not in proc.stderr, proc.stderr
+    warning = [line for line in proc.stdout.splitlines() if line.startswith("WARNING")][0]
+    assert "/dev/shm could not hold the 1.5 MiB file in which the PyTorch runtime's " \
+           "processes sum gradients (free: 0.1 MiB)" in warning, warning
+    assert "gradients are summed through gloo" in warning
+    assert "--shm-size" in warning and "AUTODIST_KERAS_TORCH_SHM_REDUCE=0" in warning
+    assert re.search(r"Received: 1572864 bytes needed, \d+ bytes free in /dev/shm$", warning)
+
+
+_KILLED_GROUP = """
+import os, time
+from autodist_keras.backends.torch_shm_reduce import ReduceArea
+area = ReduceArea.create([(1024, "float32")], 2)
+print(area.path, flush=True)
+time.sleep(600)  # the whole process group, resource tracker included, is killed here
+"""
+
+
+def test_files_of_a_killed_process_group_are_removed_by_the_next_file_made():
+    """A SIGKILL to a job's whole process group during set-up kills the resource
+    tracker with rank 0, so nobody removes the file: it stayed in /dev/shm forever.
+    Its name now carries the creator's pid, and the next file made removes the
+    files of processes that are gone, not those of a job still running."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    left = kept = None
+    killed = subprocess.Popen([sys.executable, "-c", _KILLED_GROUP], stdout=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    alive = subprocess.Popen([sys.executable, "-c", _KILLED_GROUP], stdout=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    try:
+        left = killed.stdout.readline().strip()
+        kept = alive.stdout.readline().strip()
+        assert os.path.exists(left) and os.path.exists(kept)
+        assert f"_{killed.pid}_" in os.path.basename(left)
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait(timeout=60)
+        time.sleep(1.0)
+        assert os.path.exists(left)  # nobody left to remove it ...
+        area = sr.ReduceArea.create([(16, "torch.float32")], 2)
+        try:
+            assert not os.path.exists(left)  # ... until the next file is made
+            assert os.path.exists(kept)  # a live job's file stays
+        finally:
+            area.unlink()
+    finally:
+        if killed.poll() is None:
+            os.killpg(killed.pid, signal.SIGKILL)
+            killed.wait()
+        alive.kill()  # alone: its resource tracker removes its file
+        alive.wait()
+        for path in (left, kept):
+            deadline = time.monotonic() + 20
+            while path and os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        if left and os.path.exists(left):
+            os.unlink(left)

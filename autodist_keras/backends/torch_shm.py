@@ -10,7 +10,11 @@ read the other slot.
 
 The file is unlinked as soon as every worker has mapped it (the mappings stay
 valid), so nothing is left in `/dev/shm` even if a process is killed later; if
-rank 0 is killed before that, Python's resource tracker removes it.
+rank 0 is killed before that, Python's resource tracker removes it. If the
+tracker is killed too (a kill of the whole process group, a container's cgroup),
+the file's name says which process made it (`autodist_keras_batch_<pid>_...`),
+and the next file made on the machine removes it once that process is gone
+(`sweep_orphans`).
 When `/dev/shm` is missing or too small, `SharedSlots.create` returns None and
 the runtime sends shards as messages (as it does under torchrun, whose ranks may
 be on other machines).
@@ -24,12 +28,22 @@ slots.unlink()                                      # once every worker has mapp
 ```
 """
 
+import errno
 import os
+import re
 import tempfile
 import weakref
 
+from autodist_keras.backends.processes import process_alive
+
 SHM_DIR = "/dev/shm"
 NUM_SLOTS = 2
+# The names `create_mapped` gives its files: a prefix such as
+# "autodist_keras_grads_", the creator's pid, the inode of its PID namespace
+# (0 when unknown), then mkstemp's random part.
+_OWNED_NAME = re.compile(r"^autodist_keras_[a-z]+_(\d+)_(\d+)_[^/]+$")
+# Errors of `posix_fallocate` that mean the directory cannot hold the file.
+_NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 def unlink_quietly(path):
@@ -65,20 +79,88 @@ def remove_owned(path):
     _tell_tracker("unregister", path)
 
 
-def create_mapped(prefix, size, open_fn, directory=SHM_DIR):
+def _pid_namespace():
+    """The inode of this process's PID namespace, or 0 where it cannot be read.
+
+    Containers that share `/dev/shm` may still have PID namespaces of their
+    own, where another container's pids do not exist: files are swept only by
+    processes of the namespace that made them.
+    """
+    try:
+        link = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
+    except OSError:
+        return 0
+    match = re.search(r"\[(\d+)\]", link)
+    return int(match.group(1)) if match else 0
+
+
+def sweep_orphans(directory=SHM_DIR):
+    """Removes the files `create_mapped` made in `directory` for processes that are gone.
+
+    A file is unlinked by its owner once every worker mapped it, or by Python's
+    resource tracker if the owner dies first; when both are killed at once (a
+    SIGKILL to the whole process group during the short set-up window) the
+    file would stay until reboot. Its name carries the creator's pid and PID
+    namespace, so a later job can tell: files of this namespace whose creator
+    no longer runs are removed, those of live jobs (and of other namespaces,
+    and names without a pid) are left alone. One `listdir` and a `kill(pid, 0)`
+    per file of this package: cheap enough to run at every `create_mapped`.
+
+    Args:
+        directory: Where to look.
+
+    Returns:
+        The paths removed.
+    """
+    namespace = _pid_namespace()
+    if not namespace:
+        return []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        match = _OWNED_NAME.match(name)
+        if match is None or int(match.group(2)) != namespace:
+            continue
+        pid = int(match.group(1))
+        if pid == os.getpid() or process_alive(pid):
+            continue
+        path = os.path.join(directory, name)
+        unlink_quietly(path)
+        removed.append(path)
+    return removed
+
+
+def free_bytes(directory):
+    """Bytes an unprivileged process may still allocate in `directory` (0 if unknown)."""
+    try:
+        stat = os.statvfs(directory)
+    except OSError:
+        return 0
+    return stat.f_bavail * stat.f_frsize
+
+
+def create_mapped(prefix, size, open_fn, directory=SHM_DIR, on_no_space=None):
     """Makes a file of `size` bytes in `directory` and maps it with `open_fn(path)`.
 
     The file's space is reserved up front (`posix_fallocate`), so a full
     `/dev/shm` is found here rather than as a crash on the first write. The
     file is registered with Python's resource tracker, so it is removed even if
     this process is killed before its owner unlinks it; owners unlink it with
-    `remove_owned`. Also used by `torch_shm_reduce`.
+    `remove_owned`. Its name is `prefix`, this process's pid and PID namespace,
+    and a random part, and files left by processes that are gone are removed
+    first (`sweep_orphans`). Also used by `torch_shm_reduce`.
 
     Args:
-        prefix: Start of the file's name.
+        prefix: Start of the file's name, `"autodist_keras_<kind>_"`.
         size: Bytes to reserve.
         open_fn: Callable mapping the new file's path (its result is returned).
         directory: Where to make the file.
+        on_no_space: Optional callable, called as `on_no_space(size, free)`
+            (bytes needed and bytes free) when `directory` cannot hold the
+            file; the caller says there what it does instead.
 
     Returns:
         `open_fn`'s result, or None if the directory is missing or the space
@@ -86,10 +168,13 @@ def create_mapped(prefix, size, open_fn, directory=SHM_DIR):
     """
     if size <= 0 or not os.path.isdir(directory) or not hasattr(os, "posix_fallocate"):
         return None
+    sweep_orphans(directory)
     try:
-        fd, path = tempfile.mkstemp(prefix=prefix, dir=directory)
+        fd, path = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}_{_pid_namespace()}_",
+                                    dir=directory)
     except OSError:
         return None
+    registered = False
     try:
         try:
             os.posix_fallocate(fd, 0, size)
@@ -99,9 +184,17 @@ def create_mapped(prefix, size, open_fn, directory=SHM_DIR):
         # short window until every worker has mapped it), Python's resource
         # tracker, a separate process, unlinks it when this one is gone.
         _tell_tracker("register", path)
+        registered = True
         return open_fn(path)
-    except (OSError, RuntimeError):
-        remove_owned(path)
+    except (OSError, RuntimeError) as e:
+        if registered:
+            remove_owned(path)
+        else:
+            # Never registered: telling the tracker to forget it would make
+            # the tracker print a KeyError traceback when this process ends.
+            unlink_quietly(path)
+        if on_no_space is not None and getattr(e, "errno", None) in _NO_SPACE:
+            on_no_space(size, free_bytes(directory))
         return None
 
 

@@ -31,7 +31,8 @@ step `k`'s output.
 
 The file is unlinked once every rank has mapped it, so nothing is left in
 `/dev/shm` if a process is killed. When `/dev/shm` is missing or too small,
-`ReduceArea.create` returns None and gloo sums the buckets.
+`ReduceArea.create` returns None and gloo sums the buckets; when it is too
+small, it also warns, with the sizes and how to enlarge it.
 
 Example:
 
@@ -42,6 +43,7 @@ area.unlink()                                                    # once both map
 ```
 """
 
+import warnings
 import weakref
 
 from autodist_keras.backends import torch_transport as tt
@@ -81,6 +83,21 @@ def slice_bounds(numel, world, rank):
     chunk = -(-chunk // CHUNK_ELEMENTS) * CHUNK_ELEMENTS
     start = min(numel, rank * chunk)
     return start, min(numel, start + chunk)
+
+
+def _warn_no_space(directory, size, free):
+    """Says that `directory` is too small for the gradient file, what that costs, and the fix."""
+    mib = 1 << 20
+    warnings.warn(
+        f"autodist_keras: {directory} could not hold the {size / mib:.1f} MiB file in which "
+        f"the PyTorch runtime's processes sum gradients (free: {free / mib:.1f} MiB), so "
+        "gradients are summed through gloo over loopback instead, several times slower for "
+        f"large buckets. Enlarge {directory} (Docker: `docker run --shm-size=1g ...`; "
+        f"elsewhere `mount -o remount,size=2G {directory}`), or set "
+        "AUTODIST_KERAS_TORCH_SHM_REDUCE=0 to choose gloo and silence this warning. "
+        f"Received: {size} bytes needed, {free} bytes free in {directory}",
+        stacklevel=2,
+    )
 
 
 class ReduceArea:
@@ -127,10 +144,11 @@ class ReduceArea:
             directory: Where to make the file.
 
         Returns:
-            A `ReduceArea`, or None.
+            A `ReduceArea`, or None (with a warning when `directory` is too small).
         """
         return create_mapped("autodist_keras_grads_", area_bytes(buckets, world),
-                             lambda path: cls(path, buckets, world, owner=True), directory)
+                             lambda path: cls(path, buckets, world, owner=True), directory,
+                             on_no_space=lambda size, free: _warn_no_space(directory, size, free))
 
     @classmethod
     def open(cls, description, buckets=None):
