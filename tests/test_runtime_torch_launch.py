@@ -289,3 +289,36 @@ def test_more_ranks_than_devices_is_refused_with_the_process_count_to_start(tmp_
     assert "BackendError: Under torchrun each process runs one replica" in message, message[-2000:]
     assert "Start 2 processes" in message
     assert "Received: WORLD_SIZE=3, devices=['node0/cpu0', 'node0/cpu1']" in message
+
+
+def test_a_master_port_in_use_is_named_at_once_not_as_a_timeout(tmp_path):
+    """MASTER_PORT already taken (another job, a leftover process): rank 0 cannot
+    start the store and fails at once, but the error said it had waited timeout_s
+    for ranks that did not arrive."""
+    import socket
+    import subprocess
+    import time
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    script = tmp_path / "rank0.py"
+    script.write_text(LEFTOVER.replace("timeout_s=4", "timeout_s=300"))
+    env = dict(os.environ, RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port),
+               PYTHONPATH=os.pathsep.join([os.getcwd()] + [p for p in sys.path if p]))
+    started = time.monotonic()
+    try:
+        run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                             text=True, timeout=200)
+    finally:
+        holder.close()
+    message = run.stderr.replace("\n", " ")
+    assert run.returncode != 0
+    assert (f"BackendError: Rank 0 could not start the job's store at MASTER_ADDR:MASTER_PORT "
+            f"= 127.0.0.1:{port}: the port is already in use") in message, message[-2000:]
+    assert "Pick a free port" in message and "`autodist-keras launch`" in message
+    assert "EADDRINUSE" in message.split("Received:")[-1]
+    assert "waited" not in message
+    assert time.monotonic() - started < 150  # not the 300 s timeout

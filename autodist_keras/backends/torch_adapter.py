@@ -165,6 +165,8 @@ def _join_torchrun(rank, world, timeout_s, dist, Comm):
                 timeout=datetime.timedelta(seconds=timeout_s),
             ))
         except (RuntimeError, TimeoutError) as e:
+            if _address_in_use(e):
+                raise _port_in_use(rank, e) from None
             raise _not_joined(rank, world, timeout_s, e) from None
     try:
         _torchrun_comm = Comm(store, rank, world, timeout_s, prefix="autodist_keras/torchrun")
@@ -180,6 +182,25 @@ def _shutdown_torchrun_comm():
     comm, _torchrun_comm = _torchrun_comm, None
     if comm is not None:
         comm.shutdown()
+
+
+def _address_in_use(error):
+    """Whether the rendezvous failed because rank 0 could not listen on MASTER_PORT."""
+    text = str(error)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
+def _port_in_use(rank, error):
+    """The error for a MASTER_ADDR:MASTER_PORT that another process already listens on."""
+    address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    return BackendError(
+        f"Rank {rank} could not start the job's store at MASTER_ADDR:MASTER_PORT = {address}: "
+        "the port is already in use, by another job or a process left over from an earlier "
+        "run. Pick a free port (torchrun --master-port, or MASTER_PORT), stop the process "
+        "that holds it, or leave the port to `autodist-keras launch` (and "
+        "`autodist_keras.launch(...)` without master_port), which choose a free one. "
+        "Received: " + str(error).splitlines()[0][:300]
+    )
 
 
 def _not_joined(rank, world, timeout_s, error):
