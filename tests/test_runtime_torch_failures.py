@@ -514,3 +514,21 @@ def test_a_fit_that_fails_inside_a_step_unmaps_its_shared_memory_and_frees_the_m
     del model
     gc.collect()
     assert collected() is None
+
+
+def test_a_worker_that_started_and_died_is_not_said_to_have_failed_importing_the_script():
+    """A worker that exits before its main function runs is reported as failing to
+    import the main script; one that started (it says so first thing) and died
+    later is reported as before, with its exit only."""
+    from autodist_keras.errors import WorkerError
+
+    strategy = _strategy(2)
+    with strategy.scope():
+        model = _model()
+    x, y = _data()
+    clock = _Clock(batch=2, kill=lambda: strategy.adapter.worker_pids()[1])
+    with pytest.raises(WorkerError) as info:
+        model.fit(x, y, batch_size=BATCH, verbose=0, epochs=1, callbacks=[clock])
+    assert info.value.rank == 1
+    assert str(info.value) == "Worker rank 1 failed: process was killed by SIGKILL (exit code -9)"
+    _assert_all_gone(list(strategy.adapter.worker_pids().values()))

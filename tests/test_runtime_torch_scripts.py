@@ -9,6 +9,7 @@ and match single-device training.
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -137,3 +138,75 @@ def test_sequential_model_trains_on_three_processes_like_one_device(tmp_path):
     assert report["replicas"] == 3
     assert report["paths"][0].startswith("sequential")
     assert report["max_rel_diff"] < 1e-5
+
+
+def _env(tmp_path):
+    return dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=ROOT,
+                AUTODIST_KERAS_CACHE=str(tmp_path / "cache"))
+
+
+def test_script_read_from_a_pipe_fails_at_once_with_the_fix(tmp_path):
+    """`python <(cat train.py)`: the script's path is /dev/fd/63, a pipe the workers
+    cannot read again; each failed in a multiprocessing traceback, and fit raised
+    only "Worker rank 1 failed: process exited with code 1"."""
+    import shutil
+
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("needs bash for process substitution")
+    (tmp_path / "train.py").write_text(textwrap.dedent(TRAIN + GUARDED_MAIN))
+    result = subprocess.run([bash, "-c", f'exec "{sys.executable}" <(cat train.py)'],
+                            capture_output=True, text=True, timeout=300, env=_env(tmp_path),
+                            cwd=tmp_path)
+    message = result.stderr.replace("\n", " ")
+    assert result.returncode != 0
+    assert "BackendError: The PyTorch runtime starts one worker process per extra device" in message
+    assert re.search(r"your main script; yours, /dev/fd/\d+, is a pipe", message), message[-2000:]
+    assert "Save the script as a .py file and run `python train.py`" in message
+    assert "bootstrapping phase" not in message and "WorkerError" not in message
+
+
+def test_script_without_py_extension_or_main_guard_fails_at_once_with_the_fix(tmp_path):
+    """An executable script named without `.py` was not read, so its missing guard
+    surfaced as a worker's multiprocessing traceback and a bare exit code."""
+    script = tmp_path / "train"
+    script.write_text(textwrap.dedent(TRAIN + UNGUARDED_MAIN))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=300, env=_env(tmp_path), cwd=tmp_path)
+    message = result.stderr.replace("\n", " ")
+    assert result.returncode != 0 and "trained" not in result.stdout
+    assert "BackendError" in message
+    assert 'Put the code that builds and fits the model under `if __name__ == "__main__":`' in (
+        message)
+    assert f"Received: no `if __name__ == \"__main__\":` block in {script}" in message
+    assert "bootstrapping phase" not in message  # no worker was started
+
+
+def test_script_deleted_before_fit_fails_at_once_with_the_fix(tmp_path):
+    """A guarded script that is gone by the time of fit (deleted, moved): the workers
+    cannot import it, and each died with a FileNotFoundError traceback."""
+    source = TRAIN + GUARDED_MAIN.replace('if __name__ == "__main__":\n',
+                                          'if __name__ == "__main__":\n    os.remove(__file__)\n')
+    result = _run(tmp_path, "import os\n" + source)
+    message = result.stderr.replace("\n", " ")
+    assert result.returncode != 0
+    assert (f"your main script; yours, {tmp_path / 'train.py'}, no longer exists (it was "
+            "deleted or moved after Python started)") in message, message[-2000:]
+    assert "Keep the script in place until the fit ends" in message
+    assert "WorkerError" not in message
+
+
+def test_fit_above_the_main_guard_says_the_workers_failed_importing_the_script(tmp_path):
+    """A script with a main guard that still fits at module level, above it: the check
+    cannot tell, and each worker fails while importing the script. The WorkerError said
+    only "process exited with code 1"; it now says where and why to look."""
+    source = TRAIN + UNGUARDED_MAIN + '\nif __name__ == "__main__":\n    print("done")\n'
+    result = _run(tmp_path, source)
+    message = result.stderr.replace("\n", " ")
+    assert result.returncode != 0 and "trained" not in result.stdout
+    assert re.search(r"WorkerError: Worker rank \d failed: process exited with code 1 while "
+                     rf"importing your main script \({re.escape(str(tmp_path / 'train.py'))}\), "
+                     "before it reached the worker's main function", message), message[-3000:]
+    assert "re-imports `__main__`, as torch.multiprocessing does" in message
+    assert "The traceback above on stderr says why" in message
+    assert 'outside `if __name__ == "__main__":`' in message

@@ -196,15 +196,41 @@ def _describe_exit(code):
 _MAIN_GUARD = re.compile(r"""__name__\s*==\s*['"]__main__['"]|['"]__main__['"]\s*==\s*__name__""")
 
 
+def main_script_path():
+    """The file each spawned process imports as the main module, or None.
+
+    Mirrors `multiprocessing.spawn.get_preparation_data`: a main module run
+    by name (`python -m pkg.train`, a zip application) is imported by that
+    name, so it has no such path; otherwise it is `__main__.__file__` (a
+    `"<stdin>"`-like name included).
+    """
+    from multiprocessing import process
+
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None) is not None:
+        return None
+    path = getattr(main, "__file__", None)
+    if not isinstance(path, str) or not path:
+        return None
+    if not os.path.isabs(path) and process.ORIGINAL_DIR is not None and not path.startswith("<"):
+        path = os.path.join(process.ORIGINAL_DIR, path)
+    return path
+
+
 def check_main_guard(caller=None, error=BackendError):
-    """Raises when the user's script would run again in every spawned process.
+    """Raises when the spawned processes could not import the user's main script,
+    or would run it again.
 
     Workers are started with `forkserver` or `spawn`, which import the main
     module of rank 0 (so that layers, losses and functions defined in the
     user's script exist in the workers). A script whose training code is not
     under `if __name__ == "__main__":` would then run it again in each worker,
-    which Python refuses with an error deep inside `multiprocessing`. This
-    check says so up front. Interactive sessions (no main file) pass.
+    which Python refuses with an error deep inside `multiprocessing`; a script
+    that is not a file the workers can read again (read from standard input, a
+    pipe as `python <(...)` makes, a file deleted since) makes each worker
+    fail with a traceback. This check says so up front. Interactive sessions
+    (no main file) pass, and so does a compiled (`.pyc`) script, whose guard
+    cannot be read.
 
     Args:
         caller: `None` for `fit` (the message speaks of the PyTorch runtime's
@@ -215,8 +241,11 @@ def check_main_guard(caller=None, error=BackendError):
 
     Raises:
         BackendError: (or `error`) If the main script has no
-            `__name__ == "__main__"` test, or was read from standard input.
+            `__name__ == "__main__"` test, was read from standard input or a
+            pipe, or no longer exists.
     """
+    import stat
+
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     if caller is None:
@@ -227,6 +256,7 @@ def check_main_guard(caller=None, error=BackendError):
         alternative = ", or launch the ranks yourself with torchrun"
         who, name = "the workers", "train.py"
         needs = "torch.multiprocessing needs too"
+        until = "the fit ends"
     else:
         starts = f"{caller} starts child processes, and each imports"
         code = f"the code that calls {caller}"
@@ -234,6 +264,7 @@ def check_main_guard(caller=None, error=BackendError):
         alternative = ""
         who, name = "the children", "script.py"
         needs = "multiprocessing's spawn start method needs"
+        until = f"{caller} returns"
     if isinstance(path, str) and path.startswith("<"):
         # `python - < train.py`: the workers would try to import a file named "<stdin>".
         raise error(
@@ -242,13 +273,37 @@ def check_main_guard(caller=None, error=BackendError):
             f"`python {name}`. "
             f"Received: __main__.__file__={path!r}"
         )
-    if not path or not path.endswith(".py") or not os.path.isfile(path):
+    if not isinstance(path, str) or not path:
+        return
+    spawned_path = main_script_path()
+    path = spawned_path or path
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = None
+    if spawned_path is not None and (mode is None or not stat.S_ISREG(mode)):
+        if mode is None:
+            what = ("no longer exists (it was deleted or moved after Python started), so "
+                    f"{who} cannot import it. Keep the script in place until {until}")
+        else:
+            kind = ("a pipe (as `python <(...)` or `python /dev/stdin` make)"
+                    if stat.S_ISFIFO(mode) else "not a regular file")
+            what = (f"is {kind}, which {who} cannot read again. Save the script as a .py "
+                    f"file and run `python {name}`")
+        raise error(
+            f"{starts} your main script; yours, {path}, {what}. "
+            f"Received: __main__.__file__={path!r}"
+        )
+    if mode is None or not stat.S_ISREG(mode):
         return
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            source = f.read()
+        with open(path, "rb") as f:
+            raw = f.read()
     except OSError:
         return
+    if b"\0" in raw:
+        return  # a compiled script (`python train.pyc`): no source to read the guard in
+    source = raw.decode("utf-8", errors="replace")
     if _MAIN_GUARD.search(source):
         return
     raise error(
@@ -256,6 +311,42 @@ def check_main_guard(caller=None, error=BackendError):
         f"main guard {rerun}. Put {code} under `if __name__ == \"__main__\":` (as "
         f"{needs}){alternative}. "
         f"Received: no `if __name__ == \"__main__\":` block in {path}"
+    )
+
+
+def _main_script_name():
+    """How `_exited_while_importing_main` names the main module the workers import."""
+    path = main_script_path()
+    if path is not None:
+        return path
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    return f"module {name}" if name else "__main__"
+
+
+def _exited_while_importing_main(exit_text, start_method):
+    """The `WorkerError` text for a worker that ended before its main function ran.
+
+    `multiprocessing` imports rank 0's main module in each new worker before it
+    calls `torch_worker.worker_main` (whose first act is to say it started);
+    a worker that ended without saying so failed there, and its traceback went
+    to stderr only.
+    """
+    script = _main_script_name()
+    if exit_text.startswith("process was killed"):
+        why = ("Something outside it ended it (the kernel's out-of-memory killer, "
+               "a signal sent to it).")
+    else:
+        why = ("The traceback above on stderr says why. Commonly the script runs its "
+               "training code at module level, outside `if __name__ == \"__main__\":` (a "
+               "guard further down does not cover the code above it): put the code that "
+               "builds and fits the model under the guard, so that importing the script "
+               "only defines things.")
+    return (
+        f"{exit_text} while importing your main script ({script}), before it reached the "
+        f"worker's main function: each worker ({start_method} start method) re-imports "
+        "`__main__`, as torch.multiprocessing does, so that what the script defines exists "
+        f"there too. {why} Received: worker exit before start-up, main script {script!r}"
     )
 
 
@@ -299,6 +390,7 @@ class WorkerPool(Reporter):
         self._terminated_by_us = set()
         self._closing = False
         self._unknown_starts = 0  # workers whose start was interrupted before their pid came
+        self._started = set()  # ranks whose worker_main runs (their main module imported)
         self._ready = set()
         self.comm = None
         self.in_use = False  # leased to a running fit (`get_pool`)
@@ -406,18 +498,14 @@ class WorkerPool(Reporter):
                 return
             for obj in ready:
                 if obj in pipes:
-                    rank = pipes[obj]
-                    try:
-                        kind, r, message, secondary = obj.recv()
-                    except (EOFError, OSError):
-                        del pipes[obj]
-                        continue
-                    if kind == "ready":
-                        self._ready.add(r)
-                        continue
-                    self._record(rank, "error", message, secondary)
-                else:
+                    self._read_status(obj, pipes)
+                elif obj in sentinels:
                     rank = sentinels.pop(obj)
+                    # What the worker sent before it ended comes first (whether
+                    # it started, its error), whatever order `wait` returned.
+                    conn = self._status.get(rank)
+                    while conn in pipes and self._read_status(conn, pipes, block=False):
+                        pass
                     code = self.processes[rank].exitcode
                     if not self._closing and rank not in self._terminated_by_us:
                         self._record(rank, "exit", _describe_exit(code), False)
@@ -427,6 +515,33 @@ class WorkerPool(Reporter):
                 if time.monotonic() - first_failure >= GRACE_S:
                     self._terminate_all()
                     self._abort_gradient_groups()
+
+    def _read_status(self, conn, pipes, block=True):
+        """Handles one message of a worker's status pipe.
+
+        Args:
+            conn: The pipe's read end (a key of `pipes`).
+            pipes: `{conn: rank}` of the pipes still open; a closed one is removed.
+            block: Wait for a message; otherwise return False when none is there.
+
+        Returns:
+            True if a message was handled.
+        """
+        rank = pipes[conn]
+        try:
+            if not block and not conn.poll():
+                return False
+            kind, r, message, secondary = conn.recv()
+        except (EOFError, OSError, ValueError):
+            del pipes[conn]
+            return False
+        if kind == "started":
+            self._started.add(r)
+        elif kind == "ready":
+            self._ready.add(r)
+        else:
+            self._record(rank, "error", message, secondary)
+        return True
 
     def _abort_gradient_groups(self):
         """Frees rank 0 from NCCL collectives whose peers are gone (see `Comm`)."""
@@ -483,6 +598,8 @@ class WorkerPool(Reporter):
         text = "\n".join(messages) if messages else "; ".join(exits)
         if messages and exits:
             text += f"\n({exits[0]})"
+        elif exits and rank not in self._started:
+            text = _exited_while_importing_main(exits[0], self.start_method)
         return WorkerError(rank, text)
 
     # ------------------------------------------------------------- control

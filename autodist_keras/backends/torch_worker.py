@@ -2,7 +2,9 @@
 
 A worker is started by `torch_pool.WorkerPool` (forked from a fork server that
 preloaded Keras and PyTorch on CPU, a fresh `spawn` process on GPU).
-It places nothing on any device until a session tells it to, joins rank 0's
+It first tells rank 0 that it started (its main module, which `multiprocessing`
+imports before calling `worker_main`, imported), places nothing on any device
+until a session tells it to, joins rank 0's
 process groups, and then loops: wait on its control pipe for the next fit
 ("session"), serve that session (`torch_session.serve`), and wait again. Any
 error is reported through its status pipe before the process exits, so rank 0
@@ -100,6 +102,13 @@ def worker_main(rank, world_size, port, ctl_conn, status_conn, parent_pid, timeo
     # stops a fit (a traceback per worker said nothing, and idle workers died
     # although the user's code caught the interrupt).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Rank 0 learns that this process got past importing its main module (which
+    # `multiprocessing` does before calling this function): a worker that exits
+    # without this message failed there, and rank 0 says so (torch_pool.diagnose).
+    try:
+        status_conn.send(("started", int(rank), "", False))
+    except (OSError, EOFError):
+        pass
     os.environ["KERAS_BACKEND"] = "torch"
     os.environ["AUTODIST_KERAS_WORKER_RANK"] = str(rank)
     threading.Thread(target=watch_parent, args=(parent_pid, status_conn), daemon=True).start()
