@@ -278,3 +278,23 @@ def test_train_cost_model_with_nothing_measured_says_to_raise_the_budget(tmp_pat
                                "--train-cost-model", str(cost),
                                "--cache-dir", str(tmp_path / "cache"), "--quiet"])
     assert not cost.exists()
+
+
+def test_profile_command_with_an_unwritable_cache_names_its_options(tmp_path):
+    """`autodist-keras profile` with a cache it cannot write said "pass cache_dir=", an
+    argument of the Python function, not an option of the command."""
+    blocker = tmp_path / "cache_is_a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(EstimatorError) as info:
+        profiler.profile_main(["--model", "mlp", "--batch-sizes", "4", "--quiet",
+                               "--warmup", "1", "--repeats", "1", "--cache-dir", str(blocker)])
+    message = str(info.value)
+    assert message.startswith(f"Cannot write the profile cache in {blocker} (")
+    assert ("Pass --cache-dir DIR with a writable directory (or set AUTODIST_KERAS_CACHE), "
+            "or --no-cache to measure without one.") in message
+    assert "cache_dir=" not in message and message.endswith(f"Received: {str(blocker)!r}")
+    # The Python function keeps naming its own argument.
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    testbed = Cluster.cpu_testbed([{"cores": [0], "threads": 1}])
+    with pytest.raises(EstimatorError, match="pass cache_dir= to a writable directory"):
+        profile_layers(model, testbed, batch_sizes=(4,), warmup=1, repeats=1, cache_dir=blocker)

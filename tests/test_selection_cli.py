@@ -647,3 +647,25 @@ def test_a_speedup_over_even_from_two_scorers_says_so(graph, hetero):
     text = render_text(explanation(plan, hetero, candidates=candidates), use_rich=False)
     assert ("(scored differently, so compare with care: this plan by the simulator, even data "
             "parallelism by the learned (ensemble))") in text
+
+
+def test_a_tilde_or_relative_cache_variable_means_the_same_place_as_for_profiles(
+        graph, hetero, tmp_path, monkeypatch):
+    """AUTODIST_KERAS_CACHE='~/x' put plans in a directory named `~` below the current
+    one (profiles went to $HOME/x), and a relative value moved with the current directory."""
+    from autodist_keras.estimator import profiler
+
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("AUTODIST_KERAS_CACHE", "~/x")
+    assert selection.default_cache_dir() == str(home / "x" / "plans")
+    assert selection.default_cache_dir() == os.path.join(profiler.default_cache_dir(), "plans")
+    selection.choose_plan(graph, hetero, 64)
+    assert len(list((home / "x" / "plans").glob("*.json"))) == 1
+    assert os.listdir(work) == []
+    monkeypatch.setenv("AUTODIST_KERAS_CACHE", "relative")
+    assert selection.default_cache_dir() == str(work / "relative" / "plans")
+    assert selection.default_cache_dir() == os.path.join(profiler.default_cache_dir(), "plans")

@@ -86,7 +86,15 @@ PHASES = ("forward", "backward")
 
 # --------------------------------------------------------------------- cache
 def default_cache_dir():
-    """Returns the profile cache directory: `$AUTODIST_KERAS_CACHE` or `~/.cache/autodist_keras`."""
+    """Returns the profile cache directory: `$AUTODIST_KERAS_CACHE` or `~/.cache/autodist_keras`.
+
+    A `~` in the variable is expanded and a relative value is made absolute
+    (against the current directory). The plan cache lives below the same root
+    (`strategies.selection.default_cache_dir`).
+
+    Returns:
+        An absolute path.
+    """
     env = os.environ.get(CACHE_ENV)
     if env:
         return os.path.abspath(os.path.expanduser(env))
@@ -217,11 +225,14 @@ class ProfileCache:
             )
         except OutputError as e:
             reason = str(e).split(" Received:")[0]
-            raise EstimatorError(
+            error = EstimatorError(
                 f"Cannot write the profile cache in {self.directory} ({reason}). Set "
                 f"{CACHE_ENV} or pass cache_dir= to a writable directory. "
                 f"Received: {self.directory!r}"
-            ) from None
+            )
+            # `profile_main` names its command-line options instead of cache_dir=.
+            error.cache_directory, error.cache_reason = self.directory, reason
+            raise error from None
 
     def __len__(self):
         count = 0
@@ -2071,6 +2082,22 @@ def profile_main(args):
     if not isinstance(args, argparse.Namespace):
         parser = add_profile_arguments(argparse.ArgumentParser(prog="autodist-keras profile"))
         args = parser.parse_args(list(args))
+    try:
+        return _profile_main(args)
+    except EstimatorError as e:
+        directory = getattr(e, "cache_directory", None)
+        if directory is None:
+            raise
+        # On the command line the fix is an option, not `cache_dir=`.
+        raise EstimatorError(
+            f"Cannot write the profile cache in {directory} ({e.cache_reason}). Pass "
+            "--cache-dir DIR with a writable directory (or set "
+            f"{CACHE_ENV}), or --no-cache to measure without one. Received: {directory!r}"
+        ) from None
+
+
+def _profile_main(args):
+    """`profile_main` once its arguments are parsed."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from autodist_keras.graph import ModelGraph
     from autodist_keras.graph import load_model

@@ -126,11 +126,18 @@ class Candidate:
 
 
 def default_cache_dir():
-    """Where plans are cached: `$AUTODIST_KERAS_CACHE/plans` or `~/.cache/autodist_keras/plans`."""
-    root = os.environ.get("AUTODIST_KERAS_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "autodist_keras"
-    )
-    return os.path.join(root, "plans")
+    """Where plans are cached: `$AUTODIST_KERAS_CACHE/plans` or `~/.cache/autodist_keras/plans`.
+
+    The root is the profile cache's (`estimator.profiler.default_cache_dir`):
+    a `~` in the variable is expanded and a relative value made absolute, so
+    plans and profiles land in the same place.
+
+    Returns:
+        An absolute path.
+    """
+    from autodist_keras.estimator.profiler import default_cache_dir as cache_root
+
+    return os.path.join(cache_root(), "plans")
 
 
 def _package_version():
