@@ -85,6 +85,28 @@ def test_pins_that_end_out_of_order_restore_the_cores_and_threads_from_before(or
     assert set(detect.available_cores()) == before
 
 
+def test_a_pin_that_keeps_the_thread_count_keeps_it_after_an_earlier_pin_ends():
+    """Fits in two threads: A sets one thread, B's device wants one too (no change, so
+    set_num_threads is not called). When A ended first, B was put back on the
+    process's threads while it still ran."""
+    import torch
+
+    from autodist_keras.backends.torch_device import pin
+    from autodist_keras.backends.torch_device import unpin
+
+    threads = torch.get_num_threads()
+    if threads < 2:
+        pytest.skip("needs a process with two or more threads")
+    a = pin(dict(CPU1, threads=1))
+    b = pin(dict(CPU1, threads=1))
+    try:
+        unpin(a)
+        assert torch.get_num_threads() == 1  # B still runs
+    finally:
+        unpin(b)
+    assert torch.get_num_threads() == threads
+
+
 def test_keras_device_name_per_kind():
     import torch
 

@@ -205,8 +205,24 @@ def test_fit_above_the_main_guard_says_the_workers_failed_importing_the_script(t
     message = result.stderr.replace("\n", " ")
     assert result.returncode != 0 and "trained" not in result.stdout
     assert re.search(r"WorkerError: Worker rank \d failed: process exited with code 1 while "
-                     rf"importing your main script \({re.escape(str(tmp_path / 'train.py'))}\), "
+                     r"starting \(importing your main script, "
+                     rf"{re.escape(str(tmp_path / 'train.py'))}, or the worker's own modules\), "
                      "before it reached the worker's main function", message), message[-3000:]
     assert "re-imports `__main__`, as torch.multiprocessing does" in message
     assert "The traceback above on stderr says why" in message
     assert 'outside `if __name__ == "__main__":`' in message
+
+
+def test_a_package_run_with_python_m_needs_no_guard_in_its_main_module(tmp_path):
+    """`python -m pkg` runs pkg/__main__.py, which multiprocessing does not import
+    again in the workers: such a module (often `main()` at module level, unguarded)
+    was refused as if the workers would run it again."""
+    package = tmp_path / "mytrain"
+    package.mkdir()
+    (package / "__init__.py").write_text(textwrap.dedent(TRAIN))
+    (package / "__main__.py").write_text(
+        "from mytrain import AutoStrategy, Cluster, train\n" + textwrap.dedent(UNGUARDED_MAIN))
+    result = subprocess.run([sys.executable, "-m", "mytrain"], capture_output=True, text=True,
+                            timeout=300, env=_env(tmp_path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "trained" in result.stdout

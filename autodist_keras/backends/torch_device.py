@@ -139,9 +139,10 @@ def pin(info):
         # Only a real change: torch.set_num_threads also turns MKL's dynamic
         # thread choice off for good, which made a tiny model's steps 3-7x slower
         # here, in this process, even when set to the count it already had.
-        if threads and int(threads) != torch.get_num_threads():
+        if threads:
             token["threads"] = torch.get_num_threads()
-            torch.set_num_threads(int(threads))
+            if int(threads) != token["threads"]:
+                torch.set_num_threads(int(threads))
         if "affinity" in token or "threads" in token:
             _PINS.append(token)
     if info.get("kind") == "gpu" and torch.cuda.is_available():
@@ -178,7 +179,7 @@ def unpin(token):
                 later[key] = token[key]
             elif key == "affinity":
                 _set_affinity_all_threads(set(token["affinity"]))
-            else:
+            elif int(token["threads"]) != torch.get_num_threads():
                 torch.set_num_threads(int(token["threads"]))
         if at is not None:
             del _PINS[at]

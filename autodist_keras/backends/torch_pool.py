@@ -273,8 +273,11 @@ def check_main_guard(caller=None, error=BackendError):
             f"`python {name}`. "
             f"Received: __main__.__file__={path!r}"
         )
-    if not isinstance(path, str) or not path:
-        return
+    if not isinstance(path, str) or not path or getattr(sys, "frozen", False):
+        return  # (a frozen app's children do not read its main path again)
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None) or ""
+    if spec_name == "__main__" or spec_name.endswith(".__main__"):
+        return  # `python -m pkg`, `python dir/`: multiprocessing re-imports nothing
     spawned_path = main_script_path()
     path = spawned_path or path
     try:
@@ -343,8 +346,8 @@ def _exited_while_importing_main(exit_text, start_method):
                "builds and fits the model under the guard, so that importing the script "
                "only defines things.")
     return (
-        f"{exit_text} while importing your main script ({script}), before it reached the "
-        f"worker's main function: each worker ({start_method} start method) re-imports "
+        f"{exit_text} while starting (importing your main script, {script}, or the "
+        f"worker's own modules), before it reached the worker's main function: each worker ({start_method} start method) re-imports "
         "`__main__`, as torch.multiprocessing does, so that what the script defines exists "
         f"there too. {why} Received: worker exit before start-up, main script {script!r}"
     )

@@ -128,7 +128,10 @@ def sweep_orphans(directory=SHM_DIR):
         if pid == os.getpid() or process_alive(pid):
             continue
         path = os.path.join(directory, name)
-        unlink_quietly(path)
+        try:
+            os.unlink(path)
+        except OSError:
+            continue  # gone already, or not ours to remove
         removed.append(path)
     return removed
 
