@@ -347,9 +347,10 @@ def _exited_while_importing_main(exit_text, start_method):
                "only defines things.")
     return (
         f"{exit_text} while starting (importing your main script, {script}, or the "
-        f"worker's own modules), before it reached the worker's main function: each worker ({start_method} start method) re-imports "
-        "`__main__`, as torch.multiprocessing does, so that what the script defines exists "
-        f"there too. {why} Received: worker exit before start-up, main script {script!r}"
+        "worker's own modules), before it reached the worker's main function: each worker "
+        f"({start_method} start method) re-imports `__main__`, as torch.multiprocessing "
+        f"does, so that what the script defines exists there too. {why} Received: worker "
+        f"exit before start-up, main script {script!r}"
     )
 
 

@@ -94,7 +94,7 @@ def _pid_namespace():
     return int(match.group(1)) if match else 0
 
 
-def sweep_orphans(directory=SHM_DIR):
+def sweep_orphans(directory=SHM_DIR, namespace=None):
     """Removes the files `create_mapped` made in `directory` for processes that are gone.
 
     A file is unlinked by its owner once every worker mapped it, or by Python's
@@ -108,11 +108,14 @@ def sweep_orphans(directory=SHM_DIR):
 
     Args:
         directory: Where to look.
+        namespace: This process's PID namespace (`_pid_namespace()`, read
+            when None).
 
     Returns:
         The paths removed.
     """
-    namespace = _pid_namespace()
+    if namespace is None:
+        namespace = _pid_namespace()
     if not namespace:
         return []
     try:
@@ -171,10 +174,10 @@ def create_mapped(prefix, size, open_fn, directory=SHM_DIR, on_no_space=None):
     """
     if size <= 0 or not os.path.isdir(directory) or not hasattr(os, "posix_fallocate"):
         return None
-    sweep_orphans(directory)
+    namespace = _pid_namespace()
+    sweep_orphans(directory, namespace)
     try:
-        fd, path = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}_{_pid_namespace()}_",
-                                    dir=directory)
+        fd, path = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}_{namespace}_", dir=directory)
     except OSError:
         return None
     registered = False
