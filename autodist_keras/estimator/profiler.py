@@ -174,6 +174,26 @@ def read_json(path, what, hint=""):
         ) from None
 
 
+def _unwritable_cache(directory, reason, fix):
+    """The `EstimatorError` for a profile cache that cannot be written.
+
+    Args:
+        directory: The cache directory.
+        reason: Why writing failed.
+        fix: What to do, in the caller's terms (an argument, or a command-line option).
+
+    Returns:
+        An `EstimatorError` that keeps `directory` and `reason` as
+        `cache_directory` and `cache_reason` (`profile_main` rewords the fix).
+    """
+    error = EstimatorError(
+        f"Cannot write the profile cache in {directory} ({reason}). {fix} "
+        f"Received: {directory!r}"
+    )
+    error.cache_directory, error.cache_reason = directory, reason
+    return error
+
+
 class ProfileCache:
     """Measurements on disk: one JSON file per key, written atomically.
 
@@ -225,14 +245,10 @@ class ProfileCache:
             )
         except OutputError as e:
             reason = str(e).split(" Received:")[0]
-            error = EstimatorError(
-                f"Cannot write the profile cache in {self.directory} ({reason}). Set "
-                f"{CACHE_ENV} or pass cache_dir= to a writable directory. "
-                f"Received: {self.directory!r}"
-            )
-            # `profile_main` names its command-line options instead of cache_dir=.
-            error.cache_directory, error.cache_reason = self.directory, reason
-            raise error from None
+            raise _unwritable_cache(
+                self.directory, reason,
+                f"Set {CACHE_ENV} or pass cache_dir= to a writable directory.",
+            ) from None
 
     def __len__(self):
         count = 0
@@ -2085,14 +2101,13 @@ def profile_main(args):
     try:
         return _profile_main(args)
     except EstimatorError as e:
-        directory = getattr(e, "cache_directory", None)
-        if directory is None:
+        if getattr(e, "cache_directory", None) is None:
             raise
         # On the command line the fix is an option, not `cache_dir=`.
-        raise EstimatorError(
-            f"Cannot write the profile cache in {directory} ({e.cache_reason}). Pass "
-            "--cache-dir DIR with a writable directory (or set "
-            f"{CACHE_ENV}), or --no-cache to measure without one. Received: {directory!r}"
+        raise _unwritable_cache(
+            e.cache_directory, e.cache_reason,
+            f"Pass --cache-dir DIR with a writable directory (or set {CACHE_ENV}), or "
+            "--no-cache to measure without one.",
         ) from None
 
 
