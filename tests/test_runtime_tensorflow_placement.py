@@ -977,14 +977,18 @@ def _filter_model():
     return keras.Model(inputs, keras.layers.Dense(3, name="k_out")(x), name="k_filter")
 
 
+def _third_layer_split(names):
+    """Groups of a hand plan: the third layer split 10/14 over D1 and D2, the rest on D0."""
+    return [(names[:2], [(D0, BATCH)]), (names[2:3], [(D1, 10), (D2, 14)]),
+            (names[3:], [(D0, BATCH)])]
+
+
 def test_split_input_with_rows_other_than_the_batch_is_refused():
     """A batch-major tensor of the graph whose rows are not the batch's (8 rows per
     sample here) cannot be cut by the shares: a clear error, not every row per part."""
     from autodist_keras.errors import BackendError
 
-    groups = lambda n: [(n[:2], [(D0, BATCH)]), (n[2:3], [(D1, 10), (D2, 14)]),
-                        (n[3:], [(D0, BATCH)])]
-    strategy = _strategy(_hand_plan(_flat_model, groups))
+    strategy = _strategy(_hand_plan(_flat_model, _third_layer_split))
     with strategy.scope():
         model = _flat_model()
         _compile(model)
@@ -1000,9 +1004,7 @@ def test_split_input_of_unknown_size_is_checked_against_the_batch():
     returned a wrong number of rows."""
     import tensorflow as tf
 
-    groups = lambda n: [(n[:2], [(D0, BATCH)]), (n[2:3], [(D1, 10), (D2, 14)]),
-                        (n[3:], [(D0, BATCH)])]
-    strategy = _strategy(_hand_plan(_filter_model, groups))
+    strategy = _strategy(_hand_plan(_filter_model, _third_layer_split))
     with strategy.scope():
         model = _filter_model()
         _compile(model)
