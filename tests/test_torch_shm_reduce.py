@@ -135,8 +135,8 @@ for w in caught:
 
 def test_a_too_small_dev_shm_warns_once_and_prints_no_tracker_traceback():
     """A /dev/shm too small for the files (Docker's default 64 MB, here 64 KiB in a
-    private mount namespace): the runtime falls back to gloo and to messages. It did so
-    silently, and Python's resource tracker printed a `KeyError` traceback per file,
+    private mount namespace): the runtime falls back to gloo and to messages, with one
+    warning per file. It did so silently, and Python's resource tracker printed a `KeyError` traceback per file,
     because the files that were never registered with it were unregistered."""
     import subprocess
     import sys
@@ -148,14 +148,21 @@ def test_a_too_small_dev_shm_warns_once_and_prints_no_tracker_traceback():
                           capture_output=True, text=True, timeout=120)
     if proc.returncode != 0 and "RESULT" not in proc.stdout:
         pytest.skip(f"cannot mount a tmpfs in a new mount namespace here: {proc.stderr[-300:]}")
-    assert "RESULT None None 1" in proc.stdout, proc.stdout + proc.stderr
+    assert "RESULT None None 2" in proc.stdout, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and "KeyError" not in proc.stderr, proc.stderr
-    warning = [line for line in proc.stdout.splitlines() if line.startswith("WARNING")][0]
+    warning, batch_warning = [line for line in proc.stdout.splitlines()
+                              if line.startswith("WARNING")]
     assert "/dev/shm could not hold the 1.5 MiB file in which the PyTorch runtime's " \
            "processes sum gradients (free: 0.1 MiB)" in warning, warning
     assert "gradients are summed through gloo" in warning
     assert "--shm-size" in warning and "AUTODIST_KERAS_TORCH_SHM_REDUCE=0" in warning
     assert re.search(r"Received: 1572864 bytes needed, \d+ bytes free in /dev/shm$", warning)
+    # The batch slots fell back to messages silently until session 26.
+    assert "/dev/shm could not hold the 2.0 MiB file in which the PyTorch runtime hands " \
+           "each spawned worker its rows of the batch" in batch_warning, batch_warning
+    assert "through a socket" in batch_warning and "AUTODIST_KERAS_TORCH_SHM=0" in batch_warning
+    assert re.search(r"Received: 2097152 bytes needed, \d+ bytes free in /dev/shm$",
+                     batch_warning)
 
 
 _KILLED_GROUP = """

@@ -17,7 +17,8 @@ and the next file made on the machine removes it once that process is gone
 (`sweep_orphans`).
 When `/dev/shm` is missing or too small, `SharedSlots.create` returns None and
 the runtime sends shards as messages (as it does under torchrun, whose ranks may
-be on other machines).
+be on other machines); when it is too small, it also warns (`warn_no_space`),
+with the sizes and how to enlarge it.
 
 Example:
 
@@ -32,6 +33,7 @@ import errno
 import os
 import re
 import tempfile
+import warnings
 import weakref
 
 from autodist_keras.backends.processes import process_alive
@@ -148,6 +150,31 @@ def free_bytes(directory):
     return stat.f_bavail * stat.f_frsize
 
 
+def warn_no_space(directory, size, free, holds, instead, variable):
+    """Warns that `directory` could not hold a file of `size` bytes, what the
+    runtime does instead, and how to enlarge it or opt out.
+
+    Args:
+        directory: Where the file was to be made.
+        size: Bytes the file needed.
+        free: Bytes free in `directory`.
+        holds: What the file is for, completing "the file in which ...".
+        instead: What happens instead, a sentence fragment.
+        variable: The environment variable that, set to 0, chooses the
+            fallback and silences the warning.
+    """
+    mib = 1 << 20
+    warnings.warn(
+        f"autodist_keras: {directory} could not hold the {size / mib:.1f} MiB file in which "
+        f"{holds} (free: {free / mib:.1f} MiB), so {instead}. Enlarge {directory} "
+        f"(Docker: `docker run --shm-size=1g ...`; elsewhere "
+        f"`mount -o remount,size=2G {directory}`), or set {variable}=0 to choose that "
+        f"and silence this warning. Received: {size} bytes needed, {free} bytes free in "
+        f"{directory}",
+        stacklevel=3,
+    )
+
+
 def create_mapped(prefix, size, open_fn, directory=SHM_DIR, on_no_space=None):
     """Makes a file of `size` bytes in `directory` and maps it with `open_fn(path)`.
 
@@ -228,10 +255,18 @@ class SharedSlots:
 
         The file's space is reserved up front (`posix_fallocate`), so a full
         `/dev/shm` is found here rather than as a crash on the first write.
+        A `directory` too small for the file is also a warning.
         """
         slot_bytes = max(int(slot_bytes), 1)
-        return create_mapped("autodist_keras_batch_", slot_bytes * NUM_SLOTS,
-                             lambda path: cls(path, slot_bytes, owner=True), directory)
+        return create_mapped(
+            "autodist_keras_batch_", slot_bytes * NUM_SLOTS,
+            lambda path: cls(path, slot_bytes, owner=True), directory,
+            on_no_space=lambda size, free: warn_no_space(
+                directory, size, free,
+                holds="the PyTorch runtime hands each spawned worker its rows of the batch",
+                instead="rank 0 sends every worker its rows through a socket, one more copy "
+                        "per step",
+                variable="AUTODIST_KERAS_TORCH_SHM"))
 
     @classmethod
     def open(cls, description):

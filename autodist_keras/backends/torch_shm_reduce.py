@@ -43,13 +43,13 @@ area.unlink()                                                    # once both map
 ```
 """
 
-import warnings
 import weakref
 
 from autodist_keras.backends import torch_transport as tt
 from autodist_keras.backends.torch_shm import SHM_DIR
 from autodist_keras.backends.torch_shm import remove_owned
 from autodist_keras.backends.torch_shm import create_mapped
+from autodist_keras.backends.torch_shm import warn_no_space
 from autodist_keras.errors import BackendError
 
 ALIGN_BYTES = 64  # one cache line: regions of different ranks never share one
@@ -83,21 +83,6 @@ def slice_bounds(numel, world, rank):
     chunk = -(-chunk // CHUNK_ELEMENTS) * CHUNK_ELEMENTS
     start = min(numel, rank * chunk)
     return start, min(numel, start + chunk)
-
-
-def _warn_no_space(directory, size, free):
-    """Says that `directory` is too small for the gradient file, what that costs, and the fix."""
-    mib = 1 << 20
-    warnings.warn(
-        f"autodist_keras: {directory} could not hold the {size / mib:.1f} MiB file in which "
-        f"the PyTorch runtime's processes sum gradients (free: {free / mib:.1f} MiB), so "
-        "gradients are summed through gloo over loopback instead, several times slower for "
-        f"large buckets. Enlarge {directory} (Docker: `docker run --shm-size=1g ...`; "
-        f"elsewhere `mount -o remount,size=2G {directory}`), or set "
-        "AUTODIST_KERAS_TORCH_SHM_REDUCE=0 to choose gloo and silence this warning. "
-        f"Received: {size} bytes needed, {free} bytes free in {directory}",
-        stacklevel=2,
-    )
 
 
 class ReduceArea:
@@ -148,7 +133,12 @@ class ReduceArea:
         """
         return create_mapped("autodist_keras_grads_", area_bytes(buckets, world),
                              lambda path: cls(path, buckets, world, owner=True), directory,
-                             on_no_space=lambda size, free: _warn_no_space(directory, size, free))
+                             on_no_space=lambda size, free: warn_no_space(
+                                 directory, size, free,
+                                 holds="the PyTorch runtime's processes sum gradients",
+                                 instead="gradients are summed through gloo over loopback "
+                                         "instead, several times slower for large buckets",
+                                 variable="AUTODIST_KERAS_TORCH_SHM_REDUCE"))
 
     @classmethod
     def open(cls, description, buckets=None):
