@@ -48,7 +48,9 @@ print(links.fit("p2p", "node0/cpu0", "node0/cpu1"))
 import contextlib
 import dataclasses
 import datetime
+import functools
 import hashlib
+import inspect
 import json
 import math
 import multiprocessing
@@ -837,20 +839,67 @@ def _layer_config(layer):
     return config
 
 
+# Packages whose layers' code the versions in every cache key already cover.
+_VERSIONED_PACKAGES = ("builtins", "keras", "tensorflow", "torch", "tf_keras", "autodist_keras")
+
+
+def _code_text(code):
+    """A code object's instructions, constants and names, nested functions included."""
+    parts = [code.co_code.hex(), repr(code.co_names)]
+    for const in code.co_consts:
+        parts.append(_code_text(const) if inspect.iscode(const) else repr(const))
+    return "|".join(parts)
+
+
+@functools.lru_cache(maxsize=None)
+def custom_code_sha256(cls):
+    """SHA-256 of the code of `cls` and of its base classes outside Keras.
+
+    The profile cache keys a layer's timing on its class path and config, so a
+    custom layer whose `call` was edited (same name, same config) would get its
+    old timings back. Its class's source is part of the key. Keras's own layers
+    return None: the Keras version in the key covers their code.
+
+    Args:
+        cls: A layer class.
+
+    Returns:
+        A hex digest, or None when every class in `cls`'s hierarchy comes
+        from Keras, a framework or this package.
+    """
+    parts = []
+    for klass in cls.__mro__:
+        if (klass.__module__ or "").split(".")[0] in _VERSIONED_PACKAGES:
+            continue
+        try:
+            parts.append(inspect.getsource(klass))
+        except (OSError, TypeError):  # no source file (python -c, a frozen app)
+            functions = [(name, getattr(value, "__func__", value))
+                         for name, value in sorted(vars(klass).items())]
+            parts.append(repr([(name, _code_text(f.__code__)) for name, f in functions
+                               if hasattr(f, "__code__")]))
+    return _sha256("\n".join(parts)) if parts else None
+
+
 def layer_signature(layer, args, kwargs):
     """The cache identity of a layer call: class, config hash, call shapes and dtypes.
 
     The layer's name is left out, so identical layers (the repeated blocks of
-    a ResNet, say) share one measurement.
+    a ResNet, say) share one measurement. A layer class defined outside Keras
+    also contributes the digest of its code (`custom_code_sha256`).
     """
     config = _layer_config(layer)
     cls = type(layer)
-    return {
+    signature = {
         "layer_class": f"{cls.__module__}.{cls.__qualname__}",
         "config_sha256": _sha256(config) if config is not None else f"id:{id(layer)}",
         "call": _spec_signature((list(args), kwargs)),
         "dtype": str(getattr(layer, "compute_dtype", "float32")),
     }
+    code = custom_code_sha256(cls)
+    if code is not None:
+        signature["code_sha256"] = code
+    return signature
 
 
 def _random_value(spec, layer, rng):
