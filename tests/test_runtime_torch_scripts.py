@@ -226,3 +226,58 @@ def test_a_package_run_with_python_m_needs_no_guard_in_its_main_module(tmp_path)
                             timeout=300, env=_env(tmp_path), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trained" in result.stdout
+
+
+
+LAYER_REGISTERED_IN_MAIN = """
+import numpy as np, keras
+from autodist_keras import AutoStrategy, Cluster
+
+
+def main():
+    @keras.saving.register_keras_serializable(package="local")
+    class Scale(keras.layers.Layer):
+        def call(self, x):
+            return x * 2.0
+
+    strategy = AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed())
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), Scale(), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.ones((48, 4)), np.ones((48, 1)), batch_size=24, verbose=0)
+    print("trained")
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def _make_layer_class():
+    @keras.saving.register_keras_serializable(package="test_factory")
+    class Doubled(keras.layers.Layer):
+        def call(self, x):
+            return x * 2.0
+
+    return Doubled
+
+
+Doubled = _make_layer_class()  # made at import time, so a worker importing this has it too
+
+
+def test_custom_layer_registered_inside_main_is_refused_before_workers_start(tmp_path):
+    """Registered in rank 0 only (the workers import the script without running
+    main()), so the check passed, the workers started, and about 18 s later a worker
+    said it could not deserialize 'Sequential', naming neither the layer nor the fix.
+    A class a factory makes at import time (kept by its module) is accepted."""
+    from autodist_keras.backends.torch_session import check_serializable
+
+    result = _run(tmp_path, LAYER_REGISTERED_IN_MAIN)
+    message = result.stderr.replace("\n", " ")
+    assert result.returncode != 0 and "trained" not in result.stdout
+    assert "BackendError" in message and "WorkerError" not in message, message[-2000:]
+    assert "defined inside the function main() of module '__main__'" in message
+    assert "Define the class (or function) at the top level of the module" in message
+    assert "Received: __main__.main.<locals>.Scale" in message
+    assert "bootstrapping phase" not in message  # no worker was started
+    check_serializable(keras.Sequential([keras.Input((4,)), Doubled(), keras.layers.Dense(1)]))

@@ -260,6 +260,21 @@ def check_serializable(model):
                 "@keras.saving.register_keras_serializable() there, and import it from "
                 f"there. Received: __main__.{name}"
             )
+        home = sys.modules.get(module)
+        kept_by_module = home is not None and any(v is target for v in vars(home).values())
+        if "<locals>" in name and not kept_by_module:
+            # Registered when the function ran, in this process only: a worker
+            # imports the module without running that function.
+            function = name.split(".<locals>")[0]
+            raise BackendError(
+                f"The {where} uses {name.split('.')[-1]}, defined inside the function "
+                f"{function}() of module {module!r}, so it is registered with Keras only "
+                "where that function runs: the PyTorch runtime's worker processes import "
+                "the module without running it and cannot rebuild the model. Define the "
+                "class (or function) at the top level of the module, decorated with "
+                "@keras.saving.register_keras_serializable(), and keep training under "
+                f"`if __name__ == '__main__':`. Received: {module}.{name}"
+            )
         registered = keras.saving.get_registered_name(target)
         if keras.saving.get_registered_object(registered) is not target:
             raise BackendError(
