@@ -209,7 +209,7 @@ def test_from_json_rejects_bad_input(tmp_path):
         Plan.from_json('{"schema_version": 99}')
     with pytest.raises(PlanError, match="Cannot read plan file"):
         Plan.from_json(tmp_path / "missing.json")
-    with pytest.raises(PlanError, match="malformed plan"):
+    with pytest.raises(PlanError, match="top level: missing field 'global_batch_size'.*Received"):
         Plan.from_json('{"schema_version": 1, "groups": []}')
 
 

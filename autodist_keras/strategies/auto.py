@@ -683,9 +683,23 @@ class AutoStrategy:
 
     def _validate_fixed_plan(self, model):
         """Checks the plan given with `plan=` against `model`; says so when it was made
-        for another model or cluster."""
-        from autodist_keras.errors import PlanError
+        for another model or cluster.
 
+        Errors name where the plan came from (`plan=`, and the file it was read
+        from). Notes that the plan was reused from the plan cache (a file saved
+        from a cached run carries them) are dropped: no cache was read here.
+        """
+        import copy
+
+        from autodist_keras.errors import PlanError
+        from autodist_keras.strategies.plan import CACHE_NOTE_PREFIX
+
+        if any(n.startswith(CACHE_NOTE_PREFIX) for n in self.plan.notes):
+            # (a shallow copy: the caller's Plan object keeps its notes)
+            self.plan = self._fixed_plan = copy.copy(self.plan)
+            self.plan.notes = [n for n in self.plan.notes if not n.startswith(CACHE_NOTE_PREFIX)]
+        given = "The plan given with plan=" + (
+            f" ({self.plan.read_from})" if self.plan.read_from else "")
         made_for = self.plan.provenance.graph_fingerprint
         other_model = bool(made_for) and made_for != self.graph.fingerprint()
         renamed, renames = self.plan.renamed_for(self.graph)
@@ -712,9 +726,9 @@ class AutoStrategy:
             notes = self.plan.validate(self.graph, self.cluster)
         except PlanError as e:
             if not other_model:
-                raise
+                raise PlanError(f"{given}: {e}") from None
             raise PlanError(
-                f"The plan given with plan= was made for another model (graph {made_for[:12]}, "
+                f"{given} was made for another model (graph {made_for[:12]}, "
                 f"model {model.name!r} is {self.graph.fingerprint()[:12]}), and it does not fit "
                 f"this one: {e} Plans name layers, and Keras numbers unnamed layers per "
                 "process (dense_3 in one script can be dense in another): name the layers, or "
@@ -727,8 +741,6 @@ class AutoStrategy:
             # Edited after its prediction was written: the recorded figures describe
             # another plan. Simulate this one instead (on a copy: the caller's Plan
             # object keeps what it had).
-            import copy
-
             from autodist_keras.estimator import simulate
 
             recorded = self.plan.prediction
@@ -745,8 +757,6 @@ class AutoStrategy:
             from autodist_keras.estimator import simulate
 
             if self.plan is self._fixed_plan:
-                import copy
-
                 self.plan = copy.deepcopy(self.plan)
             self.plan.prediction = simulate(self.graph, self.cluster, self.plan).to_prediction()
             self.plan.notes = list(self.plan.notes) + [

@@ -40,8 +40,12 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
         fixed: Whether the plan was given with `plan=` (no planning ran).
 
     Returns:
-        A JSON-ready dict.
+        A JSON-ready dict. Its `from_cache` is True when the plan was read
+        from the plan cache by this run's search (never for a plan given with
+        `plan=`, whose file may carry the note of the run it was saved from).
     """
+    from autodist_keras.strategies.plan import CACHE_NOTE_PREFIX
+
     prediction = plan.prediction
     if candidates is None:
         candidates = dict(prediction.baselines) if prediction is not None else {}
@@ -84,7 +88,8 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
     if even and even.get("feasible") is False:
         even = None  # a speedup over a plan that does not fit means nothing
     speedup = speedup_scorers = None
-    if prediction is not None and even and even.get("predicted_step_time_s"):
+    if (prediction is not None and prediction.step_time_s and even
+            and even.get("predicted_step_time_s")):
         speedup = round(even["predicted_step_time_s"] / prediction.step_time_s, 3)
         # A plan outside the learned estimator's domain is scored by the simulator
         # (rescaled) while the baseline may be scored by the estimator itself.
@@ -110,6 +115,12 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
         if prediction is not None:
             why.append(f"its predicted step time is from the {prediction.source}")
         why += [n[len("scored: "):] for n in plan.notes if n.startswith("scored: ")]
+    notes = [n for n in plan.notes if not n.startswith(("auto: ", "scored: "))]
+    if fixed:
+        # No cache was read for a plan given with plan=; a note saying so came with the
+        # file, from the run it was saved from.
+        notes = [n for n in notes if not n.startswith(CACHE_NOTE_PREFIX)]
+    from_cache = any(n.startswith(CACHE_NOTE_PREFIX) for n in notes)
     entry = candidates.get(chosen)
     scorer_why = entry.get("scorer_why") if isinstance(entry, dict) else None
     if scorer_why:
@@ -118,8 +129,10 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
         "strategy": strategy_name,
         "chosen": chosen,
         "fixed_plan": bool(fixed),
+        # Whether this run's search reused a cached plan (its note names the cache file).
+        "from_cache": from_cache,
         "why": why,
-        "notes": [n for n in plan.notes if not n.startswith(("auto: ", "scored: "))],
+        "notes": notes,
         "global_batch_size": plan.global_batch_size,
         "predicted": None if prediction is None else {
             "step_time_ms": _ms(prediction.step_time_s),

@@ -47,6 +47,9 @@ from autodist_keras.errors import PlanError
 SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
 PHASES = ("forward", "backward")
+# Notes starting with this say the plan was read from the plan cache
+# (`selection.auto_select`); they describe that run only, not a file saved from it.
+CACHE_NOTE_PREFIX = "cache:"
 SYNC_METHODS = ("allreduce", "ps")
 ALLREDUCE_ALGORITHMS = ("ring", "tree", "hierarchical")
 
@@ -203,6 +206,11 @@ class Plan:
     )
     notes: list = dataclasses.field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
+
+    # The file the plan was read from (`from_json`), for error messages; None for a
+    # plan made in this process or read from a dict. A class attribute, not a
+    # dataclass field: it is not part of the plan's data and is never serialised.
+    read_from = None
 
     # ------------------------------------------------------------------ views
     @property
@@ -501,12 +509,23 @@ class Plan:
     def from_dict(cls, data, source="<dict>"):
         """Builds a plan from `to_dict()` output.
 
+        The dict's shape is checked field by field before anything is built:
+        each field must have its JSON type (a list of strings where a list of
+        names belongs, an object where an object belongs, numbers, booleans,
+        null where allowed), the prediction's times must be finite and not
+        negative, and a field the format does not have (a misspelt name, at
+        any level) is refused rather than ignored. What needs the model or
+        the cluster (layer and device names, batch shares adding up) is
+        checked by `validate`.
+
         Args:
             data: The dict.
             source: Where it came from, for error messages.
 
         Raises:
-            PlanError: If the dict is not a plan of a supported schema version.
+            PlanError: If the dict is not a plan of a supported schema version,
+                or a field is missing, unknown or of the wrong type (the
+                error names the field's path, e.g. `groups[0].replicas[1]`).
         """
         if not isinstance(data, dict):
             raise PlanError(f"{source}: a plan must be a JSON object. Received: {type(data).__name__}")
@@ -532,11 +551,14 @@ class Plan:
                 "(a newer autodist_keras wrote it, or it is damaged); re-create the plan with "
                 f"this version. Received: {version!r}"
             )
+        _check_shape(data, source)
         try:
             groups = [
                 LayerGroup(
                     name=g["name"],
-                    layers=g["layers"] if isinstance(g["layers"], str) else list(g["layers"]),
+                    # (anything but a list is kept as is, for check_structure to name)
+                    layers=(list(g["layers"]) if isinstance(g["layers"], (list, tuple))
+                            else g["layers"]),
                     replicas=[Replica(r["device"], r["batch_share"]) for r in g["replicas"]],
                 )
                 for g in data["groups"]
@@ -597,6 +619,10 @@ class Plan:
     def from_json(cls, text_or_path):
         """Reads a plan from JSON text or from a `.json` file path.
 
+        A plan read from a file remembers its path in `read_from` (not part
+        of the plan's data: `to_dict` and `to_json` leave it out), so that
+        errors found later, when the plan meets a model, can name the file.
+
         Raises:
             PlanError: If the file is missing, the JSON is malformed, or the
                 content is not a plan.
@@ -632,7 +658,10 @@ class Plan:
                 "Plan.to_json() or `autodist-keras plan --out`. "
                 f"Received: {len(text)} characters from {source}"
             ) from None
-        return cls.from_dict(data, source=source)
+        plan = cls.from_dict(data, source=source)
+        if source != "<json>":
+            plan.read_from = source
+        return plan
 
     # ------------------------------------------------------------- display
     def renamed_for(self, graph):
@@ -936,6 +965,208 @@ def write_atomic(path, write, suffix=""):
     finally:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
+
+
+# ------------------------------------------------------------ JSON shape
+# `Plan.from_dict` checks a plan's JSON shape with these before building it. Each
+# check is a function `(value, path, source)` that raises a PlanError naming the
+# field's path; values whose meaning needs the model or cluster (layer and device
+# names, batch shares and their sum, sync methods) are left to `validate`.
+
+_SHAPE_FIX = ("Correct the field in the file (the format is the one Plan.to_json() writes), "
+              "or write the plan again with Plan.to_json() or `autodist-keras plan --out`.")
+
+
+def _short(value, limit=120):
+    """`repr(value)`, cut to about `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _json_type(value):
+    """How JSON names the type of a value read from it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _shape_error(source, path, problem, received, fix=_SHAPE_FIX):
+    return PlanError(f"{source}: {path or 'top level'}: {problem}. {fix} Received: {received}")
+
+
+def _kind(what, test, nullable=False):
+    """A check that `test(value)` holds (or the value is null, where `nullable`),
+    `what` saying what the field must be."""
+    what = f"{what}, or null" if nullable else what
+
+    def check(value, path, source):
+        if not (nullable and value is None) and not test(value):
+            raise _shape_error(source, path, f"must be {what}, not {_json_type(value)}",
+                               _short(value))
+    return check
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _finite(value):
+    return _is_number(value) and math.isfinite(value)
+
+
+def _seconds(nullable=False):
+    """A predicted time: a finite number of seconds, not negative (or null, where
+    `nullable`)."""
+    what = "a number of seconds" + (", or null" if nullable else "")
+
+    def check(value, path, source):
+        if nullable and value is None:
+            return
+        if not _is_number(value):
+            raise _shape_error(source, path, f"must be {what}, not {_json_type(value)}",
+                               _short(value))
+        if not math.isfinite(value) or value < 0:
+            raise _shape_error(source, path, "must be a finite number of seconds, not negative",
+                               _short(value))
+    return check
+
+
+def _list_of(item, what, nullable=False):
+    """A list (a string, whose letters would be read as names, is refused)."""
+    what = f"{what}, or null" if nullable else what
+
+    def check(value, path, source):
+        if nullable and value is None:
+            return
+        if not isinstance(value, list):
+            raise _shape_error(source, path, f"must be {what}, not {_json_type(value)}",
+                               _short(value))
+        for i, entry in enumerate(value):
+            item(entry, f"{path}[{i}]", source)
+    return check
+
+
+def _dict_of(item, what):
+    def check(value, path, source):
+        if not isinstance(value, dict):
+            raise _shape_error(source, path, f"must be {what}, not {_json_type(value)}",
+                               _short(value))
+        for key, entry in value.items():
+            item(entry, f"{path}[{key!r}]", source)
+    return check
+
+
+def _object(fields, what, required=(), open_fields=False):
+    """A JSON object with the given `{name: check}` fields (a check of None takes
+    any value); names not in `fields` are refused unless `open_fields`."""
+    def check(value, path, source):
+        if not isinstance(value, dict):
+            raise _shape_error(source, path, f"must be {what}, not {_json_type(value)}",
+                               _short(value))
+        unknown = [k for k in value if k not in fields]
+        if unknown and not open_fields:
+            raise _shape_error(
+                source, path, f"unknown field {unknown[0]!r}; known fields: {', '.join(fields)}",
+                f"an object with keys {sorted(value)}",
+                fix="Remove it, or correct its name (a misspelt field is refused rather than "
+                    "silently ignored).")
+        missing = [k for k in required if k not in value]
+        if missing:
+            raise _shape_error(
+                source, path, f"missing field {missing[0]!r} (required: {', '.join(required)})",
+                f"an object with keys {sorted(value)}",
+                fix="Add it, or write the plan again with Plan.to_json() or `autodist-keras "
+                    "plan --out`.")
+        for name, field_check in fields.items():
+            if field_check is not None and name in value:
+                field_check(value[name], f"{path}.{name}" if path else name, source)
+    return check
+
+
+_STRING = _kind("a string", lambda v: isinstance(v, str))
+_OPT_STRING = _kind("a string", lambda v: isinstance(v, str), nullable=True)
+_FINITE_OR_NULL = _kind("a finite number", _finite, nullable=True)
+_BOOL_OR_NULL = _kind("true or false", lambda v: isinstance(v, bool), nullable=True)
+
+_REPLICA = _object({"device": _STRING, "batch_share": None},  # (batch_share: validate)
+                   "a replica: an object with device and batch_share",
+                   required=("device", "batch_share"))
+_GROUP = _object(
+    # (layers: check_structure, which from_dict runs after building the plan)
+    {"name": _STRING, "layers": None,
+     "replicas": _list_of(_REPLICA, "a list of replicas (objects with device and batch_share)")},
+    "a layer group: an object with name, layers and replicas",
+    required=("name", "layers", "replicas"))
+_SYNC_SPEC = _object({"method": _STRING, "algorithm": _OPT_STRING, "server": _OPT_STRING},
+                     "a sync spec: an object with method, algorithm and server")
+_ORDER_ENTRY = _kind("a [layer, phase] pair of strings", lambda v: isinstance(v, list) and len(
+    v) == 2 and all(isinstance(x, str) for x in v))
+# A candidate's figures (`Candidate.to_dict()`) or a planner's own; open: their fields
+# vary by planner. Those explain() computes with are typed.
+_BASELINE = _object({"predicted_step_time_s": _FINITE_OR_NULL, "step_time_s": _FINITE_OR_NULL,
+                     "simulated_step_time_s": _FINITE_OR_NULL,
+                     "planning_time_s": _FINITE_OR_NULL, "feasible": _BOOL_OR_NULL},
+                    "an object of predicted figures", open_fields=True)
+_PREDICTION = _object(
+    {"step_time_s": _seconds(), "compute_s": _seconds(), "exposed_comm_s": _seconds(),
+     "idle_s": _seconds(),
+     "peak_memory_bytes": _dict_of(_kind("a finite number of bytes", _finite),
+                                   "an object from device name to bytes"),
+     "feasible": _kind("true or false", lambda v: isinstance(v, bool)),
+     "infeasible_reason": _OPT_STRING,
+     "per_device": _dict_of(_dict_of(_FINITE_OR_NULL, "an object of figures (numbers)"),
+                            "an object from device name to its figures"),
+     "baselines": _dict_of(_BASELINE, "an object from plan name to its figures"),
+     "source": _STRING, "simulated_step_time_s": _seconds(nullable=True),
+     "plan_digest": _OPT_STRING},
+    "an object of predicted figures (or null)", required=("step_time_s",))
+_PROVENANCE = _object(
+    {"planner": _OPT_STRING,
+     "options": _kind("an object", lambda v: isinstance(v, dict), nullable=True),
+     "planning_time_s": _seconds(), "graph_fingerprint": _OPT_STRING,
+     "cluster_fingerprint": _OPT_STRING,
+     "layer_order": _list_of(_STRING, "a list of layer names", nullable=True),
+     "backend": _OPT_STRING},
+    "an object saying who made the plan (or null)", required=("planner",))
+_PLAN = _object(
+    {"global_batch_size": None,  # (validate)
+     "groups": _list_of(_GROUP, "a list of layer groups (objects with name, layers and "
+                                "replicas)"),
+     "sync": _dict_of(_SYNC_SPEC, "an object from variable name to its sync spec"),
+     "buckets": _list_of(_list_of(_STRING, "a bucket: a list of variable names"),
+                         "a list of buckets, each a list of variable names"),
+     "order": _dict_of(_list_of(_ORDER_ENTRY, "a list of [layer, phase] pairs"),
+                       "an object from device name to a list of [layer, phase] pairs"),
+     "op_fusion": _list_of(_list_of(_STRING, "a region: a list of layer names"),
+                           "a list of op-fusion regions, each a list of layer names"),
+     "prediction": None, "provenance": None,  # (below: null, or {} for provenance, allowed)
+     "notes": _list_of(_STRING, "a list of notes (strings)"),
+     "schema_version": None},  # (checked first)
+    "a plan", required=("global_batch_size", "groups", "sync"))
+
+
+def _check_shape(data, source):
+    """Checks a plan dict's JSON shape, field by field (see `Plan.from_dict`).
+
+    Raises:
+        PlanError: Naming the first field that is missing, unknown or of the
+            wrong type, by its path (`groups[0].replicas[1].device`).
+    """
+    _PLAN(data, "", source)
+    if data.get("prediction") is not None:
+        _PREDICTION(data["prediction"], "prediction", source)
+    if data.get("provenance") not in (None, {}):
+        _PROVENANCE(data["provenance"], "provenance", source)
 
 
 def _check_positive_int(value, field):

@@ -58,6 +58,7 @@ from autodist_keras.errors import OutputError
 from autodist_keras.errors import StrategyError
 from autodist_keras.strategies import _common
 from autodist_keras.strategies import baselines
+from autodist_keras.strategies.plan import CACHE_NOTE_PREFIX
 from autodist_keras.strategies.plan import Plan
 from autodist_keras.strategies.plan import write_text_atomic
 
@@ -820,7 +821,7 @@ def choose_plan(
                     or not runnable_anywhere(plan, cluster, backend)[0]):
                 # e.g. a placement plan cached by a one-process run, read by a worker
                 raise StrategyError("the cached plan cannot run here; planning again")
-            plan.notes = [n for n in plan.notes if not n.startswith("cache:")]
+            plan.notes = [n for n in plan.notes if not n.startswith(CACHE_NOTE_PREFIX)]
             plan.notes.append(f"cache: reused plan {key[:12]} from {path}")
             plan.provenance.backend = plan.provenance.backend or backend
             return plan, []
