@@ -4,6 +4,7 @@ where it came from (and not that a cache was read)."""
 
 import json
 import re
+import warnings
 
 import keras
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 from autodist_keras import AutoStrategy
 from autodist_keras import Cluster
 from autodist_keras.errors import PlanError
+from autodist_keras.errors import StrategyError
 from autodist_keras.estimator import simulate
 from autodist_keras.graph import ModelGraph
 from autodist_keras.strategies import baselines
@@ -181,3 +183,46 @@ def test_a_plan_saved_from_a_cached_run_is_not_explained_as_reused_from_the_cach
     assert data["from_cache"] is False and data["fixed_plan"] is True
     assert not any("cache" in n for n in data["notes"] + data["plan"]["notes"])
     assert any(n.startswith("cache: reused") for n in Plan.from_json(path).notes)  # file as is
+
+
+_TINY_MEMORY = """
+description: the CPU testbed with 1 kB of memory per device
+nodes:
+  - name: node0
+    cpus:
+      - {cores: [0], threads: 1, memory_gb: 0.000001}
+      - {cores: [1], threads: 1, count: 2, memory_gb: 0.000001}
+    intra_link: shm
+"""
+
+
+@pytest.mark.parametrize("made_for", ["roomy", "tiny"])
+def test_a_plan_file_predicted_not_to_fit_here_is_refused_at_fit(graph, cluster, tmp_path,
+                                                                 made_for):
+    """A forced strategy refuses a plan predicted not to fit in memory; the same plan
+    given with plan= trained without a word, whether its file recorded the prediction
+    (made for this cluster) or said it fits (made for a roomier one: the recorded
+    figures describe that cluster, and were not simulated again here)."""
+    tiny = tmp_path / "tiny.yaml"
+    tiny.write_text(_TINY_MEMORY)
+    tiny_cluster = Cluster.from_yaml(str(tiny))
+    made_on = tiny_cluster if made_for == "tiny" else cluster
+    plan = baselines.data_parallel_even(graph, made_on, 24)
+    plan.prediction = simulate(graph, made_on, plan).to_prediction()
+    assert plan.prediction.feasible is (made_for == "roomy")
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+
+    strategy = AutoStrategy(cluster=str(tiny), plan=str(path))
+    with strategy.scope():
+        model = _model()
+    before = [w.copy() for w in model.get_weights()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ("made for a different cluster description")
+        with pytest.raises(StrategyError, match=re.escape(
+                f"The plan given with plan= ({path}) is predicted not to fit in memory here: ")
+                + r"node0/cpu\d needs \d+ bytes.*Received: a plan for a global batch of 24 on "
+                  r"3 device\(s\)"):
+            model.fit(*_data(), batch_size=24, verbose=0)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    assert int(model.optimizer.iterations) == 0

@@ -735,32 +735,47 @@ class AutoStrategy:
                 "leave plan= out to plan this model."
             ) from None
         for note in notes:
-            warnings.warn(f"plan=: {note} The plan still runs as given; its predictions "
-                          "describe the model and cluster it was made for.", stacklevel=4)
+            warnings.warn(f"plan=: {note} The plan still runs as given; its prediction is "
+                          "the simulator's for this model and cluster.", stacklevel=4)
+        recorded = self.plan.prediction
         if not self.plan.prediction_matches():
             # Edited after its prediction was written: the recorded figures describe
-            # another plan. Simulate this one instead (on a copy: the caller's Plan
-            # object keeps what it had).
-            from autodist_keras.estimator import simulate
-
-            recorded = self.plan.prediction
-            self.plan = self._fixed_plan = copy.deepcopy(self.plan)
-            self.plan.prediction = simulate(self.graph, self.cluster, self.plan).to_prediction()
-            self.plan.notes = list(self.plan.notes) + [
-                f"plan=: the plan was changed after its prediction was written "
-                f"({recorded.step_time_s * 1e3:.3f} ms, {recorded.source}); the prediction "
-                "shown is the simulator's for the plan as given"
-            ]
-        elif self.plan.prediction is None:
+            # another plan.
+            why = (f"plan=: the plan was changed after its prediction was written "
+                   f"({recorded.step_time_s * 1e3:.3f} ms, {recorded.source}); the prediction "
+                   "shown is the simulator's for the plan as given")
+        elif recorded is None:
             # A plan made in code (or with frozen layers left out): predict it here,
             # so that explain() has a figure to put beside the measured step.
+            why = "plan=: predicted by the simulator for the plan as given"
+        elif notes:
+            # Made for another model or cluster: its figures (memory included) describe
+            # those; until session 26 a plan that does not fit here was not noticed.
+            why = (f"plan=: the recorded prediction ({recorded.step_time_s * 1e3:.3f} ms, "
+                   f"{recorded.source}) described the model or cluster the plan was made for; "
+                   "the prediction shown is the simulator's for this model and cluster")
+        else:
+            why = None
+        if why is not None:
+            # Simulate on a copy: the caller's Plan object keeps what it had.
             from autodist_keras.estimator import simulate
 
             if self.plan is self._fixed_plan:
                 self.plan = copy.deepcopy(self.plan)
             self.plan.prediction = simulate(self.graph, self.cluster, self.plan).to_prediction()
-            self.plan.notes = list(self.plan.notes) + [
-                "plan=: predicted by the simulator for the plan as given"]
+            self.plan.notes = list(self.plan.notes) + [why]
+        prediction = self.plan.prediction
+        if prediction.feasible is False and self.adapter.cluster_is_here():
+            # What a forced strategy refuses (see _build_plan): on GPUs the runtime
+            # would start and run out of memory.
+            raise StrategyError(
+                f"{given} is predicted not to fit in memory here: "
+                f"{prediction.infeasible_reason}. Plan for these devices instead (leave plan= "
+                "out: strategy='auto' places layers on several devices when a whole replica "
+                "does not fit), or use a smaller batch size or devices with more memory. "
+                f"Received: a plan for a global batch of {self.plan.global_batch_size} on "
+                f"{len(self.plan.devices)} device(s)"
+            )
 
     def _build_plan(self, graph, batch_size):
         from autodist_keras.strategies import selection
