@@ -793,3 +793,36 @@ def test_xla_compiled_convolutions_train_like_keras(plan_name, run_eagerly):
         return keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(h))
 
     _fit_adam_both(build, x, y, plan_name, run_eagerly)
+
+
+@pytest.mark.parametrize("plan_name", ["prop3", "ps3"])
+def test_a_batch_of_no_rows_runs_as_in_plain_keras(plan_name):
+    """`train_on_batch(x[:0])` (and test/predict) after a fit: no replica got a row,
+    so nothing was gathered, and Keras's tree utilities raised `ValueError: Must
+    provide at least one structure` (`IndexError` in training). Plain Keras runs
+    its own step on such a batch; so does the strategy now."""
+    def build():  # (no activity regulariser: plain Keras cannot sum one over no rows)
+        inputs = keras.Input((8,), name="rows_input")
+        hidden = keras.layers.Dense(16, activation="relu", name="rows_hidden")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(3, name="rows_logits")(hidden))
+
+    x, y = _data("mlp")
+    keras.utils.set_random_seed(4)
+    reference = build()
+    _compile(reference, "adam")
+    strategy = _strategy(plan_name)
+    with strategy.scope():
+        model = build()
+        _compile(model, "adam")
+    model.set_weights(reference.get_weights())
+    results = []
+    for m in (reference, model):
+        m.fit(x[:48], y[:48], batch_size=BATCH, shuffle=False, verbose=0)
+        predicted = m.predict_on_batch(x[:0])
+        tested = m.test_on_batch(x[:0], y[:0])
+        trained = m.train_on_batch(x[:0], y[:0])
+        m.train_on_batch(x[:BATCH], y[:BATCH])  # and a real batch after it
+        results.append((predicted.shape, tested, trained, int(m.optimizer.iterations)))
+    assert results[0] == results[1]
+    _assert_weights_match([w.path for w in model.weights], reference.get_weights(),
+                          model.get_weights(), "adam")

@@ -833,6 +833,10 @@ class _Runtime:
         if not leaves:
             raise BackendError(f"A {kind} batch has no input tensors. Received: {type(data).__name__}")
         batch_size = int(leaves[0].shape[0])
+        if batch_size == 0 and self.adapter.worker is None:
+            # No replica gets a row (train_on_batch(x[:0])): Keras's own step, which
+            # plain Keras runs on such a batch too (no replica's output to gather).
+            return self._single_device_step(kind, x, y, sw, batch_size)
         if self.plan is None:
             if kind != "train":
                 # The plan is made at the first training step; until then, one device.
@@ -881,7 +885,8 @@ class _Runtime:
         self.fns.clear()
 
     def _single_device_step(self, kind, x, y, sw, batch_size):
-        """Evaluate/predict before any plan exists: Keras' own step on the home device.
+        """Keras' own step on the home device: evaluate/predict before any plan
+        exists, and any step on a batch of no rows.
 
         One function per batch size, as the planned steps have: with one
         function whose trace relaxes the batch dimension, Keras would weigh
@@ -898,6 +903,8 @@ class _Runtime:
                 with tf.device(self.adapter.home):
                     if kind == "predict":
                         return model.predict_step((x,))
+                    if kind == "train":
+                        return model.train_step((x, y, sw))
                     return model.test_step((x, y, sw))
 
             self.fns[key] = step if model.run_eagerly else tf.function(step, autograph=False)
