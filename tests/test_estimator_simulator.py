@@ -314,7 +314,10 @@ def test_peak_memory_closed_form_and_infeasible_plan(chain):
     result = simulate(chain, cluster, baselines.single_device(chain, cluster, batch))
     device = cluster.names[0]
     activations = sum(n.output_bytes for n in chain.nodes.values()) * batch
-    assert result.peak_memory_bytes[device] == 4 * chain.param_bytes + activations
+    # ... plus the backward gradient buffer: the largest output, per sample.
+    buffer = max(n.output_bytes for n in chain.nodes.values()) * batch
+    assert result.peak_memory_bytes[device] == 4 * chain.param_bytes + activations + buffer
+    assert result.per_device[device].memory_breakdown["gradient_buffer"] == buffer
     assert result.feasible and result.infeasible_reason is None
     tiny = Cluster.from_dict(
         {"nodes": [{"name": "node0", "gpus": [
@@ -324,9 +327,12 @@ def test_peak_memory_closed_form_and_infeasible_plan(chain):
     result = simulate(chain, tiny, baselines.single_device(chain, tiny, 4096))
     need = result.peak_memory_bytes["node0/gpu0"]
     have = tiny.devices[0].memory_bytes
+    # A GPU keeps 512 MiB + 5% for the CUDA context and allocator: all of this one.
+    usable = result.per_device["node0/gpu0"].usable_memory_bytes
+    assert usable == 0
     assert not result.feasible and need > have
     assert "node0/gpu0" in result.infeasible_reason
-    assert f"short by {need - have} bytes" in result.infeasible_reason
+    assert f"short by {need - usable} bytes" in result.infeasible_reason
     assert result.to_prediction().feasible is False
 
 

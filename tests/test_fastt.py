@@ -13,6 +13,7 @@ from autodist_keras.errors import PlanError
 from autodist_keras.errors import StrategyError
 from autodist_keras.estimator import AnalyticCostModel
 from autodist_keras.estimator import simulate
+from autodist_keras.estimator import simulator
 from autodist_keras.estimator.cost_model import TORCH_GPU_STEP_HOST_S
 from autodist_keras.graph import ModelGraph
 from autodist_keras.strategies import fastt
@@ -23,6 +24,16 @@ from autodist_keras.strategies._listsched import CostTables
 from autodist_keras.strategies._listsched import list_schedule
 
 BIG = 10**9  # no budget stop in tests: results depend only on the work caps
+
+
+def _nominal_gb(usable_gb):
+    """`memory_gb` of a GPU whose usable memory is `usable_gb` GiB.
+
+    A GPU keeps `GPU_MEMORY_RESERVE_BYTES` plus `GPU_MEMORY_RESERVE_FRACTION`
+    of its memory for the CUDA context and allocator; plans use the rest.
+    """
+    return ((usable_gb * 2**30 + simulator.GPU_MEMORY_RESERVE_BYTES)
+            / (1 - simulator.GPU_MEMORY_RESERVE_FRACTION) / 2**30)
 
 
 def _gpus(name, count, memory_gb, tflops=10.0, link_gbs=20.0, bandwidth_gbps=500.0):
@@ -135,7 +146,9 @@ def test_an_output_read_twice_on_another_device_is_received_once(fan_out):
     schedule = list_schedule(tables, batch, "heft", fixed=fixed)
     own = sum(tables.static[tables.index[n]] + tables.act[tables.index[n]] * batch
               for n, d in on.items() if d == 1)
-    assert schedule.memory[1] == own + 4096 * 4 * batch
+    # ... and the device's backward gradient buffer: its largest layer output.
+    buffer = max(tables.buffer[tables.index[n]] for n, d in on.items() if d == 1) * batch
+    assert schedule.memory[1] == own + 4096 * 4 * batch + buffer
     # b2 starts no later than the one transfer plus b1 (one device, one stream).
     meta = schedule.task_meta
     forward = {tables.layers[i]: k for k, (i, _, phase) in enumerate(meta) if phase == 0}
@@ -164,7 +177,8 @@ def test_split_readers_of_other_rows_get_their_own_copy(fan_out):
     b_own = sum(tables.static[tables.index[n]] + tables.act[tables.index[n]] * 32
                 for n in ("b1", "b2"))
     half = 4096 * 4 * 32
-    assert schedule.memory[1] == b_own + 2 * half
+    buffer = max(tables.buffer[tables.index[n]] for n in ("b1", "b2")) * 32
+    assert schedule.memory[1] == b_own + 2 * half + buffer
     meta = schedule.task_meta
     starts = {(tables.layers[i], r): schedule.start[k]
               for k, (i, r, phase) in enumerate(meta) if phase == 0}
@@ -188,7 +202,7 @@ def test_cpop_puts_the_critical_path_on_the_fastest_device(wide):
 def test_placement_is_memory_aware_when_no_device_holds_the_model(wide):
     # 4 x 16 MiB kernels: parameters, gradients and Adam slots need 4 x 64 MiB,
     # more than one 0.2 GiB device, so the model must be spread over several.
-    cluster = _gpus("Tiny", 4, memory_gb=0.2)
+    cluster = _gpus("Tiny", 4, memory_gb=_nominal_gb(0.2))
     plan = fastt.plan(wide, cluster, 64, time_budget_s=BIG)
     assert plan.prediction.feasible, plan.prediction.infeasible_reason
     assert len(plan.devices) >= 2

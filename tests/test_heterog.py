@@ -13,6 +13,7 @@ from autodist_keras.errors import PlanError
 from autodist_keras.errors import StrategyError
 from autodist_keras.estimator import AnalyticCostModel
 from autodist_keras.estimator import simulate
+from autodist_keras.estimator import simulator
 from autodist_keras.graph import ModelGraph
 from autodist_keras.strategies import baselines
 from autodist_keras.strategies import heterog
@@ -21,6 +22,16 @@ from autodist_keras.strategies._coarse import CoarseGraph
 from autodist_keras.strategies._coarse import contiguous_partition
 
 BIG = 10**9  # no budget stop in tests: results depend only on the work caps
+
+
+def _nominal_gb(usable_gb):
+    """`memory_gb` of a GPU whose usable memory is `usable_gb` GiB.
+
+    A GPU keeps `GPU_MEMORY_RESERVE_BYTES` plus `GPU_MEMORY_RESERVE_FRACTION`
+    of its memory for the CUDA context and allocator; plans use the rest.
+    """
+    return ((usable_gb * 2**30 + simulator.GPU_MEMORY_RESERVE_BYTES)
+            / (1 - simulator.GPU_MEMORY_RESERVE_FRACTION) / 2**30)
 
 
 def _seed_times(graph, cluster, batch):
@@ -118,7 +129,8 @@ def test_memory_aware_when_the_model_does_not_fit_on_the_smallest_gpu(wide):
             "gpus": [
                 {"name": "Big", "memory_gb": 2, "fp32_tflops": 10, "bandwidth_gbps": 500,
                  "count": 2},
-                {"name": "Small", "memory_gb": 0.2, "fp32_tflops": 10, "bandwidth_gbps": 500,
+                {"name": "Small", "memory_gb": _nominal_gb(0.2), "fp32_tflops": 10,
+                 "bandwidth_gbps": 500,
                  "count": 2},
             ],
             "intra_link": 20,
@@ -147,7 +159,7 @@ def test_places_groups_on_single_devices_when_no_device_holds_a_replica():
     model.compile(optimizer="adam", loss="mse")
     graph = ModelGraph.from_keras(model)
     cluster = Cluster.from_dict({"nodes": [{"name": "node0", "gpus": [
-        {"name": "Tiny", "memory_gb": 0.03, "fp32_tflops": 10, "bandwidth_gbps": 500,
+        {"name": "Tiny", "memory_gb": _nominal_gb(0.03), "fp32_tflops": 10, "bandwidth_gbps": 500,
          "count": 3}], "intra_link": 20}]})
     assert not simulate(graph, cluster, baselines.data_parallel_even(graph, cluster, 16)).feasible
     plan = heterog.plan(graph, cluster, 16, time_budget_s=BIG)
@@ -366,7 +378,7 @@ def test_the_share_lp_charges_received_inputs_only_between_replica_sets():
     graph = ModelGraph.from_keras(keras.Model(inputs, keras.layers.Dense(10, name="lp_out")(x)))
     cluster = Cluster.from_dict({"nodes": [{"name": "node0", "nic_gbps": 100, "intra_link": 25,
                                             "gpus": [
-        {"name": "Fast", "memory_gb": 0.5, "fp32_tflops": 20, "bandwidth_gbps": 900},
+        {"name": "Fast", "memory_gb": _nominal_gb(0.5), "fp32_tflops": 20, "bandwidth_gbps": 900},
         {"name": "Slow", "memory_gb": 8, "fp32_tflops": 10, "bandwidth_gbps": 900}]}]})
     cost = AnalyticCostModel(cluster, framework="tensorflow")
     batch = 512
@@ -374,7 +386,9 @@ def test_the_share_lp_charges_received_inputs_only_between_replica_sets():
                            baselines.DDP_BUCKET_BYTES)
     everywhere = space.initial_states()[0]
     charged = space._class_act(0, list(range(len(space.units))), everywhere)
-    assert charged == sum(n.activation_bytes for n in graph.nodes.values())
+    # Every layer's activations and the backward gradient buffer (largest output).
+    assert charged == sum(n.activation_bytes for n in graph.nodes.values()) + max(
+        n.output_bytes for n in graph.nodes.values())
     fits = baselines.memory_capacity_samples(graph, cluster, "node0/gpu0")
     fast_share = dict(space.solve_shares(everywhere)[0])[0]
     assert fast_share >= fits  # the LP's memory row is no tighter than the baseline rule
@@ -404,7 +418,7 @@ def test_says_so_when_no_group_arrangement_fits(wide):
     search was predicted faster" over an infeasible seed; it now says nothing fits
     and points to FastT's layer placement."""
     cluster = Cluster.from_dict({"nodes": [{"name": "n0", "gpus": [
-        {"name": "Tiny", "memory_gb": 0.05, "fp32_tflops": 10, "bandwidth_gbps": 500,
+        {"name": "Tiny", "memory_gb": _nominal_gb(0.05), "fp32_tflops": 10, "bandwidth_gbps": 500,
          "count": 2}]}]})
     plan = heterog.plan(wide, cluster, 64, time_budget_s=BIG)
     assert not plan.prediction.feasible

@@ -11,6 +11,8 @@ import pytest
 
 from autodist_keras.devices import Cluster
 from autodist_keras.errors import PlanError
+from autodist_keras.estimator.simulator import GPU_MEMORY_RESERVE_BYTES
+from autodist_keras.estimator.simulator import GPU_MEMORY_RESERVE_FRACTION
 from autodist_keras.fusion import tensor_fusion
 from autodist_keras.graph import ModelGraph
 from autodist_keras.strategies import baselines
@@ -230,7 +232,9 @@ def test_memory_caps_shares():
                     "name": "node0",
                     "address": "10.0.0.1",
                     "gpus": [
-                        {"name": "tiny", "memory_gb": 0.004, "fp32_tflops": 100.0,
+                        # 4 MiB usable: a GPU keeps 512 MiB + 5% for the CUDA context.
+                        {"name": "tiny", "memory_gb": (0.004 * 2**30 + GPU_MEMORY_RESERVE_BYTES)
+                         / (1 - GPU_MEMORY_RESERVE_FRACTION) / 2**30, "fp32_tflops": 100.0,
                          "fp16_tflops": 200.0, "bandwidth_gbps": 900.0},
                         "V100",
                     ],

@@ -9,6 +9,7 @@ import pytest
 
 from autodist_keras.devices import Cluster
 from autodist_keras.errors import StrategyError
+from autodist_keras.estimator import simulator
 from autodist_keras.graph import ModelGraph
 from autodist_keras.strategies import selection
 from autodist_keras.strategies.explain import explanation
@@ -171,7 +172,10 @@ def test_when_only_plans_spanning_nodes_fit_the_error_names_them():
     runtime runs it across nodes. The error said "cannot be executed by this backend
     on this machine", also when planning for a cluster that is not here."""
     cluster = Cluster.from_dict({"nodes": [
-        {"name": n, "gpus": [{"name": "Tiny", "memory_gb": 0.25, "fp32_tflops": 8,
+        # 0.25 GiB usable each: a GPU keeps 512 MiB + 5% for the CUDA context.
+        {"name": n, "gpus": [{"name": "Tiny", "memory_gb": (
+            0.25 * 2**30 + simulator.GPU_MEMORY_RESERVE_BYTES)
+            / (1 - simulator.GPU_MEMORY_RESERVE_FRACTION) / 2**30, "fp32_tflops": 8,
                               "bandwidth_gbps": 300, "count": 4}]} for n in ("t0", "t1")]})
     graph = ModelGraph.from_keras(keras.applications.ResNet50(weights=None))
     with pytest.raises(StrategyError) as info:

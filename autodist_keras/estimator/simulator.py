@@ -33,13 +33,18 @@ on simulated devices and links:
   server's compute stream, and pulled back by every client.
 - Optimizer update: per device, after its compute and its all-reduces,
   memory-bound (`cost_model.update_time`) for the variables it updates.
-- Memory: parameters, gradients and optimizer slots (Adam: 2 slots per
-  parameter; PS clients keep none, the server keeps them) plus live
-  activations: each layer's output and what it saves for backward
-  (`activation_bytes x share`; attention keeps its probabilities) from the start of
-  its forward to the end of its backward, and received activations from
-  arrival until the consumer's backward ends. A device whose peak exceeds its
-  memory makes the plan infeasible (the device and the shortfall are named).
+- Memory: parameters, gradients and optimizer slots (`graph.optimizer_slots`
+  per parameter, read from the compiled optimizer: Adam 2, plain SGD 0; PS
+  clients keep none, the server keeps them) plus live activations: each
+  layer's output and what it saves for backward (`activation_bytes x share`;
+  attention keeps its probabilities) from the start of its forward to the end
+  of its backward, received activations from arrival until the consumer's
+  backward ends, and the backward gradient buffer (the largest output of a
+  replica's layers x its share, the largest of the device's replicas) from the
+  device's first backward to its last. A device whose peak exceeds its usable memory
+  (`usable_memory_bytes`: a GPU keeps `memory_reserve_bytes` for the CUDA
+  context and the allocator) makes the plan infeasible (the device and the
+  shortfall are named).
 
 Every figure is a prediction from the cost model, not a measurement.
 
@@ -75,6 +80,122 @@ from autodist_keras.strategies.plan import Prediction
 from autodist_keras.strategies.plan import write_text_atomic
 
 ADAM_SLOTS = 2  # optimizer state tensors per parameter (Adam: m and v)
+# What a GPU keeps from its nominal memory for the CUDA context, the framework's
+# allocator (fragmentation, cached blocks) and kernels' workspace: plans may not use it.
+GPU_MEMORY_RESERVE_BYTES = 512 * 2**20
+GPU_MEMORY_RESERVE_FRACTION = 0.05
+
+
+def memory_reserve_bytes(device):
+    """Bytes of a device's memory that plans may not use (predicted overheads).
+
+    A GPU loses memory to the CUDA context (a few hundred MiB), to the
+    framework allocator's caching and fragmentation, and to kernels'
+    workspace (cuDNN), none of which the memory model counts. A GPU
+    therefore keeps `GPU_MEMORY_RESERVE_BYTES` (512 MiB) plus
+    `GPU_MEMORY_RESERVE_FRACTION` (5%) of its memory in reserve. Other
+    devices (CPU testbed devices, host RAM) keep none.
+
+    Args:
+        device: A `Device` of a `Cluster`.
+
+    Returns:
+        The reserve in bytes (at most the device's memory).
+    """
+    memory = int(device.memory_bytes)
+    if getattr(device, "kind", None) != "gpu":
+        return 0
+    reserve = GPU_MEMORY_RESERVE_BYTES + int(GPU_MEMORY_RESERVE_FRACTION * memory)
+    return min(reserve, max(memory, 0))
+
+
+def usable_memory_bytes(device):
+    """The memory a plan may fill on a device: its memory less its reserve.
+
+    The simulator's feasibility check, `baselines.memory_capacity_samples`
+    and the planners all use this figure (see `memory_reserve_bytes`).
+
+    Args:
+        device: A `Device` of a `Cluster`.
+
+    Returns:
+        Usable bytes (0 or more).
+
+    Example:
+
+    ```python
+    cluster = Cluster.from_string("1xV100")
+    usable_memory_bytes(cluster.device(cluster.names[0]))  # 16 GiB - 512 MiB - 5% of 16 GiB
+    ```
+    """
+    return max(int(device.memory_bytes) - memory_reserve_bytes(device), 0)
+
+
+def optimizer_slots_of(graph):
+    """Optimizer slots per parameter the memory model counts for `graph`.
+
+    `graph.optimizer_slots` (read from the compiled optimizer by
+    `ModelGraph.from_keras`), or `ADAM_SLOTS` (2) for graphs without it.
+    """
+    return int(getattr(graph, "optimizer_slots", ADAM_SLOTS))
+
+
+def optimizer_label(graph):
+    """`"2 optimizer slots per parameter (Adam)"`: what the memory model counted."""
+    slots = optimizer_slots_of(graph)
+    name = getattr(graph, "optimizer", None) or "optimizer unknown, as Adam"
+    return f"{slots} optimizer slot{'' if slots == 1 else 's'} per parameter ({name})"
+
+
+def gradient_buffer_bytes(nodes):
+    """Per-sample bytes of the backward gradient buffer of a replica of `nodes`.
+
+    While backward runs, the gradient flowing back through a layer is as
+    large as that layer's output; the memory model keeps, on each device that
+    runs backward, one buffer the size of the largest output of its
+    replicas' layers (x their shares) from its first backward to its last.
+
+    Args:
+        nodes: The replica's `LayerNode`s.
+
+    Returns:
+        Bytes per sample.
+    """
+    return max((int(n.output_bytes) for n in nodes), default=0)
+
+
+def replica_memory_terms(graph):
+    """`(static, per_sample)` bytes of a replica of the whole model (predicted).
+
+    A data-parallel (all-reduce) replica holding `n` samples needs
+    `static + n x per_sample` bytes: static = parameters, gradients and
+    `optimizer_slots_of(graph)` slots per parameter plus non-trainable
+    state; per sample = every layer's `activation_bytes` plus the backward
+    gradient buffer (`gradient_buffer_bytes`). `simulate` predicts exactly
+    this peak for such a replica, and `baselines.memory_capacity_samples`
+    divides the usable memory by it, so the two agree.
+
+    Args:
+        graph: The `ModelGraph`.
+
+    Returns:
+        A tuple of two ints.
+    """
+    nodes = list(graph.nodes.values())
+    static = int(graph.param_bytes) * (2 + optimizer_slots_of(graph)) + sum(
+        int(n.non_trainable_bytes or 0) for n in nodes
+    )
+    per_sample = sum(int(n.activation_bytes) for n in nodes) + gradient_buffer_bytes(nodes)
+    return static, per_sample
+
+
+def _format_bytes(n):
+    """`"12.3 MiB"`, or KiB / bytes when under 0.1 MiB."""
+    if abs(n) >= 0.1 * 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    if abs(n) >= 1024:
+        return f"{n / 1024:.1f} KiB"
+    return f"{int(n)} bytes"
 
 _COMPUTE, _XFER, _COLLECTIVE, _UPDATE, _BARRIER = 0, 1, 2, 3, 4
 
@@ -112,9 +233,14 @@ class DeviceStats:
         idle_s: The rest of the step: neither computing nor communicating.
         comm_s: Time the device communicates at all (overlapped or not).
         peak_memory_bytes: Predicted peak memory.
-        memory_bytes: The device's memory capacity.
-        memory_breakdown: Bytes of parameters, gradients, optimizer slots and
-            peak live activations.
+        memory_bytes: The device's memory capacity (nominal).
+        memory_breakdown: Bytes of parameters, gradients, optimizer slots,
+            peak live activations (`activations_peak`) and the backward
+            gradient buffer live at that peak (`gradient_buffer`); they sum
+            to `peak_memory_bytes`.
+        usable_memory_bytes: What a plan may use: `memory_bytes` less the
+            reserve (`memory_reserve_bytes`; 0 on CPUs). The device is short
+            when `peak_memory_bytes` exceeds it.
     """
 
     busy_s: float
@@ -124,6 +250,7 @@ class DeviceStats:
     peak_memory_bytes: int
     memory_bytes: int
     memory_breakdown: dict
+    usable_memory_bytes: Optional[int] = None
 
 
 @dataclasses.dataclass
@@ -347,7 +474,10 @@ class _Tasks:
     def __init__(self):
         self.kind, self.name, self.dur, self.stream, self.ports = [], [], [], [], []
         self.prio, self.ndeps, self.succ, self.where = [], [], [], []
-        self.alloc, self.free = [], []
+        self.alloc, self.free, self.span = [], [], []
+        # Spans: [device, bytes, tasks not yet finished, started]; memory held
+        # from the first of their tasks to start until the last one ends.
+        self.spans = []
 
     def add(self, kind, name, dur, stream, ports, prio, where, evkind):
         self.kind.append(kind)
@@ -361,6 +491,7 @@ class _Tasks:
         self.where.append((where, evkind))
         self.alloc.append(None)
         self.free.append(None)
+        self.span.append(None)
         return len(self.kind) - 1
 
     def dep(self, before, after):
@@ -415,7 +546,7 @@ def _cache_key(graph, cluster, plan, cost_model, dedupe):
         ],
         sort_keys=True, default=str,
     )
-    return (id(graph), id(cluster), cost_key, bool(dedupe), body)
+    return (id(graph), optimizer_slots_of(graph), id(cluster), cost_key, bool(dedupe), body)
 
 
 def simulate(graph, cluster, plan, cost_model=None, validate=True, dedupe=True, cache=True):
@@ -635,6 +766,24 @@ class _Simulation:
                     T.free[B[(layer, ri)]] = [(di, act)]
                 T.dep(F[(layer, ri)], B[(layer, ri)])
         self.dev_compute = dev_compute
+        # The backward gradient buffer of each device: the largest of its replicas'
+        # (`gradient_buffer_bytes` x share), held from its first backward to its last.
+        buffer_size = [0] * n_dev
+        buffer_tasks = [[] for _ in range(n_dev)]
+        for gi, group in enumerate(plan.groups):
+            per_sample = gradient_buffer_bytes(graph.nodes[layer] for layer in group.layers)
+            for ri, r in enumerate(group.replicas):
+                if alias[gi][ri] != ri:
+                    continue
+                di = group_devs[gi][ri]
+                buffer_size[di] = max(buffer_size[di], per_sample * r.batch_share)
+                buffer_tasks[di] += [B[(layer, ri)] for layer in group.layers]
+        for di in range(n_dev):
+            if buffer_size[di] and buffer_tasks[di]:
+                span = len(T.spans)
+                T.spans.append([di, buffer_size[di], len(buffer_tasks[di]), False])
+                for t in buffer_tasks[di]:
+                    T.span[t] = span
 
         def rep(gi, ri):
             return alias[gi][ri]
@@ -747,6 +896,7 @@ class _Simulation:
         params = [0] * n_dev
         grads = [0] * n_dev
         slots = [0] * n_dev
+        n_slots = optimizer_slots_of(graph)
         local_update = [[0, 0] for _ in range(n_dev)]  # bytes, tensors
         update_deps = [[] for _ in range(n_dev)]
         for gi, group in enumerate(plan.groups):
@@ -791,7 +941,7 @@ class _Simulation:
                 local = len(members) == 1 and (method == "allreduce" or members[0] == self.dev_index[arg])
                 if method == "allreduce" or local:
                     for di in members:
-                        slots[di] += ADAM_SLOTS * nbytes
+                        slots[di] += n_slots * nbytes
                         local_update[di][0] += nbytes
                         local_update[di][1] += len(names)
                     if local:
@@ -821,7 +971,7 @@ class _Simulation:
                 if server not in members:
                     params[server] += nbytes
                     grads[server] += nbytes
-                slots[server] += ADAM_SLOTS * nbytes
+                slots[server] += n_slots * nbytes
                 upd = T.add(
                     _UPDATE, f"ps apply b{bi} ({nbytes} B)",
                     cost.aggregate_time(nbytes, len(members), self.dev_names[server])
@@ -909,6 +1059,7 @@ class _Simulation:
         dur, stream, ports, prio, succ = T.dur, T.stream, T.ports, T.prio, T.succ
         ndeps = list(T.ndeps)
         alloc, free = T.alloc, T.free
+        span, spans = T.span, [list(sp) for sp in T.spans]
         start = [0.0] * n
         end = [0.0] * n
         port_free = [0.0] * self.num_ports
@@ -917,6 +1068,8 @@ class _Simulation:
         events = []
         live = [0] * n_dev
         peak_live = [0] * n_dev
+        buffers = [0] * n_dev  # live backward gradient buffers (part of `live`)
+        peak_buffers = [0] * n_dev
         dirty = set()
         done = 0
         now = 0.0
@@ -925,12 +1078,22 @@ class _Simulation:
             start[t] = now
             e = now + dur[t]
             end[t] = e
+            sp = span[t]
+            if sp is not None and not spans[sp][3]:
+                spans[sp][3] = True
+                di, size = spans[sp][0], spans[sp][1]
+                live[di] += size
+                buffers[di] += size
+                if live[di] > peak_live[di]:
+                    peak_live[di] = live[di]
+                    peak_buffers[di] = buffers[di]
             a = alloc[t]
             if a is not None:
                 for di, size in a:
                     live[di] += size
                     if live[di] > peak_live[di]:
                         peak_live[di] = live[di]
+                        peak_buffers[di] = buffers[di]
             heapq.heappush(events, (e, t))
 
         def make_ready(t, now):
@@ -970,6 +1133,12 @@ class _Simulation:
                 if fr is not None:
                     for di, size in fr:
                         live[di] -= size
+                sp = span[t]
+                if sp is not None:
+                    spans[sp][2] -= 1
+                    if not spans[sp][2]:
+                        live[spans[sp][0]] -= spans[sp][1]
+                        buffers[spans[sp][0]] -= spans[sp][1]
                 s = stream[t]
                 if s >= 0:
                     busy[s] = False
@@ -986,6 +1155,7 @@ class _Simulation:
                 f"order. Received: waiting tasks {stuck}"
             )
         self.start, self.end, self.peak_live = start, end, peak_live
+        self.peak_buffers = peak_buffers
         return self._result()
 
     # ------------------------------------------------------------- results
@@ -1043,10 +1213,13 @@ class _Simulation:
                 [e for _, e in compute[-1:]] + [e for _, e in own_iv[d]]
                 + [e for _, e in comm_iv[d]] + [0.0]
             )
-            live = max(peak_live[d], peak_live[src])
+            at = d if peak_live[d] >= peak_live[src] else src
+            live = peak_live[at]
+            buffer = self.peak_buffers[at]
             static = self.memory_static[d]
             peak = int(sum(static.values()) + live)
             capacity = int(self.devs[d].memory_bytes)
+            usable = usable_memory_bytes(self.devs[d])
             per_device[name] = DeviceStats(
                 busy_s=busy,
                 exposed_comm_s=exposed,
@@ -1054,13 +1227,23 @@ class _Simulation:
                 comm_s=comm_len,
                 peak_memory_bytes=peak,
                 memory_bytes=capacity,
-                memory_breakdown=dict(static, activations_peak=int(live)),
+                memory_breakdown=dict(static, activations_peak=int(live - buffer),
+                                      gradient_buffer=int(buffer)),
+                usable_memory_bytes=usable,
             )
             peaks[name] = peak
-            if peak > capacity:
+            if peak > usable:
+                has = (
+                    f"has {capacity}" if usable == capacity else
+                    f"can use {usable} of its {capacity} ({capacity - usable} reserved for "
+                    "the CUDA context and allocator)"
+                )
+                # The first shortfall says which optimizer's slots were counted
+                # (long reasons are shortened at their end).
+                counted = "" if short else f", counting {optimizer_label(self.graph)},"
                 short.append(
-                    f"{name} needs {peak} bytes but has {capacity} "
-                    f"(short by {peak - capacity} bytes, {(peak - capacity) / 2**20:.1f} MiB)"
+                    f"{name} needs {peak} bytes{counted} but {has} "
+                    f"(short by {peak - usable} bytes, {_format_bytes(peak - usable)})"
                 )
         critical = None
         if n_dev:

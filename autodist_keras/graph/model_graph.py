@@ -43,6 +43,14 @@ from autodist_keras.graph import flops as flops_lib
 SCHEMA_VERSION = 1
 KINDS = ("input", "layer", "op", "model")
 
+DEFAULT_OPTIMIZER_SLOTS = 2  # Adam's m and v: assumed when the optimizer is unknown
+# Optimizer state tensors of the size of a parameter that each Keras optimizer keeps
+# per trainable variable, before its options (`optimizer_slots` adds them).
+_OPTIMIZER_SLOTS = {
+    "SGD": 0, "RMSprop": 1, "Adagrad": 1, "Adam": 2, "AdamW": 2, "Nadam": 2,
+    "Adamax": 2, "Lamb": 2, "Adadelta": 2, "Ftrl": 2, "Lion": 1, "Adafactor": 1,
+}
+
 
 @dataclasses.dataclass
 class TensorInfo:
@@ -219,6 +227,15 @@ class ModelGraph:
         outputs: Names of the nodes producing the model outputs.
         variables: Every trainable tensor, in `model.trainable_weights` order.
         warnings: Human-readable notes (estimates, unknown dims, ...).
+        optimizer_slots: Optimizer state tensors kept per trainable
+            parameter, each the parameter's size, read from the compiled
+            model's optimizer by `from_keras` (`optimizer_slots()`): 0 for
+            plain SGD, 2 for Adam. `DEFAULT_OPTIMIZER_SLOTS` (2, as Adam)
+            when unknown: an uncompiled model, a graph read from JSON written
+            before it was recorded. The memory model counts them. Not part
+            of the fingerprint.
+        optimizer: The optimizer's class name (e.g. `"SGD"`), or None when
+            unknown. Not part of the fingerprint.
         data_parallel_only: True when the model has no functional graph
             (subclassed), so only data-parallel plans apply.
         params: Total number of scalars in the model's weights, trainable
@@ -241,8 +258,11 @@ class ModelGraph:
     """
 
     def __init__(self, nodes, edges, inputs, outputs, variables, warnings=(),
-                 data_parallel_only=False, name="model"):
+                 data_parallel_only=False, name="model",
+                 optimizer_slots=DEFAULT_OPTIMIZER_SLOTS, optimizer=None):
         self.name = name
+        self.optimizer_slots = int(optimizer_slots)
+        self.optimizer = optimizer
         self.nodes = dict(nodes)
         self.edges = [(s, d, int(b)) for s, d, b in edges]
         self.inputs = list(inputs)
@@ -377,14 +397,19 @@ class ModelGraph:
                     "`model.build((None, ...))` (or the model on a batch) first. "
                     f"Received: an unbuilt Sequential with {len(model.layers)} layers."
                 )
-            return _from_subclassed(cls, model)
-        builder = _Builder(model)
-        if input_shapes is not None:
-            builder.concrete, problem = _concrete_tensors(functional, input_shapes)
-            if problem:
-                builder.warnings.append(problem)
-        builder.walk(functional, container=model.name, seed=None, top=True)
-        return builder.finish(cls)
+            graph = _from_subclassed(cls, model)
+        else:
+            builder = _Builder(model)
+            if input_shapes is not None:
+                builder.concrete, problem = _concrete_tensors(functional, input_shapes)
+                if problem:
+                    builder.warnings.append(problem)
+            builder.walk(functional, container=model.name, seed=None, top=True)
+            graph = builder.finish(cls)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None:
+            graph.optimizer_slots, graph.optimizer = optimizer_slots(optimizer)
+        return graph
 
     # ------------------------------------------------------------ identity
     def _canonical(self):
@@ -442,6 +467,8 @@ class ModelGraph:
             "non_trainable_bytes": self.non_trainable_bytes,
             "activation_bytes": self.activation_bytes,
             "data_parallel_only": self.data_parallel_only,
+            "optimizer": self.optimizer,
+            "optimizer_slots": self.optimizer_slots,
             "warnings": list(self.warnings),
         }
 
@@ -475,6 +502,8 @@ class ModelGraph:
                 warnings=data.get("warnings", []),
                 data_parallel_only=data.get("data_parallel_only", False),
                 name=data.get("name", "model"),
+                optimizer_slots=_slots_field(data.get("optimizer_slots"), source),
+                optimizer=data.get("optimizer"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise GraphError(
@@ -537,6 +566,79 @@ class ModelGraph:
 # ---------------------------------------------------------------------------
 # Extraction
 # ---------------------------------------------------------------------------
+def optimizer_slots(optimizer):
+    """Optimizer state tensors a Keras optimizer keeps per trainable parameter.
+
+    Each slot is a tensor of the parameter's size (Adam's `m` and `v`: 2).
+    The memory model counts `slots x parameter bytes` on every device that
+    updates a variable. Counts: `SGD` 0 (1 with momentum); `RMSprop` 1, plus
+    1 if `centered` and 1 with momentum; `Adagrad` 1; `Adam`, `AdamW`,
+    `Nadam`, `Adamax`, `Lamb` 2 (`Adam`/`AdamW` 3 with `amsgrad`);
+    `Adadelta` 2; `Ftrl` 2; `Lion` 1; `Adafactor` 1 (its row and column
+    statistics of a matrix are much smaller than the matrix; counted as one
+    slot); `use_ema=True` adds 1 (the moving average of the weights). A
+    `LossScaleOptimizer` counts its inner optimizer's. Subclasses count as
+    their Keras base class. Any other optimizer class counts
+    `DEFAULT_OPTIMIZER_SLOTS` (2, as Adam), a conservative guess.
+
+    Args:
+        optimizer: A Keras optimizer instance (`model.optimizer` after
+            `compile`).
+
+    Returns:
+        `(slots, name)`: the number of slots and the optimizer's class name
+        (the inner optimizer's for a `LossScaleOptimizer`, with
+        `" (unknown: N assumed)"` appended for unknown classes).
+
+    Example:
+
+    ```python
+    optimizer_slots(keras.optimizers.SGD(0.1))                # (0, "SGD")
+    optimizer_slots(keras.optimizers.Adam(amsgrad=True))      # (3, "Adam")
+    ```
+    """
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None and type(optimizer).__name__ == "LossScaleOptimizer":
+        optimizer = inner
+    name = type(optimizer).__name__
+    base = None
+    for klass in type(optimizer).__mro__:
+        if klass.__module__.startswith("keras") and klass.__name__ in _OPTIMIZER_SLOTS:
+            base = klass.__name__
+            break
+    if base is None:
+        return DEFAULT_OPTIMIZER_SLOTS, f"{name} (unknown: {DEFAULT_OPTIMIZER_SLOTS} assumed)"
+    slots = _OPTIMIZER_SLOTS[base]
+
+    def number(attr):
+        try:
+            return float(getattr(optimizer, attr, 0) or 0)
+        except (TypeError, ValueError):
+            return 1.0  # a schedule or variable: assume it is used
+
+    if base == "SGD" and number("momentum"):
+        slots += 1
+    if base == "RMSprop":
+        slots += int(bool(getattr(optimizer, "centered", False))) + int(bool(number("momentum")))
+    if base in ("Adam", "AdamW") and getattr(optimizer, "amsgrad", False):
+        slots += 1
+    if getattr(optimizer, "use_ema", False):
+        slots += 1
+    return slots, name
+
+
+def _slots_field(value, source):
+    if value is None:
+        return DEFAULT_OPTIMIZER_SLOTS
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise GraphError(
+            f"{source}: `optimizer_slots` must be a non-negative integer (optimizer state "
+            "tensors per parameter). Write graphs with ModelGraph.to_dict(). "
+            f"Received: {value!r}"
+        )
+    return value
+
+
 def _concrete_tensors(functional, input_shapes):
     """The tensors of `functional` re-derived from per-sample `input_shapes`.
 

@@ -276,6 +276,21 @@ def result_notes(result, budget):
     return notes
 
 
+def unit_buffer_bytes(graph, coarse):
+    """Backward gradient buffer per sample of each unit of a `CoarseGraph`.
+
+    The largest output of the unit's layers (`simulator.gradient_buffer_bytes`),
+    not the sum the unit's `output_bytes` holds: the simulator counts the
+    buffer on the fine graph.
+    """
+    from autodist_keras.estimator.simulator import gradient_buffer_bytes
+
+    return {
+        unit: gradient_buffer_bytes(graph.nodes[layer] for layer in layers)
+        for unit, layers in coarse.members.items()
+    }
+
+
 def batch_grid(batch):
     """Batch sizes at which to sample a cost curve: 1, 2, 3, 4, 6, 8, 12, ... and `batch`.
 

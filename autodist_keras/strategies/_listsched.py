@@ -38,12 +38,14 @@ import heapq
 from autodist_keras.estimator.cost_model import AnalyticCostModel
 from autodist_keras.estimator.simulator import ADAM_SLOTS
 from autodist_keras.estimator.simulator import batch_ranges
+from autodist_keras.estimator.simulator import optimizer_slots_of
 from autodist_keras.estimator.simulator import range_overlaps
+from autodist_keras.estimator.simulator import usable_memory_bytes
 from autodist_keras.strategies.baselines import DDP_BUCKET_BYTES
 from autodist_keras.strategies.plan import split_batch
 
-STATIC_FACTOR = 2 + ADAM_SLOTS  # parameters, gradients and optimizer slots
-MEMORY_MARGIN = 0.99  # use at most this fraction of a device's memory
+STATIC_FACTOR = 2 + ADAM_SLOTS  # parameters, gradients and Adam's optimizer slots
+MEMORY_MARGIN = 0.99  # use at most this fraction of a device's usable memory
 FORWARD, BACKWARD = 0, 1
 PHASE_NAMES = ("forward", "backward")
 _EPS = 1e-12
@@ -58,14 +60,15 @@ def resolve_cost_model(cluster, cost_model):
     return cost_model
 
 
-def static_bytes(node):
+def static_bytes(node, optimizer_slots=ADAM_SLOTS):
     """Bytes a layer keeps on every device holding a replica of it (predicted).
 
-    Parameters, gradients and Adam's two slots per trainable parameter, plus
+    Parameters, gradients and `optimizer_slots` slots per trainable
+    parameter (the graph's `optimizer_slots`; Adam's two by default), plus
     non-trainable state: what the simulator charges an all-reduce or local
     replica.
     """
-    return STATIC_FACTOR * int(node.param_bytes) + int(node.non_trainable_bytes or 0)
+    return (2 + int(optimizer_slots)) * int(node.param_bytes) + int(node.non_trainable_bytes or 0)
 
 
 class CostTables:
@@ -76,18 +79,26 @@ class CostTables:
         cluster: The `Cluster`.
         cost_model: A `CostModel` bound to `cluster`.
         devices: Device names to use (default: all of the cluster's).
+        buffer_bytes: Optional dict from node name to its backward gradient
+            buffer per sample, for a graph whose nodes stand for several
+            layers (default: each node's `output_bytes`).
 
     Attributes:
         devices: Device names; schedules refer to devices by index in it.
         layers: Layer names in topological order; layers are referred to by
             index in it.
         preds, succs: Per layer, lists of `(layer index, bytes per sample)`.
-        static: Per layer, `static_bytes(node)`.
+        static: Per layer, `static_bytes(node, graph's optimizer slots)`.
         act: Per layer, output activation bytes per sample.
-        capacity: Per device, usable memory bytes (`MEMORY_MARGIN` of it).
+        buffer: Per layer, bytes per sample of the backward gradient buffer
+            a device running it needs (`simulator.gradient_buffer_bytes`: the
+            largest output among the layers it stands for); a device keeps
+            the largest of its layers'.
+        capacity: Per device, `MEMORY_MARGIN` of its usable memory
+            (`simulator.usable_memory_bytes`: less a GPU's reserve).
     """
 
-    def __init__(self, graph, cluster, cost_model, devices=None):
+    def __init__(self, graph, cluster, cost_model, devices=None, buffer_bytes=None):
         self.graph = graph
         self.cluster = cluster
         self.cost = cost_model
@@ -115,11 +126,16 @@ class CostTables:
             self.preds[d].append((s, int(nbytes)))
             self.succs[s].append((d, int(nbytes)))
         self.outputs = [self.index[o] for o in graph.outputs if o in self.index]
-        self.static = [static_bytes(n) for n in self.nodes]
+        self.optimizer_slots = optimizer_slots_of(graph)
+        self.static = [static_bytes(n, self.optimizer_slots) for n in self.nodes]
         self.act = [int(n.activation_bytes) for n in self.nodes]
+        self.buffer = [
+            int(buffer_bytes[n.name]) if buffer_bytes is not None else int(n.output_bytes)
+            for n in self.nodes
+        ]
         self.param_bytes = [int(n.param_bytes) for n in self.nodes]
         self.n_tensors = [len(n.variables) for n in self.nodes]
-        self.capacity = [int(d.memory_bytes * MEMORY_MARGIN) for d in self.dev]
+        self.capacity = [int(usable_memory_bytes(d) * MEMORY_MARGIN) for d in self.dev]
         self.bucket_bytes = DDP_BUCKET_BYTES  # gradient buckets of the sync proxy
         node_names = []
         for d in self.dev:
@@ -456,6 +472,9 @@ def list_schedule(tables, batch, method="heft", fixed=None, memory=True):
     dev_free = [0.0] * n_dev
     last_task = [-1] * n_dev
     mem = [0] * n_dev
+    # Each device's backward gradient buffer (counted in `mem`): its largest
+    # replica's `buffer x share`, as the simulator counts it.
+    buf = [0] * n_dev
 
     def rows(a, b):
         """The samples two tasks' replicas share (the rows that move between them)."""
@@ -482,6 +501,10 @@ def list_schedule(tables, batch, method="heft", fixed=None, memory=True):
                         held.add(key)
                         received += x
             mem[d] += t.static[i] + t.act[i] * share[k] + received
+            grad = t.buffer[i] * share[k]
+            if grad > buf[d]:
+                mem[d] += grad - buf[d]
+                buf[d] = grad
     fixed_layer = [r is not None for r in reps]
     # Link ports, as in the simulator: a send and a receive port per device
     # and per node NIC; transfers through one port are serialised.
@@ -556,6 +579,11 @@ def list_schedule(tables, batch, method="heft", fixed=None, memory=True):
     def mem_need(k, d, commit=False):
         i = meta[k][0]
         need = t.static[i] + t.act[i] * share[k]
+        grad = t.buffer[i] * share[k]
+        if grad > buf[d]:
+            need += grad - buf[d]
+            if commit:
+                buf[d] = grad
         for p, nbytes in preds[k]:
             if dev[p] == d:
                 continue

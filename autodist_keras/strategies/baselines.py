@@ -18,6 +18,7 @@ print(plan.summary())
 import time
 
 from autodist_keras.errors import PlanError
+from autodist_keras.estimator import simulator
 from autodist_keras.strategies.plan import LayerGroup
 from autodist_keras.strategies.plan import Plan
 from autodist_keras.strategies.plan import Provenance
@@ -29,6 +30,7 @@ DDP_BUCKET_BYTES = 25 * 1024 * 1024
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # torch DDP's first bucket (its last layers' gradients)
 HOROVOD_FUSION_BYTES = 64 * 1024 * 1024
 BYTES_PER_PARAM_STATE = 4  # Adam keeps two float32 slots per parameter: counted as 2 x 4 bytes.
+_SLOTS_UNSET = object()
 
 
 def gradient_buckets(graph, bucket_bytes=DDP_BUCKET_BYTES, variables=None,
@@ -95,22 +97,35 @@ def device_speeds(cluster, devices=None):
     return {name: float(cluster.device(name).peak_flops_fp32) for name in devices}
 
 
-def memory_capacity_samples(graph, cluster, device_name, optimizer_slots=2):
+def memory_capacity_samples(graph, cluster, device_name, optimizer_slots=_SLOTS_UNSET):
     """How many samples of this model fit on a device in one step (predicted).
 
-    Static memory: parameters, gradients and `optimizer_slots` optimizer
-    slots per parameter, plus non-trainable state. Per-sample memory: every
-    layer's output activation is kept for backward, plus the same again for
-    the gradient flowing back through the largest layer.
+    The same memory model as `simulate` (`simulator.replica_memory_terms`):
+    static memory is parameters, gradients and the optimizer's slots per
+    parameter (`graph.optimizer_slots`: Adam 2, plain SGD 0) plus
+    non-trainable state; per-sample memory is every layer's activations
+    kept for backward plus the backward gradient buffer (the largest layer
+    output). They are divided into the device's usable memory
+    (`simulator.usable_memory_bytes`: a GPU keeps a reserve for the CUDA
+    context and allocator). A data-parallel all-reduce replica is predicted
+    feasible by `simulate` exactly when its share is at most this number.
+
+    Args:
+        graph: The `ModelGraph`.
+        cluster: The `Cluster`.
+        device_name: A device of `cluster`.
+        optimizer_slots: Overrides `graph.optimizer_slots`.
+
+    Returns:
+        The number of samples (0 when the static memory alone does not fit).
     """
     device = cluster.device(device_name)
-    static = graph.param_bytes * (2 + optimizer_slots) + sum(
-        n.non_trainable_bytes for n in graph.nodes.values()
-    )
-    per_sample = sum(n.activation_bytes for n in graph.nodes.values())
-    per_sample += max((n.output_bytes for n in graph.nodes.values()), default=0)
-    free = device.memory_bytes - static
-    if free <= 0:
+    static, per_sample = simulator.replica_memory_terms(graph)
+    if optimizer_slots is not _SLOTS_UNSET:
+        static += int(graph.param_bytes) * (
+            int(optimizer_slots) - simulator.optimizer_slots_of(graph))
+    free = simulator.usable_memory_bytes(device) - static
+    if free < 0:
         return 0
     if per_sample <= 0:
         return 1 << 62
@@ -122,10 +137,15 @@ def _memory_caps(graph, cluster, devices):
     caps = {d: memory_capacity_samples(graph, cluster, d) for d in devices}
     empty = [d for d in devices if caps[d] < 1]
     if empty:
+        usable = ", ".join(
+            f"{d}: {simulator.usable_memory_bytes(cluster.device(d))}" for d in empty
+        )
         raise PlanError(
             f"Devices {empty} cannot hold this model's parameters, gradients and optimizer "
-            f"state ({graph.param_bytes} parameter bytes, predicted). Leave them out with "
-            f"`devices=[...]`, or use a placement plan. Received: devices={devices}"
+            f"state with one sample ({graph.param_bytes} parameter bytes, counting "
+            f"{simulator.optimizer_label(graph)}; usable memory in bytes {usable}, "
+            "predicted). Leave them out with `devices=[...]`, or use a placement plan. "
+            f"Received: devices={devices}"
         )
     return caps
 
@@ -137,8 +157,10 @@ def _shares_with_memory(graph, cluster, devices, weights, batch_size):
         short = ", ".join(f"{d}: {caps[d]}" for d in devices)
         raise PlanError(
             f"A global batch of {batch_size} samples does not fit in the devices' memory "
-            f"(predicted capacity in samples per device: {short}). Use a smaller "
-            "batch size or more devices."
+            f"(predicted capacity in samples per device: {short}; counting "
+            f"{simulator.optimizer_label(graph)} and each GPU's reserve for the CUDA "
+            "context and allocator). Use a smaller batch size or more devices. "
+            f"Received: batch_size={batch_size}"
         )
     shares = dict(zip(devices, split_batch([weights[d] for d in devices], batch_size)))
     for _ in range(len(devices)):

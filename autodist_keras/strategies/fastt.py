@@ -34,6 +34,8 @@ import time
 
 from autodist_keras.errors import PlanError
 from autodist_keras.errors import StrategyError
+from autodist_keras.estimator.simulator import optimizer_slots_of
+from autodist_keras.estimator.simulator import usable_memory_bytes
 from autodist_keras.strategies import _common
 from autodist_keras.strategies import baselines
 from autodist_keras.strategies._coarse import CoarseCostModel
@@ -119,7 +121,8 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     budget = _common.Budget(time_budget_s, DEFAULT_BUDGET_S, started)
     cost = resolve_cost_model(cluster, cost_model)
     coarse = _units(graph, cluster, cost, names, batch_size)
-    tables = CostTables(coarse.graph, cluster, CoarseCostModel(cost, coarse), names)
+    tables = CostTables(coarse.graph, cluster, CoarseCostModel(cost, coarse), names,
+                        buffer_bytes=_common.unit_buffer_bytes(graph, coarse))
     tables.bucket_bytes = bucket_bytes or 0
     notes = []
     if graph.data_parallel_only:
@@ -440,12 +443,16 @@ def _plan_from_schedule(graph, coarse, schedule, batch, bucket_bytes, record):
 def _units(graph, cluster, cost, names, batch):
     """Fuses linear chains of layers into scheduling units (see `_coarse`)."""
     total = sum(n.forward_flops + n.backward_flops for n in graph.nodes.values())
-    smallest = min(cluster.device(d).memory_bytes for d in names)
+    smallest = min(usable_memory_bytes(cluster.device(d)) for d in names)
+    slots = optimizer_slots_of(graph)
     units = chain_partition(
         graph,
         cost_of=lambda n: n.forward_flops + n.backward_flops,
         max_cost=max(total / UNITS_PER_MODEL, 1.0),
         max_bytes=smallest / 8.0,
-        bytes_of=lambda n: static_bytes(n) + n.activation_bytes * batch,
+        bytes_of=lambda n: static_bytes(n, slots) + n.activation_bytes * batch,
     )
-    return CoarseGraph(graph, units)
+    coarse = CoarseGraph(graph, units)
+    coarse.graph.optimizer_slots = slots
+    coarse.graph.optimizer = getattr(graph, "optimizer", None)
+    return coarse

@@ -47,12 +47,12 @@ from scipy.sparse import coo_matrix
 
 from autodist_keras.errors import PlanError
 from autodist_keras.errors import StrategyError
+from autodist_keras.estimator.simulator import optimizer_slots_of
 from autodist_keras.strategies import _common
 from autodist_keras.strategies import baselines
 from autodist_keras.strategies._coarse import CoarseCostModel
 from autodist_keras.strategies._coarse import CoarseGraph
 from autodist_keras.strategies._coarse import contiguous_partition
-from autodist_keras.strategies._listsched import MEMORY_MARGIN
 from autodist_keras.strategies._listsched import CostTables
 from autodist_keras.strategies._listsched import rank_order
 from autodist_keras.strategies._listsched import resolve_cost_model
@@ -337,20 +337,25 @@ class _Space:
             isolate=self.isolated,
         )
         self.coarse = CoarseGraph(graph, self.chunks)
+        self.coarse.graph.optimizer_slots = optimizer_slots_of(graph)
+        self.coarse.graph.optimizer = getattr(graph, "optimizer", None)
         self.grid = _common.batch_grid(batch)
         self.ccost = CoarseCostModel(cost, self.coarse, grid=self.grid)
-        self.tables = CostTables(self.coarse.graph, cluster, self.ccost, names)
+        self.tables = CostTables(self.coarse.graph, cluster, self.ccost, names,
+                                 buffer_bytes=_common.unit_buffer_bytes(graph, self.coarse))
         self.fine_tables = fine_tables
         self.units = list(self.coarse.graph.nodes)
         self.buckets = baselines.gradient_buckets(graph, bucket_bytes)
         t = self.tables
-        self.static = [static_bytes(self.coarse.graph.nodes[u]) for u in self.units]
+        self.static = [static_bytes(self.coarse.graph.nodes[u], t.optimizer_slots)
+                       for u in self.units]
         incoming = [0] * len(self.units)
         for i, preds in enumerate(t.preds):
             incoming[i] = sum(b for _, b in preds)
         self.act = [t.act[i] + incoming[i] for i in range(len(self.units))]
+        self.buffer = list(t.buffer)  # backward gradient buffer per sample
         self.grad_bytes = [t.param_bytes[i] for i in range(len(self.units))]
-        self.capacity = [int(d.memory_bytes * MEMORY_MARGIN) for d in t.dev]
+        self.capacity = list(t.capacity)  # MEMORY_MARGIN of each device's usable memory
         # Time of each unit on each device class, sampled on the grid.
         self.f = {}
         for i, unit in enumerate(self.units):
@@ -925,7 +930,10 @@ class _Space:
             for j, nbytes in t.preds[i]:
                 if state[j][0] != c:
                     received[j] = max(received.get(j, 0), nbytes)
-        return sum(t.act[i] for i in chunk_ids) + sum(received.values())
+        # ... and the device's backward gradient buffer, the largest of the groups'
+        # (counted once per set: at least what the simulator counts).
+        buffer = max((self.buffer[i] for i in chunk_ids), default=0)
+        return sum(t.act[i] for i in chunk_ids) + sum(received.values()) + buffer
 
     def memory_state(self):
         """Groups on the largest candidate set whose devices still have room.
@@ -944,29 +952,40 @@ class _Space:
 
     def _placement_memory_state(self):
         room = list(self.capacity)
+        held = [0] * self.n  # each device's backward gradient buffer, counted in room
         order = sorted(range(self.n), key=lambda d: self.speed_rank[d])
         position, state = 0, []
         for i in range(len(self.units)):
-            need = self.static[i] + self.act[i] * self.batch
-            while position < len(order) and room[order[position]] < need:
+
+            def need(d):
+                return (self.static[i] + self.act[i] * self.batch
+                        + max(self.buffer[i] * self.batch - held[d], 0))
+
+            while position < len(order) and room[order[position]] < need(order[position]):
                 position += 1
             if position == len(order):
                 return None
             d = order[position]
-            room[d] -= need
+            room[d] -= need(d)
+            held[d] = max(held[d], self.buffer[i] * self.batch)
             state.append((self.sets.index((d,)), ("ring", None)))
         return tuple(state)
 
     def _greedy_memory_state(self):
         room = list(self.capacity)
+        held = [0] * self.n  # each device's backward gradient buffer, counted in room
         state = []
         for i in range(len(self.units)):
+
+            def need(d, per):
+                return (self.static[i] + self.act[i] * per
+                        + max(self.buffer[i] * per - held[d], 0))
+
             choice = None
             for set_id in sorted(range(len(self.sets)), key=lambda s: -len(self.sets[s])):
                 members = self.sets[set_id]
                 per = max(self.batch // len(members), 1)
-                need = self.static[i] + self.act[i] * per
-                if all(room[d] >= need for d in members):
+                if all(room[d] >= need(d, per) for d in members):
                     choice = set_id
                     break
             if choice is None:
@@ -974,7 +993,8 @@ class _Space:
             members = self.sets[choice]
             per = max(self.batch // len(members), 1)
             for d in members:
-                room[d] -= self.static[i] + self.act[i] * per
+                room[d] -= need(d, per)
+                held[d] = max(held[d], self.buffer[i] * per)
             state.append((choice, ("ring", None)))
         return tuple(state)
 

@@ -155,6 +155,8 @@ def cache_key(graph, cluster, batch_size, devices, families, options, scorer="si
             "package": _package_version(),
             "scorer": scorer,
             "graph": graph.fingerprint(),
+            # Not in the fingerprint (the same model), but it changes the memory model.
+            "optimizer_slots": getattr(graph, "optimizer_slots", 2),
             "cluster": cluster.fingerprint(),
             "batch_size": batch_size,
             "devices": list(devices),
