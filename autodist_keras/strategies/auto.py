@@ -236,25 +236,33 @@ class AutoStrategy:
             such as `"2xV100,4x1080Ti"`, `"cpu_testbed"` (the same as
             `Cluster.cpu_testbed()`), or the name of a spec shipped with the
             package (`"hetero_testbed"`, `"v100x8_nvlink"`, `"a100x4_t4x4"`).
-        devices: Optional subset of device names to use.
+        devices: Optional subset of the cluster's devices to use: a
+            non-empty list of distinct device names (default: all of them).
         plan: A ready `Plan` (or a path to its JSON) to run instead of planning.
         **options: Planner and runtime options: `sync` (`"allreduce"` or
             `"ps"`), `ps_server`, `algorithm`, `bucket_bytes`, `buckets`,
             `speeds`, `step_costs` (measured per-replica step costs
             `{device: (fixed_s, per_sample_s)}` or the path of a JSON file
             holding them: the proportional plans then balance these costs
-            over the cores, see `share_balance`), `timeout_s`, and
+            over the cores, see `share_balance`; not with `speeds`), `timeout_s`, and
             `estimator`: what scores the
             candidate plans, `"learned"` (default: the packaged learned
             estimator of the backend where the cluster and plan lie in its
             training domain, the simulator elsewhere), `"simulator"`, or the
-            path of a JSON file written by `LearnedEstimator.save()`; and
+            path of a JSON file written by `LearnedEstimator.save()` (not
+            with `plan=`, which runs no search); and
             `op_fusion`: whether the runtime compiles the plan's op-fusion
             regions (Disco), as XLA clusters on TensorFlow and as
             `torch.compile`d functions on PyTorch, `"auto"` (default: on
             TensorFlow when every replica is a GPU, never on PyTorch),
             `"on"` or `"off"`; `op_fusion_compiler`: the
-            `torch.compile` backend for them (default `"inductor"`).
+            `torch.compile` backend for them (default `"inductor"`). The
+            two op-fusion options go with `"auto"`, `"disco"` or `plan=`
+            only: the other strategies' plans have no op-fusion regions.
+            An option the strategy would not use, or options that
+            contradict each other (`algorithm` with `sync="ps"`), raise
+            `StrategyError` here, as does a `ps_server` outside `devices`
+            on PyTorch (its runtime hosts the server in a replica).
 
     Example:
 
@@ -314,6 +322,7 @@ class AutoStrategy:
         self.name = strategy
         self.cluster = Cluster.resolve(cluster)
         if devices is not None:
+            _check_devices(devices)
             devices = list(devices)
             for name in devices:
                 if name not in self.cluster.names:
@@ -325,6 +334,7 @@ class AutoStrategy:
         from autodist_keras.strategies.options import check_options
 
         check_options(strategy, options, self.cluster, fixed_plan=plan is not None)
+        self._check_ps_server_runs_a_replica(options, devices)
         if isinstance(plan, dict):
             plan = Plan.from_dict(plan)
         elif plan is not None and not isinstance(plan, Plan):
@@ -356,6 +366,24 @@ class AutoStrategy:
             from autodist_keras.backends.tensorflow_adapter import configure_logical_cpus
 
             configure_logical_cpus(self.cluster)
+
+    def _check_ps_server_runs_a_replica(self, options, devices):
+        """On PyTorch, a `ps_server` outside `devices=` cannot be run (the parameter
+        server runs in a replica's process): refuses it now, not at the first step."""
+        from autodist_keras.devices.detect import active_keras_backend
+
+        server = options.get("ps_server")
+        if server is None or devices is None or server in devices:
+            return
+        if active_keras_backend() != "torch":
+            return  # TensorFlow keeps the variables on the server device itself
+        raise StrategyError(
+            f"ps_server {server!r} is not one of devices={devices}: on the PyTorch backend "
+            "the parameter server runs in the process of a replica on its device, so it "
+            "must be one of the devices that train. Add it to devices=, name one of them "
+            "as ps_server (or leave ps_server out: the first device serves), or use "
+            f"KERAS_BACKEND=tensorflow. Received: ps_server={server!r}, devices={devices}"
+        )
 
     def _check_fixed_plan(self, plan, strategy, devices):
         """A plan given with `plan=` must run on this cluster and the devices asked for."""
@@ -805,10 +833,11 @@ class AutoStrategy:
             scorer=scorer,
         )
         wanted = BASELINE_FOR_NAME.get(self.name, self.name)
-        if self.name in BASELINE_FOR_NAME and set(opts) - {"algorithm", "bucket_bytes",
-                                                           "step_costs"}:
-            # Options such as sync="ps", ps_server, speeds or buckets shape the plan itself.
-            from autodist_keras.estimator import simulate
+        shaping = {k: v for k, v in opts.items() if k not in sync_opts}
+        if self.name in BASELINE_FOR_NAME and shaping:
+            # Options such as sync="ps", ps_server, speeds or buckets shape the plan itself:
+            # it is none of the candidates (built without them), but it is scored as they
+            # were, so that its figure and theirs are on one scale.
             from autodist_keras.strategies import baselines
 
             from autodist_keras.errors import PlanError
@@ -821,7 +850,17 @@ class AutoStrategy:
                     plan = builder(graph, self.cluster, batch_size, devices=self.devices, **opts)
             except PlanError as e:  # as the other strategies say it
                 raise _not_made_error(self.name, str(e).rstrip(".")) from None
-            plan.prediction = simulate(graph, self.cluster, plan).to_prediction()
+            forced = selection.score_plan(graph, self.cluster, plan, scorer, self.candidates,
+                                          name=wanted)
+            # explain() names these options beside the plan, and says that the
+            # candidates were built without them.
+            plan.provenance.options = dict(plan.provenance.options, shaped_by=dict(shaping))
+            if executable is not None:
+                forced.executable, why = executable(plan)
+                if not forced.executable:
+                    forced.reason = why
+            chosen = [forced]
+            selection.note_scoring(plan, scorer, self.candidates, scorer_why=forced.scorer_why)
         else:
             chosen = [c for c in self.candidates if c.name == wanted]
             if not chosen or chosen[0].plan is None:
@@ -830,12 +869,12 @@ class AutoStrategy:
             plan = chosen[0].plan
             # Which predictor gave its time, and any machine-speed scaling (as auto says).
             selection.note_scoring(plan, scorer, self.candidates)
-            if chosen[0].executable is False and here:
-                raise StrategyError(
-                    f"The {self.name!r} plan cannot run here on the {self.adapter.name} "
-                    f"backend: {chosen[0].reason}. Use strategy='auto' to pick a plan that "
-                    f"runs, or plan with the CLI. Received: strategy={self.name!r}"
-                )
+        if chosen[0].executable is False and here:
+            raise StrategyError(
+                f"The {self.name!r} plan cannot run here on the {self.adapter.name} "
+                f"backend: {chosen[0].reason}. Use strategy='auto' to pick a plan that "
+                f"runs, or plan with the CLI. Received: strategy={self.name!r}"
+            )
         prediction = plan.prediction
         if here and prediction is not None and prediction.feasible is False:
             # The runtime would start and run out of memory (on GPUs); auto refuses
@@ -974,6 +1013,24 @@ def _with_callbacks(given, adapt, timer):
     if isinstance(given, keras.callbacks.Callback):
         given = [given]
     return adapt(list(given or [])) + [timer]
+
+
+def _check_devices(devices):
+    """Raises `StrategyError` unless `devices=` is a non-empty list (or tuple) of
+    distinct device names (whether the cluster has them is checked after)."""
+    if (not isinstance(devices, (list, tuple)) or not devices
+            or not all(isinstance(d, str) for d in devices)):
+        raise StrategyError(
+            "devices must be a non-empty list of device names of the cluster, e.g. "
+            "devices=['node0/cpu0', 'node0/cpu1'] (a single device is a list of one), or "
+            f"None for all of its devices. Received: devices={devices!r}"
+        )
+    repeated = sorted({d for d in devices if devices.count(d) > 1})
+    if repeated:
+        raise StrategyError(
+            f"devices names {repeated} more than once; each device runs one replica, so "
+            f"name each device once. Received: devices={list(devices)!r}"
+        )
 
 
 def _not_made_error(name, reason):

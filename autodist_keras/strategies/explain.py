@@ -101,6 +101,16 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
             and prediction.step_time_s):
         measured_vs_predicted = round(measured["step_time_s"] / prediction.step_time_s, 3)
     chosen = plan.provenance.candidate
+    # Options that shaped a forced strategy's plan (sync="ps", speeds, ...): the plan
+    # is the candidate of its name with these options, and the candidates were built
+    # without them.
+    shaped = (plan.provenance.options or {}).get("shaped_by") or None
+    candidates_note = None
+    if shaped and candidates:
+        candidates_note = (
+            f"the baselines as a search builds them, without {options_label(shaped)} (the "
+            f"{chosen} row is not this plan, which is {chosen} with those options; all "
+            "are scored the same way)")
     why = [n[len("auto: "):] for n in plan.notes if n.startswith("auto: ")]
     if fixed:
         why = [f"the plan given with plan= (a {plan.provenance.planner or 'hand-made'} plan) "
@@ -111,7 +121,8 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
             why.append(f"its predicted step time is from the {prediction.source}, as recorded "
                        "in the plan")
     elif not why:
-        why = [f"{plan.provenance.planner} plan requested with strategy={strategy_name!r}"]
+        why = [f"{plan.provenance.planner} plan requested with strategy={strategy_name!r}"
+               + (f" and {options_label(shaped)}" if shaped else "")]
         if prediction is not None:
             why.append(f"its predicted step time is from the {prediction.source}")
         why += [n[len("scored: "):] for n in plan.notes if n.startswith("scored: ")]
@@ -121,13 +132,18 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
         # file, from the run it was saved from.
         notes = [n for n in notes if not n.startswith(CACHE_NOTE_PREFIX)]
     from_cache = any(n.startswith(CACHE_NOTE_PREFIX) for n in notes)
-    entry = candidates.get(chosen)
+    # (the row of a shaped plan's name is another plan: its "scored: " note says instead)
+    entry = None if shaped else candidates.get(chosen)
     scorer_why = entry.get("scorer_why") if isinstance(entry, dict) else None
     if scorer_why:
         why.append(f"the learned estimator did not score it: {scorer_why}")
     return {
         "strategy": strategy_name,
         "chosen": chosen,
+        # The options that shaped the chosen plan (None: it is the candidate `chosen`).
+        "chosen_options": dict(shaped) if shaped else None,
+        # Set when the candidates are not the chosen plan's own search (see above).
+        "candidates_note": candidates_note,
         "fixed_plan": bool(fixed),
         # Whether this run's search reused a cached plan (its note names the cache file).
         "from_cache": from_cache,
@@ -183,6 +199,16 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
         "planner_internal": internal,
         "planning_time_s": round(plan.provenance.planning_time_s, 4),
     }
+
+
+def options_label(options, width=60):
+    """`{"sync": "ps", "ps_server": "node0/cpu1"}` -> `"sync='ps', ps_server='node0/cpu1'"`,
+    each value's repr cut to `width` characters."""
+    parts = []
+    for name, value in options.items():
+        text = repr(value)
+        parts.append(f"{name}={text if len(text) <= width else text[:width - 3] + '...'}")
+    return ", ".join(parts)
 
 
 def _is_candidate(entry):
@@ -262,10 +288,12 @@ def _fmt(value, suffix=""):
 
 
 def _header_lines(data):
+    shaped = data.get("chosen_options")
+    chosen = data["chosen"] + (f" with {options_label(shaped)}" if shaped else "")
     if data.get("fixed_plan"):
-        lines = [f"AutoStrategy(plan=...): runs the given {data['chosen']} plan"]
+        lines = [f"AutoStrategy(plan=...): runs the given {chosen} plan"]
     else:
-        lines = [f"AutoStrategy({data['strategy']!r}): chose {data['chosen']}"]
+        lines = [f"AutoStrategy({data['strategy']!r}): chose {chosen}"]
     lines += [f"  why: {w}" for w in data["why"]]
     p = data["predicted"]
     if p is not None and p.get("feasible") is False:
@@ -427,6 +455,8 @@ def _render_plain(data):
         lines += [""] + groups
     if data["candidates"]:
         lines.append("")
+        if data.get("candidates_note"):
+            lines.append(f"Candidates: {data['candidates_note']}.")
         lines += _plain_table(CANDIDATE_COLUMNS, data["candidates"])
         left_out = _unused_candidate_lines(data)
         if left_out:
@@ -454,7 +484,10 @@ def _render_rich(data):
     for line in _group_lines(data):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
     if data["candidates"]:
-        table = Table(title="Candidates (predicted)")
+        title = "Candidates (predicted)"
+        if data.get("candidates_note"):
+            title += f": {data['candidates_note']}"
+        table = Table(title=title)
         for _, title in CANDIDATE_COLUMNS:
             table.add_column(title)
         for c in data["candidates"]:

@@ -7,9 +7,15 @@ Two kinds of mistake are caught here, before any model is built:
 - an option that the chosen strategy would not use. The options that fix a
   plan's shape (`sync`, `ps_server`, `speeds`, `buckets`, ...) shape the
   data-parallel baselines; the FastT, HeteroG and Disco planners choose those
-  things themselves, and `auto` compares plans of every shape. Silently
-  dropping such an option would train with something other than what the user
-  asked for, so it is an error that says which strategies take it.
+  things themselves, and `auto` compares plans of every shape. `op_fusion`
+  and `op_fusion_compiler` compile a plan's op-fusion regions, which only
+  Disco's plans (and so `auto`'s, and a plan given with `plan=`) have;
+  `estimator` scores the candidates of a search, and `plan=` runs no search.
+  Options that contradict each other (`speeds` with `step_costs`, which both
+  set the proportional shares; `algorithm` with `sync="ps"`, which runs no
+  all-reduce) are refused too. Silently dropping such an option would train
+  with something other than what the user asked for, so it is an error that
+  says which strategies take it.
 
 Example:
 
@@ -52,6 +58,21 @@ _WHY_NOT = {
 }
 
 
+# The runtime options that only some strategies use: the op-fusion options compile
+# a plan's op-fusion regions, which only the Disco planner makes (auto may choose a
+# Disco plan; a plan given with plan= may have regions, so plan= takes them too).
+RUNTIME_OPTIONS_FOR = {
+    "op_fusion": ("auto", "disco"),
+    "op_fusion_compiler": ("auto", "disco"),
+}
+_WHY_NOT_RUNTIME = {
+    "op_fusion": "its plans have no op-fusion regions to compile (only the Disco planner "
+                 "makes them)",
+    "op_fusion_compiler": "its plans have no op-fusion regions to compile (only the Disco "
+                          "planner makes them)",
+}
+
+
 def _is_number(value):
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -80,6 +101,26 @@ def check_options(strategy, options, cluster, fixed_plan=False):
                 f"Option(s) {fixed} shape a plan, but plan= gives the plan to run as it is. "
                 "Leave them out, or drop plan= to have the strategy build one. "
                 f"Received: {', '.join(f'{k}={options[k]!r}' for k in fixed)}"
+            )
+        if "estimator" in options:
+            raise StrategyError(
+                "estimator scores the candidate plans of a search, but plan= gives the plan "
+                "to run as it is: no search runs, and its prediction is the one recorded in "
+                "the plan (or the simulator's). Leave estimator out, or drop plan= to have "
+                f"the strategy plan. Received: estimator={options['estimator']!r}"
+            )
+    else:
+        idle = [k for k, users in RUNTIME_OPTIONS_FOR.items()
+                if k in options and strategy not in users]
+        if idle:
+            why = "; ".join(dict.fromkeys(_WHY_NOT_RUNTIME[k] for k in idle))
+            takers = sorted({s for k in idle for s in RUNTIME_OPTIONS_FOR[k]})
+            given = ", ".join(f"{k}={options[k]!r}" for k in idle)
+            raise StrategyError(
+                f"Option(s) {idle} would be ignored by strategy={strategy!r}: {why}. They "
+                f"are used by strategy {' or '.join(repr(s) for s in takers)} (and with "
+                "plan= when the plan has op-fusion regions); use one of those, or leave the "
+                f"option(s) out. Received: strategy={strategy!r}, {given}"
             )
     unused = [k for k in PLAN_OPTIONS if k in options and k not in PLAN_OPTIONS_FOR[strategy]]
     if unused and not fixed_plan:
@@ -112,6 +153,13 @@ def check_options(strategy, options, cluster, fixed_plan=False):
             f"algorithm must be one of {ALLREDUCE_ALGORITHMS}. "
             f"Received: algorithm={options['algorithm']!r}"
         )
+    if "algorithm" in options and options.get("sync") == "ps":
+        raise StrategyError(
+            "algorithm names an all-reduce algorithm, but sync='ps' synchronises the "
+            "gradients through a parameter server, with no all-reduce: the algorithm would "
+            "be ignored. Leave algorithm out, or use sync='allreduce'. "
+            f"Received: algorithm={options['algorithm']!r}, sync='ps'"
+        )
     if "bucket_bytes" in options and not (
             _is_number(options["bucket_bytes"]) and options["bucket_bytes"] >= 0):
         raise StrategyError(
@@ -141,6 +189,22 @@ def check_options(strategy, options, cluster, fixed_plan=False):
             raise StrategyError(
                 f"speeds names devices that are not in the cluster ({cluster.names}). "
                 f"Received: {unknown}"
+            )
+    if "step_costs" in options:
+        # (already read and checked by share_balance: a dict by device name)
+        unknown = [d for d in options["step_costs"] if d not in cluster.names]
+        if unknown:
+            raise StrategyError(
+                f"step_costs names devices that are not in the cluster ({cluster.names}); "
+                "measure the costs on this cluster's devices, or pass the cluster they were "
+                f"measured on. Received: {unknown}"
+            )
+        if "speeds" in options:
+            raise StrategyError(
+                "speeds and step_costs are alternatives: both set the proportional shares "
+                "(step_costs, measured per-replica costs, replace the speeds), so one of "
+                "them would be ignored. Pass one of them. "
+                f"Received: speeds={options['speeds']!r}, step_costs={options['step_costs']!r}"
             )
     if "timeout_s" in options and not (
             _is_number(options["timeout_s"]) and options["timeout_s"] > 0):

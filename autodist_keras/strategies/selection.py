@@ -238,7 +238,7 @@ class Scorer:
         return (sim.step_time_s * factor,
                 f"simulator x {factor:.2f} calibration of the learned estimator; predicted", why)
 
-    def finish(self, candidates):
+    def finish(self, candidates, targets=None):
         """Puts out-of-domain candidates on the learned scale of this search.
 
         Each candidate scored outside the estimator's domain gets its
@@ -247,6 +247,15 @@ class Scorer:
         whose simulated time is closest to its own. Where no candidate is in
         the domain, the estimator's overall calibration (already applied)
         stays.
+
+        Args:
+            candidates: The scored `Candidate`s of the search (the references
+                are taken among them).
+            targets: The candidates to rescale (default: every one of
+                `candidates`); `score_plan` rescales only the plan it adds.
+
+        Returns:
+            `candidates`.
         """
         if not self.active:
             return candidates
@@ -254,7 +263,7 @@ class Scorer:
                   and c.scorer.startswith("learned") and c.simulated_step_time_s]
         if not inside:
             return candidates
-        for c in candidates:
+        for c in (candidates if targets is None else targets):
             if c.plan is None or not c.scorer or not c.scorer.startswith("simulator x"):
                 continue
             same = [r for r in inside if set(r.plan.devices) == set(c.plan.devices)] or inside
@@ -692,7 +701,7 @@ def record_candidates(plan, candidates):
     plan.prediction.baselines = figures
 
 
-def note_scoring(plan, scorer, candidates):
+def note_scoring(plan, scorer, candidates, scorer_why=None):
     """Notes on a forced strategy's plan which predictor scored the candidates.
 
     `explain()` adds it to the plan's "why", as `auto` says it in its own
@@ -703,9 +712,53 @@ def note_scoring(plan, scorer, candidates):
         plan: The chosen `Plan` (its notes are replaced, not appended to twice).
         scorer: The `Scorer` that scored `candidates`.
         candidates: The `Candidate` list of the search.
+        scorer_why: For a plan that is none of the candidates (`score_plan`),
+            why the learned estimator did not score it, if so.
     """
     plan.notes = [n for n in plan.notes if not n.startswith("scored: ")] + [
         "scored: " + scorer.summary(candidates)]
+    if scorer_why:
+        plan.notes.append(f"scored: the learned estimator did not score it: {scorer_why}")
+
+
+def score_plan(graph, cluster, plan, scorer, candidates, name):
+    """Scores a plan made beside a search exactly as the search's candidates were.
+
+    A forced strategy whose options shape its plan (`sync="ps"`, `speeds`,
+    ...) builds that plan apart from the candidates; scored by the plain
+    simulator it would sit on another scale than they do (the learned
+    estimator's), and `explain()` would compare figures of two scales. Here
+    it gets the scorer's time, and outside the estimator's domain the same
+    `learned / simulated` rescaling by an in-domain candidate of the search
+    (`Scorer.finish`), so a plan equal to a candidate gets the candidate's
+    figure.
+
+    Args:
+        graph: The `ModelGraph`.
+        cluster: The `Cluster`.
+        plan: The `Plan` (built and validated); its `prediction` is set.
+        scorer: The `Scorer` that scored `candidates` (prepared for their
+            devices), or None for the plain simulator.
+        candidates: The scored `Candidate`s of the search.
+        name: The name of the new `Candidate` (e.g. `"data_parallel_even"`).
+
+    Returns:
+        The scored `Candidate` of `plan` (not added to `candidates`).
+
+    Example:
+
+    ```python
+    scorer = resolve_scorer("learned", "torch")
+    candidates = build_candidates(graph, cluster, 96, scorer=scorer)
+    plan = baselines.data_parallel_even(graph, cluster, 96, sync="ps")
+    forced = score_plan(graph, cluster, plan, scorer, candidates, "data_parallel_even")
+    ```
+    """
+    candidate = Candidate(name=name, family="baseline", plan=plan)
+    _score(graph, cluster, candidate, None, scorer)
+    if scorer is not None:
+        scorer.finish(list(candidates) + [candidate], targets=[candidate])
+    return candidate
 
 
 def _explain_choice(best, candidates, scorer=None):
