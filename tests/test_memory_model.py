@@ -5,6 +5,7 @@ Real Keras models, real clusters (spec dicts and YAML files), the real simulator
 """
 
 import keras
+import numpy as np
 import pytest
 
 from autodist_keras import AutoStrategy
@@ -250,3 +251,25 @@ def test_auto_strategy_plans_an_sgd_model_by_its_optimizer(tinymem):
     plan = strategy.plan_for(model, 48)
     assert plan.prediction.feasible, plan.prediction.infeasible_reason
     assert strategy.graph.optimizer_slots == 0
+
+
+@pytest.mark.parametrize("make", [
+    lambda: keras.optimizers.SGD(0.01, momentum=0.9, gradient_accumulation_steps=4),
+    lambda: keras.optimizers.Adam(gradient_accumulation_steps=4),
+    lambda: keras.optimizers.Adam(amsgrad=True, use_ema=True),
+    lambda: keras.optimizers.RMSprop(centered=True, momentum=0.5),
+    lambda: keras.optimizers.SGD(0.01),
+    lambda: keras.optimizers.Nadam(),
+])
+def test_slot_counts_match_the_variables_keras_builds(make):
+    """Counted per parameter as Keras builds them (gradient accumulation keeps one
+    accumulator per variable: it was not counted until the session-26 review)."""
+    model = _tiny(make())
+    optimizer = model.optimizer
+    optimizer.build(model.trainable_variables)
+    shapes = [tuple(v.shape) for v in model.trainable_variables]
+    full = sum(int(np.prod(v.shape)) for v in optimizer.variables
+               if tuple(v.shape) in shapes and tuple(v.shape) != ())
+    params = sum(int(np.prod(s)) for s in shapes)
+    assert full % params == 0
+    assert ModelGraph.from_keras(model).optimizer_slots == full // params

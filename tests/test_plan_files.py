@@ -226,3 +226,40 @@ def test_a_plan_file_predicted_not_to_fit_here_is_refused_at_fit(graph, cluster,
             model.fit(*_data(), batch_size=24, verbose=0)
     assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
     assert int(model.optimizer.iterations) == 0
+
+
+def test_plan_file_memory_is_checked_for_the_optimizer_compiled_here(graph, cluster, tmp_path):
+    """The graph fingerprint leaves the optimizer out, so a plan recorded for the same
+    model with Adam's two slots (or with none, SGD) kept its memory verdict when
+    given with plan= for the model compiled with the other: a plan that fits was
+    refused, and one that does not fit was run."""
+    sgd_graph = graph  # (compiled with SGD: no slots)
+    adam_model = _model()
+    adam_model.compile(optimizer="adam", loss="mse")
+    adam_graph = ModelGraph.from_keras(adam_model)
+    plan = baselines.data_parallel_even(graph, cluster, 24)
+    peaks = [max(simulate(g, cluster, plan).peak_memory_bytes.values())
+             for g in (sgd_graph, adam_graph)]
+    assert peaks[0] < peaks[1]
+    middle = tmp_path / "middle.yaml"
+    middle.write_text(_TINY_MEMORY.replace("0.000001", f"{sum(peaks) / 2 / 2**30:.12f}"))
+    middle_cluster = Cluster.from_yaml(str(middle))
+    for recorded_with, runs_with, fits in ((adam_graph, "sgd", True), (sgd_graph, "adam", False)):
+        plan = baselines.data_parallel_even(recorded_with, middle_cluster, 24)
+        plan.prediction = simulate(recorded_with, middle_cluster, plan).to_prediction()
+        assert plan.prediction.feasible is not fits  # the verdict recorded in the file
+        path = tmp_path / f"recorded_{recorded_with.optimizer}.json"
+        plan.to_json(path)
+        strategy = AutoStrategy(cluster=str(middle), plan=str(path))
+        with strategy.scope():
+            model = _model()
+            model.compile(optimizer=runs_with, loss="mse")
+        if fits:
+            model.fit(*_data(), batch_size=24, verbose=0)
+            assert strategy.plan.prediction.feasible is True
+            assert any("memory figures were made for another optimizer" in n
+                       for n in strategy.plan.notes)
+        else:
+            with pytest.raises(StrategyError, match="is predicted not to fit in memory here.*"
+                               r"counting 2 optimizer slots per parameter \(Adam\)"):
+                model.fit(*_data(), batch_size=24, verbose=0)

@@ -17,6 +17,8 @@ import textwrap
 import keras
 import pytest
 
+from autodist_keras.errors import BackendError
+
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "torch",
     reason="PyTorch runtime: spawned workers import the user's script",
@@ -262,14 +264,15 @@ def _make_layer_class():
     return Doubled
 
 
-Doubled = _make_layer_class()  # made at import time, so a worker importing this has it too
+# Made at import time (so a worker importing this module has it too), kept in a dict.
+_MADE_AT_IMPORT = {"doubled": _make_layer_class()}
 
 
 def test_custom_layer_registered_inside_main_is_refused_before_workers_start(tmp_path):
     """Registered in rank 0 only (the workers import the script without running
     main()), so the check passed, the workers started, and about 18 s later a worker
     said it could not deserialize 'Sequential', naming neither the layer nor the fix.
-    A class a factory makes at import time (kept by its module) is accepted."""
+    A class a factory makes at import time is accepted, wherever it is kept."""
     from autodist_keras.backends.torch_session import check_serializable
 
     result = _run(tmp_path, LAYER_REGISTERED_IN_MAIN)
@@ -280,4 +283,13 @@ def test_custom_layer_registered_inside_main_is_refused_before_workers_start(tmp
     assert "Define the class (or function) at the top level of the module" in message
     assert "Received: __main__.main.<locals>.Scale" in message
     assert "bootstrapping phase" not in message  # no worker was started
-    check_serializable(keras.Sequential([keras.Input((4,)), Doubled(), keras.layers.Dense(1)]))
+    check_serializable(keras.Sequential([keras.Input((4,)), _MADE_AT_IMPORT["doubled"](),
+                                         keras.layers.Dense(1)]))
+
+    @keras.saving.register_keras_serializable(package="test_local")
+    class Halved(keras.layers.Layer):  # made by this test, which is still running
+        def call(self, x):
+            return x * 0.5
+
+    with pytest.raises(BackendError, match="defined inside the function test_custom_layer_"):
+        check_serializable(keras.Sequential([keras.Input((4,)), Halved()]))

@@ -37,12 +37,13 @@ def test_forced_plan_with_a_redundant_option_is_scored_as_the_candidate_it_equal
     assert plan.prediction.step_time_s == pytest.approx(even["predicted_step_time_s"])
     assert data["predicted"]["source"] == even["scorer"]
     assert data["speedup_vs_even_predicted"] == 1.0
-    # The chosen plan is named with its options; the rows are the baselines without them.
+    # The chosen plan is named with its options, and the row it equals is named.
     assert data["chosen_options"] == {"sync": "allreduce"}
-    assert "without sync='allreduce'" in data["candidates_note"]
+    assert "is the data_parallel_even row" in data["candidates_note"]
     text = strategy.explain()
     assert "chose data_parallel_even with sync='allreduce'" in text
-    assert "Candidates: the baselines as a search builds them, without sync='allreduce'" in text
+    assert ("Candidates: the baselines as a search builds them; this plan, data_parallel_even "
+            "with sync='allreduce', is the data_parallel_even row") in text
 
 
 def test_forced_ps_plan_is_on_the_scale_of_the_candidates():
@@ -58,7 +59,19 @@ def test_forced_ps_plan_is_on_the_scale_of_the_candidates():
     assert data["speedup_vs_even_predicted"] == pytest.approx(
         even["predicted_step_time_s"] / plan.prediction.step_time_s, abs=1e-3)
     assert data["chosen_options"] == {"sync": "ps"}
+    # (the review found the note saying the rows were built "without sync='ps'")
+    assert "is the data_parallel_even_ps row" in data["candidates_note"]
+    assert "without" not in data["candidates_note"]
     assert "(scored differently" not in strategy.explain()
+
+
+def test_a_forced_plan_unlike_every_candidate_says_the_rows_lack_its_options():
+    speeds = {d: s for d, s in zip(TESTBED, (1.0, 3.0, 2.0))}
+    strategy = AutoStrategy("proportional", cluster=Cluster.cpu_testbed(), speeds=speeds)
+    plan = strategy.plan_for(_model(strategy), 24)
+    assert [r.batch_share for r in plan.replicas] == [4, 12, 8]
+    note = strategy.explain(format="json")["candidates_note"]
+    assert note.startswith("the baselines as a search builds them, without speeds=")
 
 
 def test_speeds_and_step_costs_are_alternatives():
@@ -129,8 +142,8 @@ def test_ps_server_outside_devices_is_refused_on_torch_only():
 
 @pytest.mark.parametrize("strategy,option", [
     ("data_parallel", {"op_fusion": "on"}),
-    ("proportional", {"op_fusion": "off"}),
-    ("single_device", {"op_fusion": "auto"}),
+    ("proportional", {"op_fusion": "auto"}),
+    ("single_device", {"op_fusion": "on"}),
     ("data_parallel", {"op_fusion_compiler": "inductor"}),
 ])
 def test_op_fusion_with_a_strategy_whose_plans_have_no_regions_is_refused(strategy, option):
@@ -139,6 +152,8 @@ def test_op_fusion_with_a_strategy_whose_plans_have_no_regions_is_refused(strate
                                             "'auto' or 'disco'") as info:
         AutoStrategy(strategy, cluster=Cluster.cpu_testbed(), **option)
     assert str(info.value).endswith(f"Received: strategy='{strategy}', {name}={value!r}")
+    # "off" asks for what the strategy does anyway (scripts set it for every strategy)
+    AutoStrategy(strategy, cluster=Cluster.cpu_testbed(), op_fusion="off")
 
 
 def test_estimator_with_plan_is_refused_and_op_fusion_with_plan_is_kept():

@@ -260,9 +260,7 @@ def check_serializable(model):
                 "@keras.saving.register_keras_serializable() there, and import it from "
                 f"there. Received: __main__.{name}"
             )
-        home = sys.modules.get(module)
-        kept_by_module = home is not None and any(v is target for v in vars(home).values())
-        if "<locals>" in name and not kept_by_module:
+        if "<locals>" in name and _registered_only_in_this_run(target, module, name, main):
             # Registered when the function ran, in this process only: a worker
             # imports the module without running that function.
             function = name.split(".<locals>")[0]
@@ -285,6 +283,35 @@ def check_serializable(model):
                 "training under `if __name__ == '__main__':`). "
                 f"Received: {module}.{name}"
             )
+
+
+def _registered_only_in_this_run(target, module, qualname, main):
+    """Whether a class (or function) defined inside a function was made by a call
+    that worker processes will not repeat when they import its module.
+
+    Certain when that function is still running (the fit was called from inside
+    it, `main()` say); likely when it lives in the main script and the script
+    keeps no top-level name for it (the training code under the main guard made
+    it). A class a factory made while its module was imported (kept in a dict,
+    say) is made again in each worker, so it passes.
+    """
+    import inspect
+    import sys
+
+    function = qualname.split(".<locals>")[0].split(".")[-1]
+    home = sys.modules.get(module)
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if (frame.f_code.co_name == function and home is not None
+                    and frame.f_globals is vars(home)):
+                return True
+            frame = frame.f_back
+    finally:
+        del frame
+    if home is None or home is not main:
+        return False
+    return not any(value is target for value in vars(home).values())
 
 
 def prediction_leaves(y_pred):

@@ -576,7 +576,8 @@ def optimizer_slots(optimizer):
     `Nadam`, `Adamax`, `Lamb` 2 (`Adam`/`AdamW` 3 with `amsgrad`);
     `Adadelta` 2; `Ftrl` 2; `Lion` 1; `Adafactor` 1 (its row and column
     statistics of a matrix are much smaller than the matrix; counted as one
-    slot); `use_ema=True` adds 1 (the moving average of the weights). A
+    slot); `use_ema=True` adds 1 (the moving average of the weights), and
+    `gradient_accumulation_steps` above 1 adds 1 (the accumulated gradient). A
     `LossScaleOptimizer` counts its inner optimizer's. Subclasses count as
     their Keras base class. Any other optimizer class counts
     `DEFAULT_OPTIMIZER_SLOTS` (2, as Adam), a conservative guess.
@@ -624,6 +625,12 @@ def optimizer_slots(optimizer):
         slots += 1
     if getattr(optimizer, "use_ema", False):
         slots += 1
+    try:
+        accumulating = int(getattr(optimizer, "gradient_accumulation_steps", None) or 0) > 1
+    except (TypeError, ValueError):
+        accumulating = False
+    if accumulating:
+        slots += 1  # a gradient accumulator per variable
     return slots, name
 
 

@@ -784,23 +784,44 @@ class AutoStrategy:
                    "the prediction shown is the simulator's for this model and cluster")
         else:
             why = None
-        if why is not None:
-            # Simulate on a copy: the caller's Plan object keeps what it had.
-            from autodist_keras.estimator import simulate
+        from autodist_keras.estimator import simulate
 
+        simulated = simulate(self.graph, self.cluster, self.plan).to_prediction()
+        memory_only = False
+        if why is None and (simulated.feasible != recorded.feasible
+                            or simulated.peak_memory_bytes != recorded.peak_memory_bytes):
+            # The same model and cluster, but the recorded memory figures were made
+            # for another optimizer (the graph fingerprint leaves it out) or by an
+            # earlier memory model. Memory is always the simulator's: its figures for
+            # this model replace them; the recorded times stay.
+            memory_only = True
+            why = ("plan=: the recorded memory figures were made for another optimizer or by "
+                   "an earlier memory model; the memory shown is the simulator's for this "
+                   "model, its optimizer and this cluster (the step time is as recorded)")
+        if why is not None:
+            # On a copy: the caller's Plan object keeps what it had.
             if self.plan is self._fixed_plan:
                 self.plan = copy.deepcopy(self.plan)
-            self.plan.prediction = simulate(self.graph, self.cluster, self.plan).to_prediction()
+            if memory_only:
+                prediction = self.plan.prediction
+                prediction.feasible = simulated.feasible
+                prediction.infeasible_reason = simulated.infeasible_reason
+                prediction.peak_memory_bytes = dict(simulated.peak_memory_bytes)
+                for name, figures in prediction.per_device.items():
+                    if name in simulated.per_device:
+                        figures["peak_memory_bytes"] = (
+                            simulated.per_device[name]["peak_memory_bytes"])
+            else:
+                self.plan.prediction = simulated
             self.plan.notes = list(self.plan.notes) + [why]
-        prediction = self.plan.prediction
-        if prediction.feasible is False and self.adapter.cluster_is_here():
+        if simulated.feasible is False and self.adapter.cluster_is_here():
             # What a forced strategy refuses (see _build_plan): on GPUs the runtime
             # would start and run out of memory.
             raise StrategyError(
                 f"{given} is predicted not to fit in memory here: "
-                f"{prediction.infeasible_reason}. Plan for these devices instead (leave plan= "
-                "out: strategy='auto' places layers on several devices when a whole replica "
-                "does not fit), or use a smaller batch size or devices with more memory. "
+                f"{simulated.infeasible_reason}. Plan for these devices instead (leave plan= "
+                f"out: {_placement_advice(self.adapter.name)}), or use a smaller batch size "
+                "or devices with more memory. "
                 f"Received: a plan for a global batch of {self.plan.global_batch_size} on "
                 f"{len(self.plan.devices)} device(s)"
             )
@@ -855,6 +876,11 @@ class AutoStrategy:
             # explain() names these options beside the plan, and says that the
             # candidates were built without them.
             plan.provenance.options = dict(plan.provenance.options, shaped_by=dict(shaping))
+            digest = plan.structure_digest()
+            same = [c.name for c in self.candidates
+                    if c.plan is not None and c.plan.structure_digest() == digest]
+            if same:  # (sync="ps" gives the search's own data_parallel_even_ps, say)
+                plan.provenance.options["same_as"] = same[0]
             if executable is not None:
                 forced.executable, why = executable(plan)
                 if not forced.executable:
@@ -879,11 +905,7 @@ class AutoStrategy:
         if here and prediction is not None and prediction.feasible is False:
             # The runtime would start and run out of memory (on GPUs); auto refuses
             # such plans too ("No plan fits").
-            placement = ("strategy='auto' or 'fastt', which place layers on several devices "
-                         "when a whole replica does not fit")
-            if self.adapter.name == "torch":
-                placement = ("KERAS_BACKEND=tensorflow with " + placement + " (the PyTorch "
-                             "runtime runs data parallelism only)")
+            placement = _placement_advice(self.adapter.name)
             raise StrategyError(
                 f"The {self.name!r} plan is predicted not to fit in memory: "
                 f"{prediction.infeasible_reason}. Use {placement}, a smaller batch size, or "
@@ -1013,6 +1035,16 @@ def _with_callbacks(given, adapt, timer):
     if isinstance(given, keras.callbacks.Callback):
         given = [given]
     return adapt(list(given or [])) + [timer]
+
+
+def _placement_advice(backend):
+    """What to use when a whole replica does not fit, on `backend`."""
+    advice = ("strategy='auto' or 'fastt', which place layers on several devices when a "
+              "whole replica does not fit")
+    if backend == "torch":
+        advice = ("KERAS_BACKEND=tensorflow with " + advice + " (the PyTorch runtime runs "
+                  "data parallelism only)")
+    return advice
 
 
 def _check_devices(devices):

@@ -105,8 +105,15 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
     # is the candidate of its name with these options, and the candidates were built
     # without them.
     shaped = (plan.provenance.options or {}).get("shaped_by") or None
+    same_as = (plan.provenance.options or {}).get("same_as") if shaped else None
+    if same_as not in candidates:
+        same_as = None
     candidates_note = None
-    if shaped and candidates:
+    if shaped and candidates and same_as:
+        candidates_note = (
+            f"the baselines as a search builds them; this plan, {chosen} with "
+            f"{options_label(shaped)}, is the {same_as} row (all are scored the same way)")
+    elif shaped and candidates:
         candidates_note = (
             f"the baselines as a search builds them, without {options_label(shaped)} (the "
             f"{chosen} row is not this plan, which is {chosen} with those options; all "
@@ -133,7 +140,7 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
         notes = [n for n in notes if not n.startswith(CACHE_NOTE_PREFIX)]
     from_cache = any(n.startswith(CACHE_NOTE_PREFIX) for n in notes)
     # (the row of a shaped plan's name is another plan: its "scored: " note says instead)
-    entry = None if shaped else candidates.get(chosen)
+    entry = candidates.get(same_as) if shaped else candidates.get(chosen)
     scorer_why = entry.get("scorer_why") if isinstance(entry, dict) else None
     if scorer_why:
         why.append(f"the learned estimator did not score it: {scorer_why}")

@@ -110,8 +110,11 @@ def check_options(strategy, options, cluster, fixed_plan=False):
                 f"the strategy plan. Received: estimator={options['estimator']!r}"
             )
     else:
+        # (op_fusion="off" asks for what these strategies do anyway: a script may set it
+        # for every strategy it tries)
         idle = [k for k, users in RUNTIME_OPTIONS_FOR.items()
-                if k in options and strategy not in users]
+                if k in options and strategy not in users
+                and not (k == "op_fusion" and options[k] == "off")]
         if idle:
             why = "; ".join(dict.fromkeys(_WHY_NOT_RUNTIME[k] for k in idle))
             takers = sorted({s for k in idle for s in RUNTIME_OPTIONS_FOR[k]})
