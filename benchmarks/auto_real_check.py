@@ -47,6 +47,13 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+from _common import error_text  # noqa: E402
+from _common import non_negative_int  # noqa: E402
+from _common import positive_float  # noqa: E402
+from _common import positive_int  # noqa: E402
+from _common import versions  # noqa: E402
 
 ZOO = "autodist_keras.graph.zoo"
 # name: (builder, kwargs, global batch size). cnn and mlp are the models of
@@ -241,7 +248,8 @@ def check_case(name, steps=6, warmup=3, rounds=4, estimator="learned", timeout_s
             times[label].extend(float(t) for t in got[:steps])
         loads.append(load_average())
         log(f"  median after round {r + 1}: " + ", ".join(
-            f"{label} {statistics.median(times[label]) * 1e3:.1f} ms" for label in labels))
+            f"{label} {statistics.median(times[label]) * 1e3:.1f} ms" for label in labels)
+            + f" (1-minute load average {_load_text(loads[-1])})")
     measured = {label: statistics.median(t) for label, t in times.items()}
     auto_label = f"auto={chosen}"
     ratios = {label: measured[label] / measured[auto_label] for label in labels
@@ -277,14 +285,25 @@ def check_case(name, steps=6, warmup=3, rounds=4, estimator="learned", timeout_s
     }
 
 
+def _load_text(load):
+    """The 1-minute figure of a `load_average()` result, or "n/a"."""
+    if isinstance(load, (list, tuple)) and load:
+        load = load[0]
+    return "n/a" if load is None else f"{load:.1f}"
+
+
 def run(args):
-    results = []
+    results, errors = [], []
     started = time.perf_counter()
     for name in args.models:
-        results.append(check_case(name, steps=args.steps, warmup=args.warmup,
-                                  rounds=args.rounds, estimator=args.estimator,
-                                  timeout_s=args.timeout, devices=args.devices,
-                                  isolate=not args.in_process))
+        try:
+            results.append(check_case(name, steps=args.steps, warmup=args.warmup,
+                                      rounds=args.rounds, estimator=args.estimator,
+                                      timeout_s=args.timeout, devices=args.devices,
+                                      isolate=not args.in_process))
+        except Exception as e:  # reported in the JSON line; the exit code says it failed
+            errors.append({"model": name, "error": error_text(e)})
+            print(f"{name}: error: {errors[-1]['error']}")
     try:
         from autodist_keras.backends.torch_pool import shutdown_pools
 
@@ -294,9 +313,12 @@ def run(args):
     compared = [r for r in results if r["ratio_measured_baseline_over_auto"]]
     ratios = [v for r in compared for v in r["ratio_measured_baseline_over_auto"].values()]
     overall = {
-        "auto_at_least_as_fast": all(r["auto_at_least_as_fast"] for r in results),
+        # None (not known) where a case failed before it was measured.
+        "auto_at_least_as_fast": (None if errors else
+                                  all(r["auto_at_least_as_fast"] for r in results)),
         "cases_holding": sum(r["auto_at_least_as_fast"] for r in results),
         "cases": len(results),
+        "cases_failed": len(errors),
         "cases_with_beaten_baselines": len(compared),
         "min_ratio": min(ratios) if ratios else None,
         "geomean_ratio": (statistics.geometric_mean(ratios) if ratios else None),
@@ -305,9 +327,11 @@ def run(args):
     print(f"overall: auto at least as fast as every baseline it beat on paper in "
           f"{overall['cases_holding']} of {overall['cases']} case(s); min ratio "
           f"{overall['min_ratio'] if overall['min_ratio'] is None else round(overall['min_ratio'], 3)}"
-          f" (measured, this machine, {overall['wall_s']} s)")
+          f" (measured, this machine, {overall['wall_s']} s)"
+          + (f"; {len(errors)} case(s) failed: {[e['model'] for e in errors]}" if errors else ""))
     line = {"benchmark": "auto_real_check", "cluster": "cpu_testbed",
-            "estimator": args.estimator, "cases": results, "overall": overall}
+            "estimator": args.estimator, "versions": versions(), "cases": results,
+            "errors": errors, "overall": overall}
     print(json.dumps(line))
     return line
 
@@ -319,10 +343,13 @@ def main(argv=None):
     parser.add_argument("--backend", choices=["torch", "tensorflow"], default="torch")
     parser.add_argument("--estimator", default="learned",
                         help="AutoStrategy estimator= option: learned, simulator or a JSON path")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per plan per round")
-    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per plan per round")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per plan run")
+    parser.add_argument("--steps", type=positive_int, default=6,
+                        help="timed steps per plan per round (at least 1)")
+    parser.add_argument("--warmup", type=non_negative_int, default=3,
+                        help="warm-up steps per plan per round")
+    parser.add_argument("--rounds", type=positive_int, default=4)
+    parser.add_argument("--timeout", type=positive_float, default=600.0,
+                        help="seconds per plan run")
     parser.add_argument("--devices", nargs="*", default=None,
                         help="testbed devices auto may use (default: all)")
     parser.add_argument("--in-process", action="store_true",
@@ -338,13 +365,23 @@ def main(argv=None):
         return subprocess.call([sys.executable, os.path.abspath(__file__)] + argv, env=env)
     if args.run_plan:
         return run_plan(args)
-    print(f"auto_real_check: {args.backend}, models {args.models}, estimator "
+    from autodist_keras.estimator.measurements import load_average
+
+    print(f"auto_real_check: {args.backend} ({_versions_line()}), models {args.models}, "
+          f"estimator "
           f"{args.estimator!r}, {args.rounds} interleaved round(s) of {args.steps} timed steps "
           f"after {args.warmup} warm-up steps per plan, "
-          + ("all in this process" if args.in_process else "each in a fresh process"),
+          + ("all in this process" if args.in_process else "each in a fresh process")
+          + f"; 1-minute load average {_load_text(load_average())} at start",
           flush=True)
-    run(args)
-    return 0
+    line = run(args)
+    return 1 if line["errors"] else 0
+
+
+def _versions_line():
+    from _common import versions_text
+
+    return versions_text(versions())
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ For each framework and tensor size, one process per testbed device (pinned to
 its cores, one intra-op thread, as the runtimes pin them) runs `--calls`
 all-reduces (SUM, float32) after 5 warm-up calls, each completed before the
 next. Reported per rank: the median wall time of a call and the process's
-CPU time per call; and per core, the CPU time per call summed over the
+CPU time per call; per size, the slowest rank's median call (`by_size`'s
+`median_call_ms`, the printed "median call": a collective is done when its
+slowest rank is); and per core, the CPU time per call summed over the
 processes pinned to it (`core_cpu_ms`). TensorFlow calls go through the
 adapter's own `tf_multiworker.all_reduce_sum` inside a `tf.function`; torch
 calls are `torch.distributed.all_reduce` on a gloo group, as the PyTorch
@@ -34,6 +36,11 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import error_text  # noqa: E402
+from _common import versions  # noqa: E402
+
 DEFAULT_SIZES = (1024, 262144, 1600000, 6300000)
 WARMUP_CALLS = 5
 
@@ -193,26 +200,42 @@ def main(argv=None):
     unknown = [f for f in frameworks if f not in ("tensorflow", "torch")]
     if unknown:
         parser.error(f"--frameworks takes tensorflow and/or torch. Received: {unknown}")
-    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    try:
+        sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError:
+        sizes = []
     if not sizes or min(sizes) < 4:
         parser.error(f"--sizes must be byte counts of at least 4. Received: {args.sizes!r}")
     if args.calls < 1:
         parser.error(f"--calls must be at least 1. Received: {args.calls}")
     started = time.time()
     report = {"benchmark": "collective_cost", "calls": args.calls, "warmup_calls": WARMUP_CALLS,
-              "load_average_at_start": list(os.getloadavg()), "frameworks": {}}
+              "load_average_at_start": list(os.getloadavg()),
+              "versions": versions(frameworks), "frameworks": {}}
     print(f"All-reduce (SUM, float32) across one process per CPU testbed device, "
           f"{args.calls} timed calls after {WARMUP_CALLS} warm-up per size (measured)", flush=True)
+    print("median call: the slowest rank's median wall time per call (a collective ends "
+          "when its slowest rank does); CPU: process time per call", flush=True)
+    failed = False
     for framework in frameworks:
-        result = measure(framework, sizes, args.calls)
+        try:
+            result = measure(framework, sizes, args.calls)
+        except Exception as e:  # reported in the JSON line; the exit code says it failed
+            report["frameworks"][framework] = {"error": error_text(e)}
+            print(f"{framework}: error: {report['frameworks'][framework]['error'][:500]}")
+            failed = True
+            continue
         report["frameworks"][framework] = result
         print(f"{framework}: devices {[(d['name'], d['cores']) for d in result['devices']]}")
         for row, ranks in zip(result["by_size"], zip(*result["per_rank"])):
             cpu = ", ".join(f"{r['cpu_per_call_ms']:.2f}" for r in ranks)
-            print(f"  {row['size_bytes']:>9} B: median call {row['median_call_ms']:6.2f} ms, "
+            print(f"  {row['size_bytes']:>9} B: median call (slowest rank) "
+                  f"{row['median_call_ms']:6.2f} ms, "
                   f"CPU per call by rank [{cpu}] ms, by core {row['core_cpu_ms']} ms", flush=True)
     report["wall_s"] = round(time.time() - started, 1)
     print(json.dumps(report))
+    if failed:
+        sys.exit(1)
     return report
 
 

@@ -44,6 +44,12 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from _common import non_negative_int  # noqa: E402
+from _common import positive_float  # noqa: E402
+from _common import positive_int  # noqa: E402
+from _common import versions  # noqa: E402
 
 DATA_DIR = os.path.join(HERE, "data")
 ZOO = "autodist_keras.graph.zoo"
@@ -320,12 +326,14 @@ def main(argv=None):
                         help="with --measure and/or --profile: write the data files, skip the evaluation")
     parser.add_argument("--profile", action="store_true",
                         help="profile every model's layers now (learned cost model column)")
-    parser.add_argument("--passes", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per case")
-    parser.add_argument("--models", nargs="*", default=None)
-    parser.add_argument("--plans", nargs="*", default=None)
+    parser.add_argument("--passes", type=positive_int, default=2)
+    parser.add_argument("--steps", type=positive_int, default=20)
+    parser.add_argument("--warmup", type=non_negative_int, default=5)
+    parser.add_argument("--timeout", type=positive_float, default=900.0, help="seconds per case")
+    parser.add_argument("--models", nargs="*", default=None,
+                        help="names of MODELS (default: all); an unknown name is an error")
+    parser.add_argument("--plans", nargs="*", default=None, choices=PLANS,
+                        help="plans (default: all)")
     parser.add_argument("--variants", nargs="*", default=None,
                         help="learned estimator variants to evaluate (default: all)")
     parser.add_argument("--data-dir", default=DATA_DIR)
@@ -340,6 +348,19 @@ def main(argv=None):
                              "report the errors")
     parser.add_argument("--profile-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    known = [name for name, _, _ in MODELS]
+    unknown = [m for m in args.models or [] if m not in known]
+    if unknown:
+        parser.error(f"unknown model(s) {unknown} in --models; the models are: "
+                     f"{', '.join(known)}")
+    # (with --measure the measuring is the point: `--measure --add --models X` adds one
+    # model's cases)
+    evaluation_only = not (args.profile_worker or args.prospective or args.write_default
+                           or args.measure_only or args.measure or args.profile)
+    if evaluation_only and args.models is not None and len(set(args.models)) < 2:
+        parser.error("the held-out evaluation leaves one model out at a time, so --models "
+                     f"needs at least two models. Received: {args.models}; add a model, or "
+                     "pass --measure-only to only measure")
     if args.profile_worker:
         profile_worker(args)
         return None
@@ -501,7 +522,7 @@ def run(args):
     backends = _backends(args)
     variants = _variants(args)
     summary = {"benchmark": "estimator_accuracy", "held_out": "leave one model out",
-               "backends": {}, "source": {}}
+               "versions": versions(_backends(args)), "backends": {}, "source": {}}
     pooled = {}
     for backend in backends:
         path = data_path(backend, args.data_dir)
@@ -606,6 +627,7 @@ def run(args):
         "backends": {b: {k: v for k, v in e.items() if k != "cases_table"}
                      for b, e in summary["backends"].items()},
         "source": summary["source"],
+        "versions": summary["versions"],
     }
     print(json.dumps(_clean(line)))
     return line

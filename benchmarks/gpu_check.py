@@ -42,6 +42,10 @@ Usage:
         [--models default|prospective|recheck]
 
 `--small` uses tiny models, batches and step counts (the test on CPU).
+Without `--small` on a machine with no CUDA GPU it refuses (exit code 2)
+before running anything: its GPU-sized cases would time a CPU fit, and the
+ratios it printed would be noise. A section that fails is reported in the
+JSON and makes the exit code 1.
 Results are written to DIR/gpu_check.json (with the step records and layer
 samples as JSON beside it); the last line of output is one JSON object.
 """
@@ -56,6 +60,11 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import positive_float  # noqa: E402
+from _common import versions  # noqa: E402
+
 ZOO = "autodist_keras.graph.zoo"
 OUT_ENV = "AUTODIST_KERAS_GPU_CHECK_OUT"
 SECTIONS = ("detect", "fit", "testbed", "steps", "layers", "multi_gpu")
@@ -688,7 +697,7 @@ def main(argv=None):
                         default="default",
                         help="the models of the steps section: the first set, the "
                              "prospective set, or two of each measured again")
-    parser.add_argument("--budget-s", type=float, default=None,
+    parser.add_argument("--budget-s", type=positive_float, default=None,
                         help="stop starting sections after this many seconds in all; a "
                              "section's limit is cut to what is left")
     parser.add_argument("--child", choices=SECTIONS, help=argparse.SUPPRESS)
@@ -699,6 +708,11 @@ def main(argv=None):
     unknown = sorted(set(names) - set(SECTIONS))
     if unknown:
         parser.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
+    if not args.small and set(names) - {"detect"} and _cuda_gpus() == 0:
+        parser.error("no CUDA GPU on this machine (torch.cuda.is_available() is False): "
+                     "without --small the sections time GPU-sized cases, which here would "
+                     "time a CPU fit. Run with --small (the CPU test), or on a machine with "
+                     "a GPU")
     results = {"sections": {}}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -708,7 +722,7 @@ def main(argv=None):
         if args.budget_s is not None:
             left = int(args.budget_s - (time.perf_counter() - started))
             if left < 20:
-                results["sections"][name] = {"error": "skipped: --budget-s spent"}
+                results["sections"][name] = {"skipped": "--budget-s spent"}
                 continue
             limit = min(limit, left)
         print(f"[gpu_check] {name} (limit {limit} s) ...", flush=True)
@@ -720,7 +734,8 @@ def main(argv=None):
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "gpu_check.json"), "w", encoding="utf-8") as f:
                 json.dump(results, f, indent=1, default=str)
-    summary = {"benchmark": "gpu_check", "small": bool(args.small)}
+    summary = {"benchmark": "gpu_check", "small": bool(args.small),
+               "versions": versions(["torch"])}
     for name, result in results["sections"].items():
         summary[name] = ("error" if "error" in result
                          else "skipped" if "skipped" in result else "ok")
@@ -751,7 +766,16 @@ def main(argv=None):
             "multi_gpu_failure_seconds": multi["failure"]["seconds_to_raise"],
         })
     print(json.dumps(summary))
-    return 0
+    return 1 if "error" in summary.values() else 0
+
+
+def _cuda_gpus():
+    """Number of CUDA GPUs PyTorch sees here (0 without PyTorch)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 if __name__ == "__main__":

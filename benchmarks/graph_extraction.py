@@ -22,6 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 MODELS = ("ResNet50", "VGG16", "MobileNetV2", "InceptionV3", "DenseNet121", "transformer_encoder_12")
@@ -80,7 +81,11 @@ def measure(name, repeats):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5, help="timed extractions per model")
+    from _common import positive_int
+    from _common import versions
+
+    parser.add_argument("--repeats", type=positive_int, default=5,
+                        help="timed extractions per model (at least 1)")
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
     args = parser.parse_args(argv)
 
@@ -123,6 +128,7 @@ def main(argv=None):
         "backend": keras.backend.backend(),
         "keras": keras.__version__,
         "python": platform.python_version(),
+        "versions": versions(),
         "machine": {"processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "system": platform.system()},
         "repeats": args.repeats,

@@ -47,7 +47,13 @@ TensorFlow's step took 48.9 ms even with shares 382/1/1. `mlp` is kept so
 this stays visible; `mlp_large` is the compute-dominated case the 1.33x
 ideal assumes (docs/runtime_torch.md, "Where a step's time goes", has the
 per-rank CPU figures). `min_ratio` covers every model; `min_ratio_share_bound`
-covers `cnn`, `cnn_large` and `mlp_large` only.
+covers the models of `SHARE_BOUND` only (`cnn`, `cnn_large` and `mlp_large`,
+whose per-replica cost grows with the share; the JSON lists them as
+`share_bound_models`).
+
+Bad arguments (an unknown `--models` or `--backends` name, `--steps 0`) are
+argparse errors (exit code 2) before anything runs; a case that fails is
+reported in the JSON line and makes the exit code 1.
 
 PyTorch cases also record the runtime's step profile
 (`AUTODIST_KERAS_TORCH_PROFILE`): per rank its cores, intra-op threads and
@@ -90,6 +96,15 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import exit_code  # noqa: E402
+from _common import name_list  # noqa: E402
+from _common import non_negative_int  # noqa: E402
+from _common import positive_int  # noqa: E402
+from _common import versions  # noqa: E402
+
+BACKENDS = ("tensorflow", "torch")
 MLP = {"input_dim": 512, "hidden": (1024, 1024), "num_classes": 10}  # 1.59M parameters
 MODELS = {
     # name: (zoo builder, builder kwargs, input shape, classes, global batch size)
@@ -338,7 +353,8 @@ def run_interleaved_tensorflow(model_name, steps, warmup, rounds, workdir,
     even, proportional = plan("data_parallel"), plan("proportional")
     if processes == "per_core":
         out = alternate([even, proportional], ["even", "proportional"], rounds)
-        out["proportional_measured"] = [{"error": [PER_CORE_NO_MEASURED_COSTS]}]
+        # Not run by design (not an error: the exit code stays 0).
+        out["proportional_measured"] = [{"not_run": [PER_CORE_NO_MEASURED_COSTS]}]
         return out, None
     calibration = alternate([even, proportional], ["even", "proportional"], 1)
     costs = step_costs_to_dict(fit_costs([calibration["even"][0],
@@ -475,7 +491,7 @@ def _collect_rounds(n_rounds, run, costs_path, skip_measured=None):
         order = CASES if r % 2 == 0 else tuple(reversed(CASES))
         for key, strategy_name, measured in order:
             if measured and skip_measured:
-                rounds[key] = [{"error": [skip_measured]}]
+                rounds[key] = [{"not_run": [skip_measured]}]  # by design, not an error
                 continue
             if measured and costs is None:
                 try:
@@ -546,11 +562,14 @@ def run_model(backend, model_name, args, workdir):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backends", default="tensorflow,torch")
-    parser.add_argument("--models", default="cnn,mlp,mlp_large")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=4,
+    parser.add_argument("--backends", type=name_list(BACKENDS), default=list(BACKENDS),
+                        help="comma-separated, from tensorflow, torch")
+    parser.add_argument("--models", type=name_list(MODELS), default=["cnn", "mlp", "mlp_large"],
+                        help=f"comma-separated, from {', '.join(MODELS)}")
+    parser.add_argument("--steps", type=positive_int, default=30,
+                        help="measured steps per case (at least 1)")
+    parser.add_argument("--warmup", type=non_negative_int, default=3)
+    parser.add_argument("--rounds", type=positive_int, default=4,
                         help="rounds of the three cases, every second one in reverse order")
     parser.add_argument("--no-interleave", dest="interleave", action="store_false",
                         help="PyTorch: run every case in its own process (as TensorFlow does) "
@@ -589,8 +608,8 @@ def main():
           f"{args.rounds} round(s) (every second one in reverse order; median step of the "
           "rounds)")
     with tempfile.TemporaryDirectory() as workdir:
-        for backend in args.backends.split(","):
-            for model_name in args.models.split(","):
+        for backend in args.backends:
+            for model_name in args.models:
                 row = run_model(backend, model_name, args, workdir)
                 results[f"{backend}/{model_name}"] = row
                 _print_row(backend, model_name, row)
@@ -605,18 +624,21 @@ def main():
         "warmup": args.warmup,
         "rounds": args.rounds,
         "tf_processes": args.tf_processes,
+        "versions": versions(args.backends),
         "wall_s": round(time.perf_counter() - started, 1),
         "results": results,
         "min_ratio": min(plain) if plain else None,
-        # Over the models whose per-replica cost grows with the share (cnn,
-        # mlp_large), the situation the 1.33x ideal describes; `mlp` at batch
-        # 384 is fixed-cost bound on this CPU (see the module docstring).
+        # Over the models whose per-replica cost grows with the share (SHARE_BOUND:
+        # cnn, mlp_large, cnn_large), the situation the 1.33x ideal describes; `mlp`
+        # at batch 384 is fixed-cost bound on this CPU (see the module docstring).
+        "share_bound_models": list(SHARE_BOUND),
         "min_ratio_share_bound": min(
             (r["even_over_proportional"] for k, r in results.items()
              if k.split("/")[1] in SHARE_BOUND and r["even_over_proportional"]), default=None),
         "min_ratio_measured_costs": min(ratios) if ratios else None,
         "target_ratio": 1.25,
     }))
+    return exit_code(results)
 
 
 def _print_row(backend, model_name, row):
@@ -647,4 +669,4 @@ def _ms(seconds):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -30,15 +30,16 @@ import sys
 os.environ["KERAS_BACKEND"] = "torch"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _common import error_text  # noqa: E402
+from _common import exit_code  # noqa: E402
+from _common import versions  # noqa: E402
+from op_fusion_xla import add_arguments  # noqa: E402  (the same arguments)
 from op_fusion_xla import compare  # noqa: E402  (the same models, plans and rounds)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--models", default="cnn", help="cnn, mlp (the MLP has no regions)")
+    add_arguments(parser)
     parser.add_argument("--compiler", default="inductor", help="torch.compile backend")
     parser.add_argument("--cluster", choices=("cpu_testbed", "detect"), default="cpu_testbed")
     args = parser.parse_args()
@@ -52,9 +53,14 @@ def main():
           f"{args.warmup} warm-up, {args.rounds} alternating rounds per side; load "
           f"{os.getloadavg()[0]:.1f}")
     results = {}
-    for name in args.models.split(","):
-        row, info = compare(name, cluster, device, args, lambda s: s.adapter.last_run,
-                            op_fusion_compiler=args.compiler)
+    for name in args.models:
+        try:
+            row, info = compare(name, cluster, device, args, lambda s: s.adapter.last_run,
+                                op_fusion_compiler=args.compiler)
+        except Exception as e:  # reported in the JSON line; the exit code says it failed
+            results[name] = {"error": error_text(e)}
+            print(f"{name:4s} error: {results[name]['error']}")
+            continue
         row["fallbacks"] = (info.get("op_fusion") or {}).get("fallbacks")
         results[name] = row
         off, on = row["median_step_s_off"], row["median_step_s_on"]
@@ -63,8 +69,11 @@ def main():
               f"off/on {row['off_over_on']:.3f}x (measured)")
     print(json.dumps({"benchmark": "op_fusion_torch", "compiler": args.compiler,
                       "device": cluster.device(device).model,
-                      "load_after": os.getloadavg()[0], "results": results}))
+                      "load_after": os.getloadavg()[0], "versions": versions(["torch"]),
+                      "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+                      "results": results}))
+    return exit_code(results)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

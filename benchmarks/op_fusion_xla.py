@@ -23,9 +23,18 @@ import json
 import os
 import platform
 import statistics
+import sys
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import error_text  # noqa: E402
+from _common import exit_code  # noqa: E402
+from _common import name_list  # noqa: E402
+from _common import non_negative_int  # noqa: E402
+from _common import positive_int  # noqa: E402
+from _common import versions  # noqa: E402
 
 MODELS = {
     # name: (builder, kwargs, input shape, classes, batch)
@@ -112,12 +121,20 @@ def compare(name, cluster, device, args, run_info, **options):
     return row, info
 
 
+def add_arguments(parser):
+    """The arguments both op-fusion benchmarks take, checked by argparse."""
+    parser.add_argument("--steps", type=positive_int, default=30,
+                        help="measured steps per round and side (at least 1)")
+    parser.add_argument("--warmup", type=non_negative_int, default=5)
+    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument("--models", type=name_list(MODELS), default=["cnn"],
+                        help=f"comma-separated, from {', '.join(MODELS)} (the MLP has no "
+                             "regions)")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--models", default="cnn", help="cnn, mlp (the MLP has no regions)")
+    add_arguments(parser)
     args = parser.parse_args()
 
     from autodist_keras import Cluster
@@ -131,15 +148,22 @@ def main():
           f"{device}; {args.steps} measured steps after {args.warmup} warm-up, "
           f"{args.rounds} alternating rounds per side; load {os.getloadavg()[0]:.1f}")
     results = {}
-    for name in args.models.split(","):
-        row, _ = compare(name, cluster, device, args, lambda s: s.adapter.runtime_info)
+    for name in args.models:
+        try:
+            row, _ = compare(name, cluster, device, args, lambda s: s.adapter.runtime_info)
+        except Exception as e:  # reported in the JSON line; the exit code says it failed
+            results[name] = {"error": error_text(e)}
+            print(f"{name:4s} error: {results[name]['error']}")
+            continue
         results[name] = row
         off, on = row["median_step_s_off"], row["median_step_s_on"]
         print(f"{name:4s} {row['regions']} regions  off {off * 1e3:.1f} ms  on (XLA) "
               f"{on * 1e3:.1f} ms  off/on {row['off_over_on']:.3f}x (measured)")
     print(json.dumps({"benchmark": "op_fusion_xla", "load_after": os.getloadavg()[0],
-                      "results": results}))
+                      "versions": versions(["tensorflow"]), "steps": args.steps,
+                      "warmup": args.warmup, "rounds": args.rounds, "results": results}))
+    return exit_code(results)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

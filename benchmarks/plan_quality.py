@@ -35,7 +35,12 @@ BERT README fits none at sequence 512 on a 12 GB card in TensorFlow 1).
 Summary: on the HeteroG testbed, the geometric-mean speedup of the best
 family (and of auto) over even and over proportional data parallelism, and
 whether it is never slower than either; on 8xV100, whether it is never slower
-than data parallelism; on mixed16, each planner's planning time.
+than data parallelism; on mixed16, each planner's planning time. Each
+geometric mean has a `<name>_models` entry beside it: how many models it is
+over (the JSON and the printed line say so). `targets`: each of `TARGETS`
+with its value and `met`; a target whose figure this run did not produce (its
+cluster not in `--clusters`, or `--no-auto`) has `met: null` and a `note`
+saying it was not run, which is not a failure.
 
 Usage: `python benchmarks/plan_quality.py [--models ResNet50,VGG19]
 [--clusters hetero_testbed,mixed16] [--batch-per-device 32] [--no-auto]
@@ -54,6 +59,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -281,9 +287,9 @@ def summarise(records, have_auto):
         for against in BASELINES:
             ratios = _speedups(records, "hetero_testbed", column, against)
             if ratios:
-                summary[f"hetero_testbed_{column}_geomean_speedup_over_{against}"] = _geomean(
-                    [r for _, r in ratios]
-                )
+                key = f"hetero_testbed_{column}_geomean_speedup_over_{against}"
+                summary[key] = _geomean([r for _, r in ratios])
+                summary[f"{key}_models"] = len(ratios)  # how many models it is over
                 summary[f"hetero_testbed_{column}_never_slower_than_{against}"] = all(
                     r >= 1 - 1e-9 for _, r in ratios
                 )
@@ -306,6 +312,49 @@ def summarise(records, have_auto):
                 p: max(v.values()) for p, v in times.items()
             }
     return summary
+
+
+def targets(summary, clusters, have_auto):
+    """Each target of `TARGETS` with its value and whether it was met in this run.
+
+    A target whose figure this run did not produce (its cluster not in
+    `--clusters`, or the auto search not run) has `met: None` and a `note`
+    saying why: not run, which is not the same as failed.
+    """
+    out = {}
+    for key, target in TARGETS.items():
+        cluster = "mixed16" if key.startswith("mixed16") else "hetero_testbed"
+        if cluster == "mixed16":
+            value = summary.get("mixed16_max_planning_time_s", {}).get("auto")
+            met = None if value is None else value < target
+        else:
+            value = summary.get(key)
+            met = None if value is None else value >= target
+        entry = {"target": target, "value": value, "met": met}
+        if cluster == "hetero_testbed":
+            entry["models"] = summary.get(f"{key}_models", 0)
+        if value is None:
+            if cluster not in clusters:
+                entry["note"] = f"not run: {cluster} was not in --clusters"
+            elif not have_auto:
+                entry["note"] = "not run: the auto search was not run (--no-auto or not exposed)"
+            else:
+                entry["note"] = (f"not measured: no figure for auto on {cluster} in this run "
+                                 "(no feasible plan to compare)")
+        out[key] = entry
+    return out
+
+
+def _print_summary(summary):
+    """The summary's figures, one per line; a geometric mean says over how many models."""
+    for key, value in summary.items():
+        if key.endswith("_models") or isinstance(value, dict):
+            continue
+        if isinstance(value, float):
+            models = summary.get(f"{key}_models")
+            print(f"{key}: {value:.3f}" + (f" (over {models} model(s))" if models else ""))
+        else:
+            print(f"{key}: {value}")
 
 
 def print_table(records, columns):
@@ -347,7 +396,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--clusters", default=",".join(CLUSTERS))
-    parser.add_argument("--batch-per-device", type=int, default=None,
+    from _common import positive_int
+    from _common import versions
+
+    parser.add_argument("--batch-per-device", type=positive_int, default=None,
                         help="samples per device for every model (default 32; BERT-large 2)")
     parser.add_argument("--no-auto", action="store_true", help="skip the auto search column")
     parser.add_argument(
@@ -356,18 +408,17 @@ def main(argv=None):
         "then stops only at its deterministic work limits, so the figures do not depend on "
         "the machine's load (the auto search keeps its own budgets)")
     args = parser.parse_args(argv)
-    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-    import keras
-
-    from autodist_keras.devices import Cluster
-
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in MODELS]
     clusters = [c for c in args.clusters.split(",") if c]
     unknown += [c for c in clusters if c not in CLUSTERS]
-    if unknown:
-        parser.error(f"unknown model or cluster {unknown}; models: {MODELS}; "
-                     f"clusters: {list(CLUSTERS)}")
+    if unknown or not models or not clusters:
+        parser.error(f"unknown model or cluster {unknown or [args.models, args.clusters]}; "
+                     f"models: {MODELS}; clusters: {list(CLUSTERS)}")
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    import keras
+
+    from autodist_keras.devices import Cluster
     planners, missing, auto = families()
     if args.no_auto:
         auto = None
@@ -410,11 +461,7 @@ def main(argv=None):
     columns = list(BASELINES) + list(planners) + (["auto"] if auto else [])
     print_table(records, columns)
     summary = summarise(records, auto is not None)
-    for key, value in summary.items():
-        if isinstance(value, float):
-            print(f"{key}: {value:.3f}")
-        elif not isinstance(value, dict):
-            print(f"{key}: {value}")
+    _print_summary(summary)
     bounds = [
         (m, rec["plans"]["data_parallel_even"]["step_time_s"],
          rec["plans"]["proportional"]["step_time_s"], rec["headroom"])
@@ -436,17 +483,16 @@ def main(argv=None):
             [e / h["balanced_compute_bound_s"] for _, e, _, h in bounds])
         summary["hetero_testbed_bound_geomean_speedup_over_proportional"] = _geomean(
             [p / h["balanced_compute_bound_s"] for _, _, p, h in bounds])
-    met = {}
-    for key, target in TARGETS.items():
-        if key.startswith("mixed16"):
-            value = summary.get("mixed16_max_planning_time_s", {}).get("auto")
-            met[key] = {"target": target, "value": value,
-                        "met": value is not None and value < target}
-        else:
-            value = summary.get(key)
-            met[key] = {"target": target, "value": value,
-                        "met": value is not None and value >= target}
-    summary["targets"] = met
+        for against in ("data_parallel_even", "proportional"):
+            summary[f"hetero_testbed_bound_geomean_speedup_over_{against}_models"] = len(bounds)
+    summary["targets"] = targets(summary, clusters, auto is not None)
+    for key, entry in summary["targets"].items():
+        state = {True: "met", False: "NOT met", None: "not run"}[entry["met"]]
+        print(f"target {key}: {state}, value "
+              + ("-" if entry["value"] is None else f"{entry['value']:.3f}")
+              + f" vs {entry['target']}"
+              + (f" over {entry['models']} model(s)" if entry.get("models") else "")
+              + (f" ({entry['note']})" if entry.get("note") else ""))
     for planner, value in summary.get("mixed16_max_planning_time_s", {}).items():
         cpu = summary["mixed16_max_planning_cpu_s"][planner]
         print(f"max planning time on mixed16 ({planner}): {value:.2f} s wall, "
@@ -457,6 +503,7 @@ def main(argv=None):
         "measured": "planning wall and CPU time (s); step times are simulator predictions",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "load_average_at_start": load[0] if load else None},
+        "versions": versions(),
         "families": list(planners),
         "missing_families": missing,
         "auto": auto[0] if auto else None,

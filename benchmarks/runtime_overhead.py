@@ -58,6 +58,15 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import exit_code  # noqa: E402
+from _common import name_list  # noqa: E402
+from _common import non_negative_int  # noqa: E402
+from _common import positive_int  # noqa: E402
+from _common import versions  # noqa: E402
+
+BACKENDS = ("tensorflow", "torch")
 INPUT_DIM, HIDDEN, CLASSES, BATCH = 512, (1024, 1024), 10, 256
 
 
@@ -257,10 +266,12 @@ def two_process_case(steps, warmup, rounds):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--backends", default="tensorflow,torch")
+    parser.add_argument("--steps", type=positive_int, default=60,
+                        help="measured steps per round and side (at least 1)")
+    parser.add_argument("--warmup", type=non_negative_int, default=3)
+    parser.add_argument("--rounds", type=positive_int, default=10)
+    parser.add_argument("--backends", type=name_list(BACKENDS), default=list(BACKENDS),
+                        help="comma-separated, from tensorflow, torch")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case == "single":
@@ -273,7 +284,7 @@ def main():
           f"batch {BATCH}; {args.steps} measured steps after {args.warmup} warm-up, "
           f"x{args.rounds} rounds per side")
     results = {}
-    runs = [(b, "single") for b in args.backends.split(",")]
+    runs = [(b, "single") for b in args.backends]
     if "torch" in args.backends:
         runs.append(("torch", "ddp"))
     for backend, case in runs:
@@ -303,8 +314,10 @@ def main():
                   f"round {row['gloo_median_round_ratio']}x, CPU {row['gloo_cpu_ratio']}x)")
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(json.dumps({"benchmark": "runtime_overhead", "results": results, "target_ratio": 1.05,
-                      "load_average_at_end": load}))
+                      "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+                      "versions": versions(args.backends), "load_average_at_end": load}))
+    return exit_code(results)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

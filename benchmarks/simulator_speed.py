@@ -11,7 +11,10 @@ Cases:
 
 Each case is simulated `--repeats` times with the default compute
 de-duplication of identical replicas and `--repeats` times without it
-(every device simulated); the minimum and median wall times are reported.
+(every device simulated), each after one untimed warm-up call; the minimum
+and median wall times are reported. Every call passes `cache=False`, so each
+timed call really simulates (with the default `cache=True` an identical
+repeat returns the cached result, and only the first call would be timed).
 Graph extraction and model building are not timed. The predicted step
 times are printed for reference; they are predictions of the analytic cost
 model, not measurements. The machine is whatever runs this script (printed).
@@ -29,9 +32,15 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import positive_int  # noqa: E402
+from _common import versions  # noqa: E402
 
 
 def _time(fn, repeats):
+    """One untimed warm-up call of `fn`, then `repeats` timed calls."""
+    fn()
     times = []
     result = None
     for _ in range(repeats):
@@ -55,7 +64,10 @@ def _case(name, graph, cluster, plan, repeats, budget_s):
         "budget_s": budget_s,
     }
     for dedupe in (True, False):
-        result, times = _time(lambda: simulate(graph, cluster, plan, dedupe=dedupe), repeats)
+        # cache=False: a repeat of the same simulation must simulate again, not
+        # return the simulator's cached result.
+        result, times = _time(
+            lambda: simulate(graph, cluster, plan, dedupe=dedupe, cache=False), repeats)
         key = "dedupe" if dedupe else "every_device"
         record[key] = {
             "min_s": min(times),
@@ -67,11 +79,13 @@ def _case(name, graph, cluster, plan, repeats, budget_s):
     record["within_budget"] = record["dedupe"]["median_s"] < budget_s
     print(
         f"{name}: {record['layers']} layers, {record['devices']} devices; simulate() wall "
-        f"time over {repeats} runs: median {record['dedupe']['median_s'] * 1e3:.1f} ms "
+        f"time over {repeats} runs (after 1 warm-up, cache off): median "
+        f"{record['dedupe']['median_s'] * 1e3:.1f} ms "
         f"(min {record['dedupe']['min_s'] * 1e3:.1f} ms, {record['dedupe']['tasks']} tasks) "
         f"with de-duplication, median {record['every_device']['median_s'] * 1e3:.1f} ms "
         f"({record['every_device']['tasks']} tasks) simulating every device; budget "
-        f"{budget_s} s. Predicted step time {record['dedupe']['predicted_step_time_s'] * 1e3:.1f} ms "
+        f"{budget_s} s ({'within' if record['within_budget'] else 'OVER'} budget). "
+        f"Predicted step time {record['dedupe']['predicted_step_time_s'] * 1e3:.1f} ms "
         "(a prediction)."
     )
     return record
@@ -79,7 +93,8 @@ def _case(name, graph, cluster, plan, repeats, budget_s):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=positive_int, default=10,
+                        help="timed simulate() calls per case and mode (at least 1)")
     parser.add_argument("--quick", action="store_true", help="ResNet50 case only")
     args = parser.parse_args(argv)
 
@@ -91,10 +106,12 @@ def main(argv=None):
     from autodist_keras.graph import zoo
     from autodist_keras.strategies import baselines
 
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(
         f"Machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPU(s), "
         f"Python {platform.python_version()}, Keras {keras.__version__} "
-        f"({keras.backend.backend()} backend, used only to build the graphs)."
+        f"({keras.backend.backend()} backend, used only to build the graphs)"
+        + (f", load average {load[0]:.1f} at start" if load else "") + "."
     )
     records = []
     started = time.perf_counter()
@@ -120,7 +137,11 @@ def main(argv=None):
     summary = {
         "benchmark": "simulator_speed",
         "measured": "wall time of estimator.simulate() per call, seconds",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": {"cpus": os.cpu_count(), "processor": platform.machine(),
+                    "load_average_at_start": load[0] if load else None,
+                    **versions()},
+        "warmup_calls": 1,
+        "simulator_cache": False,
         "cases": records,
     }
     print(json.dumps(summary))

@@ -38,6 +38,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # hetero_testbed, next to this file
+
+from _common import error_text  # noqa: E402
+from _common import versions  # noqa: E402
+
 LAYOUTS = ("per_core", "per_device")
 PLANS = ("data_parallel", "proportional")
 
@@ -102,7 +106,12 @@ def main():
           f"and plan: {args.steps} measured steps after {args.warmup} warm-up in fresh worker "
           f"processes, {args.rounds} round(s), layouts alternating (measured)")
     started = time.perf_counter()
-    results = measure(models, args.rounds, args.steps, args.warmup)
+    error = None
+    try:
+        results = measure(models, args.rounds, args.steps, args.warmup)
+    except Exception as e:  # reported in the JSON line; the exit code says it failed
+        results, error = {}, error_text(e)
+        print(f"error: {error[:500]}")
     for model_name, row in results.items():
         for key, values in row["round_median_step_ms"].items():
             print(f"{model_name:<10} {key:<27} rounds {values} ms, median "
@@ -115,11 +124,14 @@ def main():
         "steps": args.steps,
         "warmup": args.warmup,
         "rounds": args.rounds,
+        "versions": versions(["tensorflow"]),
         "load_average_at_end": os.getloadavg(),
         "wall_s": round(time.perf_counter() - started, 1),
         "results": results,
+        **({"error": error} if error else {}),
     }))
+    return 1 if error else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,6 +7,13 @@ gives it twice their batch share. The demo trains with that plan (Keras's own
 progress bar), then with the even split, and prints the plan, the predicted
 step times and the measured ones side by side.
 
+Every figure the summary prints comes from one source each: both predictions
+from the proportional strategy's one scoring (the candidates table its
+`explain()` shows, where the even plan is `data_parallel_even`; a second
+strategy's own search would rescale its scores by its own machine-speed
+probe, so its figure would not be comparable), and both measured step times
+from each strategy's own step timing (what `explain()` reports as measured).
+
 On the PyTorch backend each testbed device is its own pinned process, so the
 heterogeneity is real. On the TensorFlow backend `fit` runs in one process
 that drives three logical devices sharing TensorFlow's thread pools
@@ -29,6 +36,7 @@ from autodist_keras import Cluster  # noqa: E402
 
 BATCH_SIZE = 96
 STEPS = 40
+PINNED_STEPS, PINNED_WARMUP = 30, 5  # the TensorFlow demo's pinned-worker timing
 
 
 def build_model(metrics=None):
@@ -47,14 +55,24 @@ def build_model(metrics=None):
 
 
 def train(strategy, x, y, verbose):
-    from autodist_keras.timing import StepTimer
-
+    """Fits the demo's model under `strategy`; returns the strategy's measured step
+    (`{"step_time_s", "steps", ...}`, what its `explain()` reports as measured)."""
     with strategy.scope():
         model = build_model(metrics=["accuracy"])
-    timer = StepTimer(warmup=5)
-    model.fit(x, y, batch_size=BATCH_SIZE, epochs=1, shuffle=False, verbose=verbose,
-              callbacks=[timer])
-    return timer
+    model.fit(x, y, batch_size=BATCH_SIZE, epochs=1, shuffle=False, verbose=verbose)
+    return strategy.explain(format="json").get("measured") or {}
+
+
+def candidate_prediction(explanation, name):
+    """Predicted step time (s) of candidate `name` in an `explain(format="json")` dict."""
+    for candidate in explanation.get("candidates") or []:
+        if candidate.get("name") == name:
+            return candidate.get("predicted_step_time_s")
+    return None
+
+
+def _ms(seconds):
+    return "n/a" if seconds is None else f"{seconds * 1e3:.1f} ms"
 
 
 def pinned_tensorflow_times(cluster, x, y):
@@ -71,7 +89,8 @@ def pinned_tensorflow_times(cluster, x, y):
     times = {}
     for name in ("proportional", "data_parallel"):
         steps = run_steps("demo:build_model", name, cluster, *batches, batch_size=BATCH_SIZE,
-                          steps=30, warmup=5, processes="per_core", timeout_s=600)
+                          steps=PINNED_STEPS, warmup=PINNED_WARMUP, processes="per_core",
+                          timeout_s=600)
         times[name] = statistics.median(steps)
     return times
 
@@ -91,24 +110,31 @@ def main():
     y = rng.integers(0, 10, size=(BATCH_SIZE * STEPS,)).astype("int32")
 
     print("\nTraining with the proportional plan:")
-    t_prop = train(proportional, x, y, verbose=1)
+    m_prop = train(proportional, x, y, verbose=1)
     print("\nTraining with the even split (for comparison):")
-    t_even = train(even, x, y, verbose=1)
+    m_even = train(even, x, y, verbose=1)
 
     print()
     print(proportional.explain())
+    # Both predictions from the proportional strategy's one scoring (the table above).
+    scored = proportional.explain(format="json")
     pred_prop = proportional.plan.prediction.step_time_s
-    pred_even = even.plan.prediction.step_time_s
+    pred_even = candidate_prediction(scored, "data_parallel_even")
+    scorer = proportional.plan.prediction.source
+    prop_s, even_s = m_prop.get("step_time_s"), m_even.get("step_time_s")
     print(
-        f"\nStep time, median of {len(t_prop.times_s)} steps after warm-up "
-        f"(measured on this machine):\n"
-        f"  proportional: {t_prop.median_s * 1e3:8.1f} ms measured "
-        f"({pred_prop * 1e3:.1f} ms predicted)\n"
-        f"  even:         {t_even.median_s * 1e3:8.1f} ms measured "
-        f"({pred_even * 1e3:.1f} ms predicted)\n"
-        f"  measured speedup of proportional over even: "
-        f"{t_even.median_s / t_prop.median_s:.2f}x"
+        f"\nStep time: measured on this machine (median after warm-up, the figure "
+        f"explain() reports) and predicted (the candidates table above, one scoring by "
+        f"the {scorer}):\n"
+        f"  proportional: {_ms(prop_s):>10} measured ({m_prop.get('steps', '?')} steps), "
+        f"{_ms(pred_prop)} predicted\n"
+        f"  even:         {_ms(even_s):>10} measured ({m_even.get('steps', '?')} steps), "
+        f"{_ms(pred_even)} predicted (data_parallel_even)"
     )
+    if prop_s and even_s:
+        print(f"  speedup of proportional over even: {even_s / prop_s:.2f}x measured"
+              + (f", {pred_even / pred_prop:.2f}x predicted" if pred_even and pred_prop
+                 else ""))
     import keras
 
     if keras.backend.backend() == "tensorflow":
@@ -117,7 +143,8 @@ def main():
               "heterogeneity. Timing both plans in pinned worker processes, one per core "
               "set (cpu1 and cpu2 share core 1's process), where it is real:")
         pinned = pinned_tensorflow_times(cluster, x, y)
-        print(f"  proportional: {pinned['proportional'] * 1e3:8.1f} ms measured\n"
+        print(f"  (median of {PINNED_STEPS} steps after {PINNED_WARMUP} warm-up per plan)\n"
+              f"  proportional: {pinned['proportional'] * 1e3:8.1f} ms measured\n"
               f"  even:         {pinned['data_parallel'] * 1e3:8.1f} ms measured\n"
               f"  measured speedup of proportional over even (pinned workers): "
               f"{pinned['data_parallel'] / pinned['proportional']:.2f}x (one run; this "
