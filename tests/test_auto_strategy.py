@@ -40,7 +40,7 @@ def test_unknown_names_and_options_list_the_valid_ones():
     ("data_parallel", {"buckets": "x"}, "buckets must be a list of lists"),
     ("proportional", {"speeds": {"node0/cpu0": -1}}, "positive relative speed"),
     ("proportional", {"speeds": {"node0/gpu7": 1.0}}, "not in the cluster"),
-    ("proportional", {"timeout_s": -1}, "timeout_s must be a positive number"),
+    ("proportional", {"timeout_s": -1}, "timeout_s must be a number of seconds, at least 1"),
 ])
 def test_option_values_and_unused_options_are_errors_when_the_strategy_is_made(
         strategy, options, message):
@@ -60,7 +60,7 @@ def test_plan_shaping_options_next_to_a_fixed_plan_are_errors(tmp_path):
     assert again.plan_for(model, 48).to_dict() == plan.to_dict()
     with pytest.raises(StrategyError, match="plan must be a Plan, a dict"):
         AutoStrategy(cluster=Cluster.cpu_testbed(), plan=42)
-    with pytest.raises(StrategyError, match="timeout_s must be a positive number"):
+    with pytest.raises(StrategyError, match="timeout_s must be a number of seconds, at least 1"):
         AutoStrategy(cluster=Cluster.cpu_testbed(), plan=plan, timeout_s=0)
 
 

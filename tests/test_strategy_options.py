@@ -167,3 +167,14 @@ def test_estimator_with_plan_is_refused_and_op_fusion_with_plan_is_kept():
     AutoStrategy(cluster=Cluster.cpu_testbed(), plan=plan, op_fusion="off")
     # single_device's figure (and its candidates') come from the estimator: kept too.
     AutoStrategy("single_device", cluster=Cluster.cpu_testbed(), estimator="simulator")
+
+
+@pytest.mark.parametrize("value", [0.01, 0.5])
+def test_a_timeout_too_short_for_any_step_is_refused(value):
+    """timeout_s=0.01 on PyTorch failed the first collective with gloo's 'Connection
+    closed by peer ... typically caused by a remote worker crashing', naming no option."""
+    with pytest.raises(StrategyError, match=r"timeout_s must be a number of seconds, at "
+                                            r"least 1: .*Received: timeout_s=") as info:
+        AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed(), timeout_s=value)
+    assert str(info.value).endswith(f"Received: timeout_s={value!r}")
+    AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed(), timeout_s=1)

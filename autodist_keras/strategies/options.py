@@ -73,6 +73,11 @@ _WHY_NOT_RUNTIME = {
 }
 
 
+# The shortest `timeout_s` accepted: a rank waits this long for the others at start-up
+# and in every collective of a step.
+MIN_TIMEOUT_S = 1.0
+
+
 def _is_number(value):
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -210,8 +215,11 @@ def check_options(strategy, options, cluster, fixed_plan=False):
                 f"Received: speeds={options['speeds']!r}, step_costs={options['step_costs']!r}"
             )
     if "timeout_s" in options and not (
-            _is_number(options["timeout_s"]) and options["timeout_s"] > 0):
+            _is_number(options["timeout_s"]) and options["timeout_s"] >= MIN_TIMEOUT_S):
         raise StrategyError(
-            "timeout_s must be a positive number of seconds. "
+            f"timeout_s must be a number of seconds, at least {MIN_TIMEOUT_S:g}: it bounds "
+            "each wait of a rank for the others (start-up, every step's collectives), so a "
+            "shorter one fails on the first slow step with a communication error that "
+            "looks like a crashed worker (0.01 s did on PyTorch). The default is 300. "
             f"Received: timeout_s={options['timeout_s']!r}"
         )
