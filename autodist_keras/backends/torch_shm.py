@@ -171,11 +171,11 @@ def warn_no_space(directory, size, free, holds, instead, variable):
         f"`mount -o remount,size=2G {directory}`), or set {variable}=0 to choose that "
         f"and silence this warning. Received: {size} bytes needed, {free} bytes free in "
         f"{directory}",
-        stacklevel=3,
+        stacklevel=2,
     )
 
 
-def create_mapped(prefix, size, open_fn, directory=SHM_DIR, on_no_space=None):
+def create_mapped(prefix, size, open_fn, directory=SHM_DIR, no_space=None):
     """Makes a file of `size` bytes in `directory` and maps it with `open_fn(path)`.
 
     The file's space is reserved up front (`posix_fallocate`), so a full
@@ -191,9 +191,9 @@ def create_mapped(prefix, size, open_fn, directory=SHM_DIR, on_no_space=None):
         size: Bytes to reserve.
         open_fn: Callable mapping the new file's path (its result is returned).
         directory: Where to make the file.
-        on_no_space: Optional callable, called as `on_no_space(size, free)`
-            (bytes needed and bytes free) when `directory` cannot hold the
-            file; the caller says there what it does instead.
+        no_space: Optional `(holds, instead, variable)` for `warn_no_space`:
+            when `directory` cannot hold the file, a warning says what the
+            file is for, what the runtime does instead and how to opt out.
 
     Returns:
         `open_fn`'s result, or None if the directory is missing or the space
@@ -226,8 +226,8 @@ def create_mapped(prefix, size, open_fn, directory=SHM_DIR, on_no_space=None):
             # Never registered: telling the tracker to forget it would make
             # the tracker print a KeyError traceback when this process ends.
             unlink_quietly(path)
-        if on_no_space is not None and getattr(e, "errno", None) in _NO_SPACE:
-            on_no_space(size, free_bytes(directory))
+        if no_space is not None and getattr(e, "errno", None) in _NO_SPACE:
+            warn_no_space(directory, size, free_bytes(directory), *no_space)
         return None
 
 
@@ -261,12 +261,10 @@ class SharedSlots:
         return create_mapped(
             "autodist_keras_batch_", slot_bytes * NUM_SLOTS,
             lambda path: cls(path, slot_bytes, owner=True), directory,
-            on_no_space=lambda size, free: warn_no_space(
-                directory, size, free,
-                holds="the PyTorch runtime hands each spawned worker its rows of the batch",
-                instead="rank 0 sends every worker its rows through a socket, one more copy "
-                        "per step",
-                variable="AUTODIST_KERAS_TORCH_SHM"))
+            no_space=("the PyTorch runtime hands each spawned worker its rows of the batch",
+                      "rank 0 sends every worker its rows through a socket, one more copy "
+                      "per step",
+                      "AUTODIST_KERAS_TORCH_SHM"))
 
     @classmethod
     def open(cls, description):

@@ -49,7 +49,6 @@ from autodist_keras.backends import torch_transport as tt
 from autodist_keras.backends.torch_shm import SHM_DIR
 from autodist_keras.backends.torch_shm import remove_owned
 from autodist_keras.backends.torch_shm import create_mapped
-from autodist_keras.backends.torch_shm import warn_no_space
 from autodist_keras.errors import BackendError
 
 ALIGN_BYTES = 64  # one cache line: regions of different ranks never share one
@@ -133,12 +132,10 @@ class ReduceArea:
         """
         return create_mapped("autodist_keras_grads_", area_bytes(buckets, world),
                              lambda path: cls(path, buckets, world, owner=True), directory,
-                             on_no_space=lambda size, free: warn_no_space(
-                                 directory, size, free,
-                                 holds="the PyTorch runtime's processes sum gradients",
-                                 instead="gradients are summed through gloo over loopback "
-                                         "instead, several times slower for large buckets",
-                                 variable="AUTODIST_KERAS_TORCH_SHM_REDUCE"))
+                             no_space=("the PyTorch runtime's processes sum gradients",
+                                       "gradients are summed through gloo over loopback "
+                                       "instead, several times slower for large buckets",
+                                       "AUTODIST_KERAS_TORCH_SHM_REDUCE"))
 
     @classmethod
     def open(cls, description, buckets=None):
