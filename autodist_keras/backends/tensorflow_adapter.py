@@ -87,9 +87,7 @@ def _recording_scope(state_mapping=None):
         def get_current_value(self, variable):
             value = super().get_current_value(variable)
             if value is None and _in_nested_function(self.outer):
-                value = self.lifted.get(id(variable))
-                if value is None:
-                    value = self.lifted[id(variable)] = _read_outside(variable, self.outer)
+                value = _lifted_read(self, variable)
             return value
 
     return RecordingScope()
@@ -142,6 +140,13 @@ def _read_outside(variable, outer, device=None):
             return tf.convert_to_tensor(variable._value)
         with tf.device(device):
             return tf.identity(tf.stop_gradient(variable._value))
+
+
+def _lifted_read(scope, variable):
+    """`variable` read in `scope.outer` (`_read_outside`), once per scope (`scope.lifted`)."""
+    if id(variable) not in scope.lifted:
+        scope.lifted[id(variable)] = _read_outside(variable, scope.outer)
+    return scope.lifted[id(variable)]
 
 
 def _leaf_read(scope, variable):

@@ -186,6 +186,7 @@ def _placement_scope(runner, tape):
     from autodist_keras.backends.tensorflow_adapter import _assigned_read
     from autodist_keras.backends.tensorflow_adapter import _in_nested_function
     from autodist_keras.backends.tensorflow_adapter import _leaf_read
+    from autodist_keras.backends.tensorflow_adapter import _lifted_read
     from autodist_keras.backends.tensorflow_adapter import _outer_graph
     from autodist_keras.backends.tensorflow_adapter import _read_outside
 
@@ -217,11 +218,7 @@ def _placement_scope(runner, tape):
             # convolutions): the copy or read is made in the pass's graph.
             nested = _in_nested_function(self.outer)
             if self.device is None or id(variable) not in runner.trainable_ids:
-                if not nested:
-                    return None
-                if id(variable) not in self.lifted:
-                    self.lifted[id(variable)] = _read_outside(variable, self.outer)
-                return self.lifted[id(variable)]
+                return _lifted_read(self, variable) if nested else None
             key = (id(variable), self.device)
             if key not in self.copies:
                 if nested:
