@@ -33,6 +33,7 @@ import bisect
 import networkx
 
 from autodist_keras.estimator.cost_model import WrappedCostModel
+from autodist_keras.estimator.simulator import optimizer_slots_of
 from autodist_keras.graph.model_graph import LayerNode
 from autodist_keras.graph.model_graph import ModelGraph
 
@@ -261,6 +262,8 @@ class CoarseGraph:
         self.graph = ModelGraph(
             nodes, [(a, b, n) for (a, b), n in edges.items()], inputs, outputs,
             list(graph.variables), name=f"{getattr(graph, 'name', 'model')}_coarse",
+            # (the memory model counts the fine graph's optimizer slots)
+            optimizer_slots=optimizer_slots_of(graph), optimizer=getattr(graph, "optimizer", None),
         )
 
     def expand(self, per_unit):

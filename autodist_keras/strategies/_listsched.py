@@ -44,7 +44,6 @@ from autodist_keras.estimator.simulator import usable_memory_bytes
 from autodist_keras.strategies.baselines import DDP_BUCKET_BYTES
 from autodist_keras.strategies.plan import split_batch
 
-STATIC_FACTOR = 2 + ADAM_SLOTS  # parameters, gradients and Adam's optimizer slots
 MEMORY_MARGIN = 0.99  # use at most this fraction of a device's usable memory
 FORWARD, BACKWARD = 0, 1
 PHASE_NAMES = ("forward", "backward")

@@ -30,7 +30,6 @@ DDP_BUCKET_BYTES = 25 * 1024 * 1024
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # torch DDP's first bucket (its last layers' gradients)
 HOROVOD_FUSION_BYTES = 64 * 1024 * 1024
 BYTES_PER_PARAM_STATE = 4  # Adam keeps two float32 slots per parameter: counted as 2 x 4 bytes.
-_SLOTS_UNSET = object()
 
 
 def gradient_buckets(graph, bucket_bytes=DDP_BUCKET_BYTES, variables=None,
@@ -97,7 +96,7 @@ def device_speeds(cluster, devices=None):
     return {name: float(cluster.device(name).peak_flops_fp32) for name in devices}
 
 
-def memory_capacity_samples(graph, cluster, device_name, optimizer_slots=_SLOTS_UNSET):
+def memory_capacity_samples(graph, cluster, device_name):
     """How many samples of this model fit on a device in one step (predicted).
 
     The same memory model as `simulate` (`simulator.replica_memory_terms`):
@@ -114,16 +113,12 @@ def memory_capacity_samples(graph, cluster, device_name, optimizer_slots=_SLOTS_
         graph: The `ModelGraph`.
         cluster: The `Cluster`.
         device_name: A device of `cluster`.
-        optimizer_slots: Overrides `graph.optimizer_slots`.
 
     Returns:
         The number of samples (0 when the static memory alone does not fit).
     """
     device = cluster.device(device_name)
     static, per_sample = simulator.replica_memory_terms(graph)
-    if optimizer_slots is not _SLOTS_UNSET:
-        static += int(graph.param_bytes) * (
-            int(optimizer_slots) - simulator.optimizer_slots_of(graph))
     free = simulator.usable_memory_bytes(device) - static
     if free < 0:
         return 0

@@ -452,7 +452,4 @@ def _units(graph, cluster, cost, names, batch):
         max_bytes=smallest / 8.0,
         bytes_of=lambda n: static_bytes(n, slots) + n.activation_bytes * batch,
     )
-    coarse = CoarseGraph(graph, units)
-    coarse.graph.optimizer_slots = slots
-    coarse.graph.optimizer = getattr(graph, "optimizer", None)
-    return coarse
+    return CoarseGraph(graph, units)

@@ -47,7 +47,6 @@ from scipy.sparse import coo_matrix
 
 from autodist_keras.errors import PlanError
 from autodist_keras.errors import StrategyError
-from autodist_keras.estimator.simulator import optimizer_slots_of
 from autodist_keras.strategies import _common
 from autodist_keras.strategies import baselines
 from autodist_keras.strategies._coarse import CoarseCostModel
@@ -337,8 +336,6 @@ class _Space:
             isolate=self.isolated,
         )
         self.coarse = CoarseGraph(graph, self.chunks)
-        self.coarse.graph.optimizer_slots = optimizer_slots_of(graph)
-        self.coarse.graph.optimizer = getattr(graph, "optimizer", None)
         self.grid = _common.batch_grid(batch)
         self.ccost = CoarseCostModel(cost, self.coarse, grid=self.grid)
         self.tables = CostTables(self.coarse.graph, cluster, self.ccost, names,

@@ -54,6 +54,7 @@ import warnings
 
 from autodist_keras.devices.detect import active_keras_backend
 from autodist_keras.errors import AutodistError
+from autodist_keras.estimator.simulator import optimizer_slots_of
 from autodist_keras.errors import OutputError
 from autodist_keras.errors import StrategyError
 from autodist_keras.strategies import _common
@@ -156,7 +157,7 @@ def cache_key(graph, cluster, batch_size, devices, families, options, scorer="si
             "scorer": scorer,
             "graph": graph.fingerprint(),
             # Not in the fingerprint (the same model), but it changes the memory model.
-            "optimizer_slots": getattr(graph, "optimizer_slots", 2),
+            "optimizer_slots": optimizer_slots_of(graph),
             "cluster": cluster.fingerprint(),
             "batch_size": batch_size,
             "devices": list(devices),
