@@ -1004,6 +1004,11 @@ def _shape_error(source, path, problem, received, fix=_SHAPE_FIX):
     return PlanError(f"{source}: {path or 'top level'}: {problem}. {fix} Received: {received}")
 
 
+def _wrong_type(source, path, what, value):
+    """The `_shape_error` of a field whose value is not `what`."""
+    return _shape_error(source, path, f"must be {what}, not {_json_type(value)}", _short(value))
+
+
 def _kind(what, test, nullable=False):
     """A check that `test(value)` holds (or the value is null, where `nullable`),
     `what` saying what the field must be."""
@@ -1011,8 +1016,7 @@ def _kind(what, test, nullable=False):
 
     def check(value, path, source):
         if not (nullable and value is None) and not test(value):
-            raise _shape_error(source, path, f"must be {what}, not {_json_type(value)}",
-                               _short(value))
+            raise _wrong_type(source, path, what, value)
     return check
 
 
@@ -1033,8 +1037,7 @@ def _seconds(nullable=False):
         if nullable and value is None:
             return
         if not _is_number(value):
-            raise _shape_error(source, path, f"must be {what}, not {_json_type(value)}",
-                               _short(value))
+            raise _wrong_type(source, path, what, value)
         if not math.isfinite(value) or value < 0:
             raise _shape_error(source, path, "must be a finite number of seconds, not negative",
                                _short(value))
@@ -1049,8 +1052,7 @@ def _list_of(item, what, nullable=False):
         if nullable and value is None:
             return
         if not isinstance(value, list):
-            raise _shape_error(source, path, f"must be {what}, not {_json_type(value)}",
-                               _short(value))
+            raise _wrong_type(source, path, what, value)
         for i, entry in enumerate(value):
             item(entry, f"{path}[{i}]", source)
     return check
@@ -1059,8 +1061,7 @@ def _list_of(item, what, nullable=False):
 def _dict_of(item, what):
     def check(value, path, source):
         if not isinstance(value, dict):
-            raise _shape_error(source, path, f"must be {what}, not {_json_type(value)}",
-                               _short(value))
+            raise _wrong_type(source, path, what, value)
         for key, entry in value.items():
             item(entry, f"{path}[{key!r}]", source)
     return check
@@ -1071,8 +1072,7 @@ def _object(fields, what, required=(), open_fields=False):
     any value); names not in `fields` are refused unless `open_fields`."""
     def check(value, path, source):
         if not isinstance(value, dict):
-            raise _shape_error(source, path, f"must be {what}, not {_json_type(value)}",
-                               _short(value))
+            raise _wrong_type(source, path, what, value)
         unknown = [k for k in value if k not in fields]
         if unknown and not open_fields:
             raise _shape_error(
