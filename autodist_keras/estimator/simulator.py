@@ -76,10 +76,10 @@ from typing import Optional
 from autodist_keras.errors import EstimatorError
 from autodist_keras.errors import PlanError
 from autodist_keras.estimator.cost_model import AnalyticCostModel
+from autodist_keras.graph.model_graph import DEFAULT_OPTIMIZER_SLOTS
 from autodist_keras.strategies.plan import Prediction
 from autodist_keras.strategies.plan import write_text_atomic
 
-ADAM_SLOTS = 2  # optimizer state tensors per parameter (Adam: m and v)
 # What a GPU keeps from its nominal memory for the CUDA context, the framework's
 # allocator (fragmentation, cached blocks) and kernels' workspace: plans may not use it.
 GPU_MEMORY_RESERVE_BYTES = 512 * 2**20
@@ -135,9 +135,9 @@ def optimizer_slots_of(graph):
     """Optimizer slots per parameter the memory model counts for `graph`.
 
     `graph.optimizer_slots` (read from the compiled optimizer by
-    `ModelGraph.from_keras`), or `ADAM_SLOTS` (2) for graphs without it.
+    `ModelGraph.from_keras`), or `DEFAULT_OPTIMIZER_SLOTS` (2, as Adam) for graphs without it.
     """
-    return int(getattr(graph, "optimizer_slots", ADAM_SLOTS))
+    return int(getattr(graph, "optimizer_slots", DEFAULT_OPTIMIZER_SLOTS))
 
 
 def optimizer_label(graph):

@@ -36,11 +36,11 @@ print(schedule.makespan, schedule.placement())
 import heapq
 
 from autodist_keras.estimator.cost_model import AnalyticCostModel
-from autodist_keras.estimator.simulator import ADAM_SLOTS
 from autodist_keras.estimator.simulator import batch_ranges
 from autodist_keras.estimator.simulator import optimizer_slots_of
 from autodist_keras.estimator.simulator import range_overlaps
 from autodist_keras.estimator.simulator import usable_memory_bytes
+from autodist_keras.graph.model_graph import DEFAULT_OPTIMIZER_SLOTS
 from autodist_keras.strategies.baselines import DDP_BUCKET_BYTES
 from autodist_keras.strategies.plan import split_batch
 
@@ -59,7 +59,7 @@ def resolve_cost_model(cluster, cost_model):
     return cost_model
 
 
-def static_bytes(node, optimizer_slots=ADAM_SLOTS):
+def static_bytes(node, optimizer_slots=DEFAULT_OPTIMIZER_SLOTS):
     """Bytes a layer keeps on every device holding a replica of it (predicted).
 
     Parameters, gradients and `optimizer_slots` slots per trainable

@@ -29,7 +29,6 @@ from autodist_keras.strategies.plan import split_batch
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # torch DDP's first bucket (its last layers' gradients)
 HOROVOD_FUSION_BYTES = 64 * 1024 * 1024
-BYTES_PER_PARAM_STATE = 4  # Adam keeps two float32 slots per parameter: counted as 2 x 4 bytes.
 
 
 def gradient_buckets(graph, bucket_bytes=DDP_BUCKET_BYTES, variables=None,
