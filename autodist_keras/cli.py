@@ -334,8 +334,8 @@ def build_parser():
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("simulate", help="predict one training step of a plan")
-    p.add_argument("--model", required=True)
-    p.add_argument("--cluster", required=True)
+    p.add_argument("--model", required=True, help=_MODEL_HELP)
+    p.add_argument("--cluster", required=True, help=_CLUSTER_HELP)
     p.add_argument("--plan", required=True, help="plan JSON file (from `plan --out`)")
     p.add_argument("--trace", default=None, help="write a Chrome trace JSON here")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -352,7 +352,8 @@ def build_parser():
     p = sub.add_parser("launch", help="run a script as N ranks on this machine (torchrun-style)")
     p.add_argument("--nprocs", type=int, required=True, help="number of ranks (one per device)")
     p.add_argument("--timeout-s", type=_positive_seconds, default=None,
-                   help="kill all ranks after this many seconds")
+                   help="stop every rank after this many seconds of the whole job (default: no "
+                   "limit; AutoStrategy's own timeout_s, 300 s, bounds each wait inside the job)")
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=_cmd_launch)

@@ -748,6 +748,9 @@ def test_a_model_with_an_unknown_sequence_length_is_planned_for_the_first_batch(
         given = AutoStrategy("proportional", cluster=cluster)
         given.plan_for(_sequence_model(None), 24, input_shapes=[(30,)])
     assert given.graph.fingerprint() == fixed.graph.fingerprint()
+    # The note names where the shapes came from (it said "the first batch's").
+    assert "Planned for per-sample input shapes [(30,)] (given with input_shapes=)" in " ".join(
+        given.plan.notes)
 
 
 def test_a_subclassed_model_with_an_unknown_length_is_warned_about_with_what_to_do():

@@ -88,6 +88,12 @@ def _set(*keys, value):
     (_set("order", value={"node0/cpu0": ["d1"]}),
      r"order\['node0/cpu0'\]\[0\]: must be a \[layer, phase\] pair.*Received: 'd1'"),
     (_set("notes", value="hello"), r"notes: must be a list of notes.*Received: 'hello'"),
+    # integers written as strings (refused only at the first fit before)
+    (_set("global_batch_size", value="96"),
+     r"global_batch_size: must be an integer, not a string.*Received: '96'"),
+    (_set("groups", 0, "replicas", 1, "batch_share", value="48"),
+     r"groups\[0\]\.replicas\[1\]\.batch_share: must be an integer, not a string.*"
+     r"Received: '48'"),
     (lambda d: d.update(groups={"all": d["groups"][0]}),
      r"groups: must be a list of layer groups.*not an object.*Received: \{'all'"),
     # unknown fields, at every level (a typo next to the real field was ignored)

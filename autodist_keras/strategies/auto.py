@@ -593,7 +593,8 @@ class AutoStrategy:
         layer frozen or unfrozen between fits without compiling again) is
         planned again: the plan's gradient buckets list the trainable ones.
 
-        `input_shapes` (the first batch's per-sample shapes) fill the
+        `input_shapes` (the first batch's per-sample shapes, or those given
+        to `plan_for`) fill the
         dimensions the model leaves unknown, such as a sequence length, for
         the planners' figures (`ModelGraph.from_keras`). A plan given with
         `plan=` is checked against the model's own graph, as the CLI made it."""
@@ -658,8 +659,9 @@ class AutoStrategy:
             self.plan = self._build_plan(self.graph, batch_size)
             self.plan.provenance.planning_time_s = time.perf_counter() - started
             if unknown and len(self.graph.unknown_dims) < len(unknown):
+                source = "given with input_shapes=" if planning_only else "the first batch's"
                 note = (f"Planned for per-sample input shapes {list(map(tuple, input_shapes))} "
-                        "(the first batch's): the model leaves some dimensions unknown, and "
+                        f"({source}): the model leaves some dimensions unknown, and "
                         "the predictions hold for batches of these shapes.")
                 if note not in self.plan.notes:
                     self.plan.notes = list(self.plan.notes) + [note]

@@ -1098,7 +1098,10 @@ _OPT_STRING = _kind("a string", lambda v: isinstance(v, str), nullable=True)
 _FINITE_OR_NULL = _kind("a finite number", _finite, nullable=True)
 _BOOL_OR_NULL = _kind("true or false", lambda v: isinstance(v, bool), nullable=True)
 
-_REPLICA = _object({"device": _STRING, "batch_share": None},  # (batch_share: validate)
+# Integers are typed here; that they are positive (and add up) is `validate`'s.
+_INTEGER = _kind("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool))
+
+_REPLICA = _object({"device": _STRING, "batch_share": _INTEGER},
                    "a replica: an object with device and batch_share",
                    required=("device", "batch_share"))
 _GROUP = _object(
@@ -1139,7 +1142,7 @@ _PROVENANCE = _object(
      "backend": _OPT_STRING},
     "an object saying who made the plan (or null)", required=("planner",))
 _PLAN = _object(
-    {"global_batch_size": None,  # (validate)
+    {"global_batch_size": _INTEGER,
      "groups": _list_of(_GROUP, "a list of layer groups (objects with name, layers and "
                                 "replicas)"),
      "sync": _dict_of(_SYNC_SPEC, "an object from variable name to its sync spec"),
