@@ -97,6 +97,31 @@ def test_plan_per_model_and_explain(tmp_path):
     assert other["plan_prediction_source"] == data["predicted"]["source"]
 
 
+def test_plot_titles_the_plan_with_the_name_explain_gives_it(tmp_path):
+    """A candidate built by another planner (`data_parallel_even_ps`, whose planner is
+    `data_parallel_even`) chosen by auto: the chart's title named the planner, a
+    different row of explain()'s candidates table."""
+    from autodist_keras.graph.model_graph import ModelGraph
+    from autodist_keras.strategies import selection
+
+    cluster = Cluster.cpu_testbed()
+    model = zoo.mlp(input_dim=8, hidden=(16,), name="small")
+    _, candidates = selection.choose_plan(ModelGraph.from_keras(model), cluster, 48,
+                                          cache_dir=tmp_path, estimator="simulator")
+    ps = next(c for c in candidates if c.name == "data_parallel_even_ps")
+    assert ps.plan.provenance.planner == "data_parallel_even"
+    # As auto records the candidate it chose.
+    ps.plan.provenance.options = dict(ps.plan.provenance.options or {},
+                                      auto_chosen="data_parallel_even_ps")
+    strategy = AutoStrategy(cluster=cluster, plan=ps.plan)
+    strategy.plan_for(model, 48)
+    assert strategy.explain(format="json")["chosen"] == "data_parallel_even_ps"
+    svg = open(strategy.plot(str(tmp_path / "timeline.svg"))).read()
+    # (matplotlib writes each text as a comment beside its glyphs)
+    assert "<!-- data_parallel_even_ps plan" in svg
+    assert "<!-- data_parallel_even plan" not in svg
+
+
 def test_fixed_plan_from_file(tmp_path):
     strategy = AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed())
     model = zoo.mlp(input_dim=8, hidden=(16,), name="fixed")

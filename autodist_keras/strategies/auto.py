@@ -1005,11 +1005,12 @@ class AutoStrategy:
         from autodist_keras.strategies.gantt import plot_timeline
 
         simulation = self._simulation()  # says "No plan yet" before any plan
-        title = f"{self.plan.provenance.planner} plan: simulated step (predicted)"
+        name = self.plan.provenance.candidate  # the name explain() gives the plan
+        title = f"{name} plan: simulated step (predicted)"
         prediction = self.plan.prediction
         if prediction is not None and not prediction.source.startswith("simulator ("):
             # The headline figure is rescaled or learned; the timeline is the simulator's.
-            title = (f"{self.plan.provenance.planner} plan, predicted {prediction.step_time_s * 1e3:.2f}"
+            title = (f"{name} plan, predicted {prediction.step_time_s * 1e3:.2f}"
                      f" ms ({short_scorer(prediction.source)}); the simulator's timeline")
         return plot_timeline(simulation, path, title=title)
 
