@@ -142,6 +142,35 @@ def test_sequential_model_trains_on_three_processes_like_one_device(tmp_path):
     assert report["max_rel_diff"] < 1e-5
 
 
+NO_TENSORFLOW = """
+import sys
+import numpy as np
+import keras
+from autodist_keras import AutoStrategy, Cluster
+
+if __name__ == "__main__":
+    strategy = AutoStrategy("proportional", cluster=Cluster.cpu_testbed())
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+        model.compile(optimizer="adam", loss="mse")
+    x, y = np.ones((48, 8), "float32"), np.ones((48, 4), "float32")
+    model.fit(x, y, batch_size=24, verbose=0)
+    model.evaluate(x, y, batch_size=24, verbose=0)
+    model.predict(x, batch_size=24, verbose=0)
+    print("tensorflow imported:", "tensorflow" in sys.modules)
+"""
+
+
+def test_a_fit_imports_no_tensorflow_as_plain_keras_on_pytorch(tmp_path):
+    """Keras's serializer asks whether TensorFlow is available, importing it wherever
+    it is installed: seconds and TensorFlow's start-up log lines in every PyTorch job,
+    where plain Keras imports none."""
+    pytest.importorskip("tensorflow")  # (where it is not installed nothing imports it)
+    result = _run(tmp_path, NO_TENSORFLOW)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "tensorflow imported: False"
+
+
 def _env(tmp_path):
     return dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=ROOT,
                 AUTODIST_KERAS_CACHE=str(tmp_path / "cache"))

@@ -28,10 +28,12 @@ driver.end(history)
 ```
 """
 
+import contextlib
 import itertools
 import json
 import math
 import os
+import sys
 import traceback
 import warnings
 
@@ -143,6 +145,33 @@ def _plain(value):
     return isinstance(value, SCALAR_TYPES)
 
 
+@contextlib.contextmanager
+def _tensorflow_left_unimported():
+    """Within the block, Keras's (de)serializer does not import TensorFlow.
+
+    `serialization_lib` asks `tf.available` for every object it serializes,
+    which imports TensorFlow wherever it is installed: several seconds and
+    TensorFlow's start-up log lines in a PyTorch job, where plain Keras
+    imports none. While TensorFlow is not imported no object can be one of
+    its types, so the answer "not available" is the true one here; the lazy
+    module is left as it was after the block. Keras versions without this
+    lazy module are left alone.
+    """
+    from keras.src.utils import module_utils
+
+    lazy = getattr(module_utils, "tensorflow", None)
+    if (lazy is None or "tensorflow" in sys.modules
+            or getattr(lazy, "_available", False) is not None):
+        yield
+        return
+    lazy._available = False
+    try:
+        yield
+    finally:
+        if "tensorflow" not in sys.modules:
+            lazy._available = None
+
+
 def _lost_settings(obj):
     """Constructor settings of `obj` that a rebuild from its Keras config changes.
 
@@ -159,8 +188,9 @@ def _lost_settings(obj):
     from keras.src.saving import serialization_lib
 
     try:
-        rebuilt = serialization_lib.deserialize_keras_object(
-            serialization_lib.serialize_keras_object(obj), safe_mode=False)
+        with _tensorflow_left_unimported():
+            rebuilt = serialization_lib.deserialize_keras_object(
+                serialization_lib.serialize_keras_object(obj), safe_mode=False)
         parameters = inspect.signature(type(obj).__init__).parameters.values()
     except Exception:  # noqa: BLE001  (reported elsewhere, with the right advice)
         return []
@@ -585,7 +615,7 @@ class Driver:
         }
         if self.spawned:
             # A callable learning rate goes as its value (sent again before every step).
-            with callable_learning_rate_as_value(optimizer):
+            with callable_learning_rate_as_value(optimizer), _tensorflow_left_unimported():
                 check_serializable(model)
                 check_config_round_trip(model)
                 from keras.src.saving import serialization_lib
@@ -1023,8 +1053,10 @@ def _rebuild_model(setup, rank):
             ) from None
     _apply_keras_settings(setup["keras"])
     try:
-        model = serialization_lib.deserialize_keras_object(setup["model"], safe_mode=False)
-        compile_config = serialization_lib.deserialize_keras_object(setup["compile"], safe_mode=False)
+        with _tensorflow_left_unimported():
+            model = serialization_lib.deserialize_keras_object(setup["model"], safe_mode=False)
+            compile_config = serialization_lib.deserialize_keras_object(setup["compile"],
+                                                                        safe_mode=False)
     except (TypeError, ValueError) as e:
         registered = setup["model"].get("registered_name")
         class_name = setup["model"].get("class_name") or ""
