@@ -778,6 +778,36 @@ def test_a_model_with_an_unknown_sequence_length_is_planned_for_the_first_batch(
         given.plan.notes)
 
 
+def test_explain_compares_a_measured_step_only_with_inputs_of_the_planned_shapes():
+    """A model with an unknown sequence length is planned for the first batch's length;
+    a later fit at another length measured a step of other work, which explain() set
+    against the old prediction ("the prediction was 99% low")."""
+    import numpy as np
+
+    strategy = AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed())
+    with strategy.scope():
+        inputs = keras.Input((None,), dtype="int32")
+        hidden = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 4)(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+        model.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(0)
+    for length in (6, 12):
+        x = rng.integers(0, 50, size=(96, length)).astype("int32")
+        model.fit(x, np.zeros((96, 1), "float32"), batch_size=24, verbose=0)
+        data = strategy.explain(format="json")
+        assert data["measured"]["input_shapes"] == [[length]]
+        assert data["measured"]["planned_input_shapes"] == [[6]]
+        text = strategy.explain()
+        if length == 6:
+            assert data["measured_vs_predicted"] is not None
+            assert "measured / predicted" in text
+        else:
+            assert data["measured_vs_predicted"] is None
+            assert "measured / predicted" not in text
+            assert ("not compared with the prediction: the fit's inputs had per-sample shapes "
+                    "[(12,)], the plan and its prediction are for [(6,)]") in text
+
+
 def test_a_subclassed_model_with_an_unknown_length_is_warned_about_with_what_to_do():
     """A subclassed model's graph comes from its build shapes, which the first batch
     cannot fill: the warning says so and how to fix it, instead of asking for shapes."""

@@ -19,6 +19,8 @@ class BackendAdapter:
         # Rows of the current fit's first training batch (the runtimes set it; the
         # strategy clears it before each fit): the batch its measured steps ran.
         self.first_train_batch = None
+        # Per-sample input shapes of that batch (`AutoStrategy.sample_shapes`).
+        self.first_train_shapes = None
 
     def variable_scope(self):
         """Context in which the model's variables are created (default: none)."""

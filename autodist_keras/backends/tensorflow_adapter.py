@@ -851,6 +851,8 @@ class _Runtime:
             warn_if_batch_outgrows_plan(self.plan, batch_size)
             if self.adapter.first_train_batch is None:
                 self.adapter.first_train_batch = batch_size
+                self.adapter.first_train_shapes = self.adapter.strategy.sample_shapes(
+                    x, self.model)
         placement = self.placement
         if placement is not None:
             key = ("placement", kind, batch_size)

@@ -525,6 +525,7 @@ class _FitRun:
         if batch_size is None:
             raise BackendError("fit received a batch without inputs. Received: x=None")
         self.adapter.first_train_batch = batch_size
+        self.adapter.first_train_shapes = strategy.sample_shapes(x, self.model)
         # torchrun ranks each plan on their own and must agree: from the model's
         # shapes alone there (each rank's first batch may be padded differently).
         shapes = strategy.sample_shapes(x, self.model) if torchrun_env() is None else None

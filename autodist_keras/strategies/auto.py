@@ -164,6 +164,9 @@ def _compile_after_scope(model, *args, **kwargs):
 
 
 _PLANNED_FOR_FIRST_BATCH = "_autodist_planned_for_first_batch"
+# The per-sample input shapes a plan's figures are for, where the model leaves
+# dimensions unknown and planning filled them (a list of tuples).
+_PLANNED_INPUT_SHAPES = "_autodist_planned_input_shapes"
 
 
 def may_outgrow(plan):
@@ -516,6 +519,7 @@ class AutoStrategy:
             kwargs["callbacks"] = _with_callbacks(
                 kwargs.get("callbacks"), strategy.adapter.callbacks_for_fit, timer)
             strategy.adapter.first_train_batch = None
+            strategy.adapter.first_train_shapes = None
             history = original_fit(*args, **kwargs)
             known = strategy._known(model)
             if known is not None:
@@ -524,6 +528,12 @@ class AutoStrategy:
             if timer.median_s is not None:
                 strategy.measured = {"step_time_s": timer.median_s, "steps": len(timer.times_s),
                                      "batch_size": strategy.adapter.first_train_batch}
+                planned = getattr(strategy.plan, _PLANNED_INPUT_SHAPES, None)
+                shapes = strategy.adapter.first_train_shapes
+                if planned is not None and shapes is not None:
+                    # (explain() compares the step with the prediction only for these shapes)
+                    strategy.measured["input_shapes"] = [list(s) for s in shapes]
+                    strategy.measured["planned_input_shapes"] = [list(s) for s in planned]
                 note = strategy.adapter.measurement_note()
                 if note:
                     strategy.measured["note"] = note
@@ -622,6 +632,8 @@ class AutoStrategy:
                 # model's own.
                 if self._fixed_plan.provenance.graph_fingerprint == filled.fingerprint():
                     self.graph = filled
+                    setattr(self._fixed_plan, _PLANNED_INPUT_SHAPES,
+                            [tuple(s) for s in input_shapes])
             elif len(filled.unknown_dims) < len(unknown):
                 self.graph = filled
         if unknown and self._fixed_plan is None and self.graph.unknown_dims:
@@ -665,6 +677,7 @@ class AutoStrategy:
                         "the predictions hold for batches of these shapes.")
                 if note not in self.plan.notes:
                     self.plan.notes = list(self.plan.notes) + [note]
+                setattr(self.plan, _PLANNED_INPUT_SHAPES, [tuple(s) for s in input_shapes])
             if not planning_only and self.name != "single_device":
                 # (a single_device plan would be the same for any larger batch)
                 setattr(self.plan, _PLANNED_FOR_FIRST_BATCH, True)

@@ -23,6 +23,13 @@ def _mib(nbytes):
     return None if nbytes is None else round(nbytes / 2**20, 1)
 
 
+def _same_shapes(measured):
+    """False when the fit's inputs had other per-sample shapes than those planned for."""
+    shapes, planned = measured.get("input_shapes"), measured.get("planned_input_shapes")
+    return shapes is None or planned is None or (
+        [list(s) for s in shapes] == [list(s) for s in planned])
+
+
 def explanation(plan, cluster, candidates=None, measured=None, strategy_name="auto",
                 fixed=False):
     """Builds the machine-readable explanation of a plan.
@@ -95,8 +102,10 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
         # (rescaled) while the baseline may be scored by the estimator itself.
         speedup_scorers = {"plan": prediction.source, "even": even.get("scorer")}
     measured_vs_predicted = None
-    # Steps of another batch size are no measure of this prediction.
+    # Steps of another batch size, or of inputs of other shapes where the model
+    # leaves some unknown (a sequence length), are no measure of this prediction.
     same_batch = measured and measured.get("batch_size") in (None, plan.global_batch_size)
+    same_batch = same_batch and _same_shapes(measured)
     if (same_batch and measured.get("step_time_s") and prediction is not None
             and prediction.step_time_s):
         measured_vs_predicted = round(measured["step_time_s"] / prediction.step_time_s, 3)
@@ -331,6 +340,13 @@ def _header_lines(data):
             lines.append(
                 f"  not compared with the prediction: the fit ran batches of {rows} rows, the "
                 f"plan and its prediction are for {data['global_batch_size']} rows"
+            )
+        elif not _same_shapes(m):
+            shapes, planned = ([tuple(s) for s in m[k]]
+                               for k in ("input_shapes", "planned_input_shapes"))
+            lines.append(
+                f"  not compared with the prediction: the fit's inputs had per-sample shapes "
+                f"{shapes}, the plan and its prediction are for {planned}"
             )
     if m.get("note"):
         lines.append(f"  about the measurement: {m['note']}")
