@@ -84,6 +84,35 @@ def test_tensorflow_started_before_the_strategy_fails_with_the_fix(tmp_path):
     assert "Received: 1 logical CPU device(s)" in message
 
 
+# An earlier strategy fixed TensorFlow's devices at 2: the advice to create the
+# strategy first cannot help (it was), so the message says what can.
+SECOND_STRATEGY = """
+import numpy as np
+import keras
+from autodist_keras import AutoStrategy, Cluster
+
+two = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
+first = AutoStrategy("data_parallel", cluster=two)
+with first.scope():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    model.compile(optimizer="sgd", loss="mse")
+model.fit(np.ones((8, 8)), np.ones((8, 4)), batch_size=4, verbose=0)
+second = AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed())
+with second.scope():
+    pass
+"""
+
+
+def test_a_second_strategy_needing_more_devices_says_an_earlier_one_fixed_them(tmp_path):
+    result = _run(tmp_path, SECOND_STRATEGY)
+    assert result.returncode != 0
+    message = result.stderr.replace("\n", " ")
+    assert "BackendError: The cluster has 3 CPU devices" in message
+    assert "an earlier AutoStrategy in this process gave TensorFlow 2 logical CPU" in message
+    assert "or run this strategy in a new process" in message
+    assert "Create the AutoStrategy" not in message  # (it was created first)
+
+
 def test_torchrun_style_ranks_are_refused_on_tensorflow(tmp_path):
     """`autodist-keras launch` (as torchrun) sets RANK / WORLD_SIZE, which the TensorFlow
     backend does not use: each rank would train the whole plan alone, so the strategy

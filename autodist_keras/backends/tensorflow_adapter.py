@@ -212,6 +212,11 @@ def _cpu_devices(cluster):
     return [d for d in cluster.devices if d.kind != "gpu"]
 
 
+# How many logical CPU devices an AutoStrategy of this process gave TensorFlow
+# (None: none did), for the message when a later strategy needs more.
+_logical_cpus_set_by_a_strategy = None
+
+
 def configure_logical_cpus(cluster):
     """Gives TensorFlow one logical CPU device per CPU device of `cluster`, if it can.
 
@@ -242,6 +247,7 @@ def configure_logical_cpus(cluster):
         needed = len(_cpu_devices(cluster))
     if needed <= 1:
         return needed
+    global _logical_cpus_set_by_a_strategy
     physical = tf.config.list_physical_devices("CPU")[0]
     try:
         existing = tf.config.get_logical_device_configuration(physical) or []
@@ -249,6 +255,7 @@ def configure_logical_cpus(cluster):
             tf.config.set_logical_device_configuration(
                 physical, [tf.config.LogicalDeviceConfiguration() for _ in range(needed)]
             )
+            _logical_cpus_set_by_a_strategy = needed
     except RuntimeError:
         pass  # TensorFlow is already initialised: the adapter checks what it has.
     return needed
@@ -336,6 +343,16 @@ class TensorFlowAdapter(BackendAdapter):
         if needed <= 1:
             return
         have = len(tf.config.list_logical_devices("CPU"))
+        if have < needed and _logical_cpus_set_by_a_strategy == have:
+            raise BackendError(
+                f"The cluster has {needed} CPU devices "
+                f"({[d.name for d in self._local_cpu_devices()]}), but an earlier AutoStrategy "
+                f"in this process gave TensorFlow {have} logical CPU devices, and TensorFlow "
+                "fixes them at its first operation. In this process use a cluster of at most "
+                f"{have} CPU devices (Cluster.cpu_testbed() with {have} devices, say), or run "
+                "this strategy in a new process. "
+                f"Received: {have} logical CPU device(s)"
+            )
         if have < needed:
             raise BackendError(
                 f"The cluster has {needed} CPU devices ({[d.name for d in self._local_cpu_devices()]}), "
