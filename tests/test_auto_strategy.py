@@ -1,6 +1,7 @@
 """AutoStrategy's user API without training: options, planning per model, explain, plot, trace."""
 
 import json
+import re
 
 import keras
 import numpy as np
@@ -16,8 +17,22 @@ def test_unknown_names_and_options_list_the_valid_ones():
     with pytest.raises(StrategyError, match="Valid names: auto") as info:
         AutoStrategy("magic")
     assert "Received: strategy='magic'" in str(info.value)
-    with pytest.raises(StrategyError, match="Valid options: sync"):
+    with pytest.raises(StrategyError, match="Did you mean 'buckets' or 'bucket_bytes'.*Valid "
+                                            "options: sync"):
         AutoStrategy("proportional", cluster=Cluster.cpu_testbed(), bucket_size=3)
+    # Typos get the closest names; a cluster passed first is named as one.
+    with pytest.raises(StrategyError, match="Unknown strategy 'proportionl'. Did you mean "
+                                            "'proportional'"):
+        AutoStrategy("proportionl")
+    with pytest.raises(StrategyError, match="Unknown strategy 'magic'. Valid names"):
+        AutoStrategy("magic")  # (nothing close: no guess)
+    for cluster in ("cpu_testbed", "2xV100,1xT4", "node0:2xV100;node1:4xT4@25", "my.yaml"):
+        with pytest.raises(StrategyError, match=(
+                r"It looks like a cluster: the first argument is the strategy, so pass the "
+                rf"cluster as a keyword, AutoStrategy\(cluster='{re.escape(cluster)}'\)")):
+            AutoStrategy(cluster)
+    with pytest.raises(StrategyError, match=r"AutoStrategy\(cluster=\.\.\.\)"):
+        AutoStrategy(Cluster.cpu_testbed())
     with pytest.raises(StrategyError, match="Unknown device"):
         AutoStrategy(cluster=Cluster.cpu_testbed(), devices=["node7/gpu0"])
 

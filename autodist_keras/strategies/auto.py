@@ -163,6 +163,33 @@ def _compile_after_scope(model, *args, **kwargs):
     return result
 
 
+def _close_names(names, valid, n=2):
+    """`" Did you mean 'x'?"` for the names close to a valid one (up to `n` each),
+    else `""`."""
+    import difflib
+
+    close = [c for name in names if isinstance(name, str)
+             for c in difflib.get_close_matches(name, list(valid), n=n, cutoff=0.6)]
+    return f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def _strategy_hint(strategy):
+    """What an unknown strategy name probably was: a cluster passed first, or a typo."""
+    import re
+
+    from autodist_keras.devices.cluster import Cluster
+    from autodist_keras.devices.spec import builtin_cluster_names
+
+    if isinstance(strategy, (Cluster, dict)) or (isinstance(strategy, str) and (
+            strategy in builtin_cluster_names()
+            or strategy.endswith((".yaml", ".yml"))
+            or re.match(r"^\s*(\w+:)?\d+\s*x", strategy))):
+        shown = repr(strategy) if isinstance(strategy, str) else "..."
+        return (" It looks like a cluster: the first argument is the strategy, so pass the "
+                f"cluster as a keyword, AutoStrategy(cluster={shown}).")
+    return _close_names([strategy], STRATEGY_NAMES, n=1)
+
+
 _PLANNED_FOR_FIRST_BATCH = "_autodist_planned_for_first_batch"
 # The per-sample input shapes a plan's figures are for, where the model leaves
 # dimensions unknown and planning filled them (a list of tuples).
@@ -281,8 +308,8 @@ class AutoStrategy:
     def __init__(self, strategy="auto", cluster=None, devices=None, plan=None, **options):
         if strategy not in STRATEGY_NAMES:
             raise StrategyError(
-                f"Unknown strategy {strategy!r}. Valid names: {', '.join(STRATEGY_NAMES)}. "
-                f"Received: strategy={strategy!r}"
+                f"Unknown strategy {strategy!r}.{_strategy_hint(strategy)} Valid names: "
+                f"{', '.join(STRATEGY_NAMES)}. Received: strategy={strategy!r}"
             )
         from autodist_keras.strategies.selection import available_families
 
@@ -295,8 +322,8 @@ class AutoStrategy:
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
             raise StrategyError(
-                f"Unknown option(s) {unknown}. Valid options: {', '.join(OPTION_NAMES)}. "
-                f"Received: {unknown}"
+                f"Unknown option(s) {unknown}.{_close_names(unknown, OPTION_NAMES)} Valid "
+                f"options: {', '.join(OPTION_NAMES)}. Received: {unknown}"
             )
         if "estimator" in options:
             from autodist_keras.strategies.selection import check_estimator
