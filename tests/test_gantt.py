@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import keras
 import pytest
 
 from autodist_keras.devices import Cluster
@@ -81,6 +82,9 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow",
+                    reason="plot() draws without the Keras backend; run under tensorflow only "
+                           "(cheaper)")
 def test_plot_leaves_the_users_matplotlib_backend_and_figures_alone(tmp_path):
     """plot() draws without pyplot: a script's backend and open figures stay as they were."""
     script = tmp_path / "plot_keeps_backend.py"

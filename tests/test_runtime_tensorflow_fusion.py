@@ -308,37 +308,3 @@ def test_replicated_region_with_dropout_runs_uncompiled_and_others_compile():
     (concrete,) = train_fn._list_all_concrete_functions()
     scopes = {_xla_scope(op) for op in concrete.graph.get_operations()} - {None}
     assert scopes == {"autodist_fusion_r1_p0", "autodist_fusion_r1_p1"}
-
-
-def test_disco_regions_with_dropout_are_not_compiled():
-    """Whatever regions Disco plans, those holding a Dropout run uncompiled, with a reason."""
-    from autodist_keras import AutoStrategy
-    from autodist_keras.devices import Cluster
-
-    strategy = AutoStrategy("disco", cluster=Cluster.cpu_testbed(), op_fusion="on")
-    with strategy.scope():
-        inputs = keras.Input((32,), name="dd_x")
-        h = keras.layers.Dense(64, name="dd_d0")(inputs)
-        h = keras.layers.Dropout(0.5, seed=5, name="dd_drop")(h)
-        h = keras.layers.Activation("relu", name="dd_act")(h)
-        h = keras.layers.Dense(64, name="dd_d1")(h)
-        h = keras.layers.Dropout(0.5, seed=6, name="dd_drop2")(h)
-        model = keras.Model(inputs, keras.layers.Dense(3, name="dd_out")(h))
-        _compile(model)
-    rng = np.random.default_rng(0)
-    model.fit(rng.normal(size=(96, 32)).astype("float32"), rng.integers(0, 3, 96),
-              batch_size=48, verbose=0)
-    info = strategy.adapter.runtime_info
-    summary = info["op_fusion"]
-    regions = [r for r in (strategy.plan.op_fusion or []) if len(r) > 1]
-    if not regions:
-        assert summary is None or not summary["realised"]
-        return
-    for index, region in enumerate(summary["regions"]):
-        random = [n for n in region if "drop" in n]
-        if random:
-            assert str(index) in summary["fallbacks"], summary
-            assert random[0] in summary["fallbacks"][str(index)]
-        else:
-            assert index in summary["realised"], summary
-    assert info["op_fusion_regions"] == len(summary["realised"])

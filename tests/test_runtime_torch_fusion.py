@@ -58,10 +58,10 @@ def _plan(ndev, regions=REGIONS):
     return plan, cluster
 
 
-def _fit(ndev, **options):
+def _fit(ndev, regions=REGIONS, **options):
     from autodist_keras import AutoStrategy
 
-    plan, cluster = _plan(ndev)
+    plan, cluster = _plan(ndev, regions)
     strategy = AutoStrategy(cluster=cluster, plan=plan, **options)
     with strategy.scope():
         model = _build()
@@ -180,11 +180,13 @@ def test_auto_policy_compiles_nothing_on_cpus(capfd):
 def test_inductor_compiles_the_regions_of_one_replica():
     # TorchInductor generates C++ kernels with the machine's compiler; the
     # fused kernels round differently, so weights agree at rtol 1e-4, as XLA's
-    # clusters do on TensorFlow (tests/test_runtime_tensorflow_fusion.py).
-    model, _, strategy = _fit(1, op_fusion="on")
+    # clusters do on TensorFlow (tests/test_runtime_tensorflow_fusion.py). One
+    # region (conv -> BN in training mode -> ReLU -> pool): each region is a
+    # C++ compile of its own; the three regions are compiled with aot_eager above.
+    model, _, strategy = _fit(1, regions=REGIONS[1:2], op_fusion="on")
     reference, _ = _plain()
     fusion = strategy.adapter._run.fusion
-    assert fusion.compiler == "inductor" and fusion.realised == [0, 1, 2]
+    assert fusion.compiler == "inductor" and fusion.realised == [0]
     assert min(fusion.calls) >= SAMPLES // BATCH
     _assert_same_weights(model, reference, rtol=1e-4, atol=1e-5)
 

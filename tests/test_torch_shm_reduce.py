@@ -8,9 +8,15 @@ tests/test_runtime_torch.py.
 import os
 import re
 
+import keras
 import pytest
 
 torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "torch",
+    reason="only the PyTorch runtime uses the shared-memory reduce area; run under torch only",
+)
 
 from autodist_keras.backends import torch_shm_reduce as sr  # noqa: E402
 from autodist_keras.errors import BackendError  # noqa: E402
