@@ -2,6 +2,7 @@
 
 import json
 import re
+import warnings
 
 import keras
 import numpy as np
@@ -389,6 +390,19 @@ def test_a_model_compiled_again_in_another_scope_is_timed_for_that_strategy():
     assert second.measured["batch_size"] == 12
     data = second.explain(format="json")
     assert data["measured"]["batch_size"] == 12 and data["measured_vs_predicted"] is None
+    # Fitted inside the first strategy's scope, it still trains under the second (the
+    # scope decides where models are compiled): said, not silently ignored.
+    with pytest.warns(UserWarning, match=(
+            r"Model 'moved' is fitted inside the scope of another AutoStrategy than the one "
+            r"it was compiled in; it trains under the strategy it was compiled in.*call "
+            r"model.compile\(...\) inside it first")):
+        with first.scope():
+            model.fit(x, y, batch_size=12, verbose=0)
+    assert first.measured == measured_before
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        with second.scope():  # its own strategy's scope: nothing to say
+            model.fit(x, y, batch_size=12, verbose=0)
 
 
 def test_explain_shows_a_measured_step_only_beside_the_plan_it_was_measured_with():

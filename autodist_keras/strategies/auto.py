@@ -539,6 +539,18 @@ class AutoStrategy:
         def fit(*args, **kwargs):
             from autodist_keras.timing import StepTimer
 
+            active = _active_strategy()
+            if active is not None and active is not strategy:
+                warnings.warn(
+                    f"Model {model.name!r} is fitted inside the scope of another AutoStrategy "
+                    "than the one it was compiled in; it trains under the strategy it was "
+                    "compiled in (scopes decide where models are compiled, not where they "
+                    "fit), and that strategy's explain() describes the fit. To train it "
+                    "under the strategy of this scope, call model.compile(...) inside it "
+                    f"first. Received: fit inside the scope of AutoStrategy({active.name!r}) "
+                    f"(another object), model compiled in AutoStrategy({strategy.name!r})",
+                    stacklevel=2,
+                )
             strategy.adapter.before_fit(model)
             if len(args) > 5:  # callbacks passed positionally: leave them alone
                 return original_fit(*args, **kwargs)
