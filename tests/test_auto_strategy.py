@@ -94,6 +94,11 @@ def test_plan_per_model_and_explain(tmp_path):
     data = strategy.explain(format="json")
     json.dumps(data)
     assert data["chosen"] == "proportional"
+    # Planned, not compiled in the scope: a what-if plan its fit does not run (explain()
+    # looked as if it applied to the fit, which ran plain Keras).
+    assert data["unattached_model"] == "small"
+    assert ("note: model 'small' was planned with plan_for but not compiled inside this "
+            "strategy's scope, so its fit runs plain Keras") in strategy.explain()
     # A model far smaller than the learned estimator's training models: the simulator,
     # scaled by the estimator's calibration, scores it (and says so).
     assert data["predicted"]["source"].startswith("simulator x ")
@@ -390,6 +395,7 @@ def test_a_model_compiled_again_in_another_scope_is_timed_for_that_strategy():
     assert second.measured["batch_size"] == 12
     data = second.explain(format="json")
     assert data["measured"]["batch_size"] == 12 and data["measured_vs_predicted"] is None
+    assert data["unattached_model"] is None and "note: model" not in second.explain()
     # Fitted inside the first strategy's scope, it still trains under the second (the
     # scope decides where models are compiled): said, not silently ignored.
     with pytest.warns(UserWarning, match=(

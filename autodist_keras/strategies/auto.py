@@ -1002,6 +1002,12 @@ class AutoStrategy:
         measured = self.measured if self._measured_plan is self.plan else {}
         data = explanation(self.plan, self.cluster, measured=measured, strategy_name=self.name,
                            fixed=self._fixed_plan is not None)
+        # A plan made by plan_for for a model compiled outside this strategy's scope: a
+        # what-if, which its fit does not run (the model's name, else None).
+        data["unattached_model"] = next(
+            (ref().name for ref, _, plan in self._plans.values()
+             if plan is self.plan and ref() is not None
+             and not any(r() is ref() for r in self._model_refs)), None)
         if format == "json":
             data["plan"] = self.plan.to_dict()
             return data

@@ -311,6 +311,12 @@ def _header_lines(data):
     else:
         lines = [f"AutoStrategy({data['strategy']!r}): chose {chosen}"]
     lines += [f"  why: {w}" for w in data["why"]]
+    unattached = data.get("unattached_model")
+    if unattached:
+        lines.append(
+            f"  note: model {unattached!r} was planned with plan_for but not compiled inside "
+            "this strategy's scope, so its fit runs plain Keras, not this plan (compile it "
+            "inside strategy.scope() to train with it)")
     p = data["predicted"]
     if p is not None and p.get("feasible") is False:
         lines.append(f"  INFEASIBLE (predicted): {p.get('infeasible_reason') or 'out of memory'}")
