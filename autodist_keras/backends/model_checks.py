@@ -36,6 +36,7 @@ import warnings
 import weakref
 
 from autodist_keras.errors import BackendError
+from autodist_keras.stacklevel import user_stacklevel
 
 logger = logging.getLogger(__name__)
 
@@ -273,7 +274,7 @@ def warn_masked_outputs(model):
             "and differed by up to 0.08). For exact equality, drop the mask from the output "
             "and pass per-timestep sample weights (0 on padding): Keras then divides by the "
             "number of entries, which splits exactly by share.",
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     return bool(masked)
 
@@ -329,7 +330,7 @@ def warn_inexact_batchnorm(model):
             "variance is not (51% off single-device training after one step in a test). "
             "For exact statistics use one BatchNormalization per call, or freeze it "
             "(trainable=False).",
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     if masked:
         warnings.warn(
@@ -339,7 +340,7 @@ def warn_inexact_batchnorm(model):
             "spread unevenly over the shards the moving statistics differ from "
             "single-device training (mean 5%, variance 28% in a test). Training itself "
             "normalises each shard with its own statistics, as data parallelism does.",
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     return sorted(set(shared + masked))
 
@@ -397,7 +398,7 @@ def warn_loss_not_per_sample(model, x, y):
             "device's). For exact equality, drop ignore_class and pass sample weights of 0 "
             "for the ignored entries (and any valid class in their place): Keras then divides "
             "by the number of entries, which splits exactly by share.",
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
         return True
     leaves = [v for v in keras.tree.flatten(x) if v is not None]
@@ -444,7 +445,7 @@ def _warn_not_per_sample(model, rows, together, mean_alone, training):
             "training differs from single-device training. "
             f"Received: loss of {rows} rows {together:.6g}, mean per-row loss "
             f"{mean_alone:.6g} (training mode)",
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
         return
     warnings.warn(
@@ -460,7 +461,7 @@ def _warn_not_per_sample(model, rows, together, mean_alone, training):
         "equality, or accept per-replica losses, as data parallelism elsewhere computes "
         f"them. Received: loss of {rows} rows {together:.6g}, mean per-row loss "
         f"{mean_alone:.6g}",
-        stacklevel=4,
+        stacklevel=user_stacklevel(),
     )
 
 

@@ -64,6 +64,7 @@ from autodist_keras.backends.torch_state_watch import use_sent_learning_rate
 from autodist_keras.backends.torch_step import ReplicaTrainer
 from autodist_keras.errors import BackendError
 from autodist_keras.errors import WorkerError
+from autodist_keras.stacklevel import user_stacklevel
 from autodist_keras.strategies.auto import warn_if_batch_outgrows_plan
 
 _session_ids = itertools.count(1)
@@ -575,7 +576,7 @@ class Driver:
                 "step and are not sums or means (keras.metrics.Mean, Sum): the PyTorch "
                 "runtime logs them from rank 0's rows only, not the whole batch's. For "
                 "whole-batch values track a Mean (or Sum) of the per-sample value.",
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
         weights, opt_vars = state_variables(model)
         payload = {
@@ -973,7 +974,7 @@ class Driver:
         if history is not None and not self.in_sync:
             warnings.warn(_differ_message(self.model, own, [buf for _, buf in
                                                             received.values()]),
-                          stacklevel=3)
+                          stacklevel=user_stacklevel())
 
 
 def _differ_message(model, own, others):

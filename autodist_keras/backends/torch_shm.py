@@ -37,6 +37,7 @@ import warnings
 import weakref
 
 from autodist_keras.backends.processes import process_alive
+from autodist_keras.stacklevel import user_stacklevel
 
 SHM_DIR = "/dev/shm"
 NUM_SLOTS = 2
@@ -171,7 +172,7 @@ def warn_no_space(directory, size, free, holds, instead, variable):
         f"`mount -o remount,size=2G {directory}`), or set {variable}=0 to choose that "
         f"and silence this warning. Received: {size} bytes needed, {free} bytes free in "
         f"{directory}",
-        stacklevel=2,
+        stacklevel=user_stacklevel(),
     )
 
 

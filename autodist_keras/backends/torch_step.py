@@ -28,6 +28,7 @@ from autodist_keras.backends.loss_trackers import TorchTrackerDeltas
 from autodist_keras.backends.torch_reducer import GradientReducer
 from autodist_keras.backends.torch_reducer import StateSync
 from autodist_keras.errors import BackendError
+from autodist_keras.stacklevel import user_stacklevel
 
 PROFILE_ENV = "AUTODIST_KERAS_TORCH_PROFILE"
 
@@ -118,7 +119,7 @@ class StepProfile:
             warnings.warn(
                 f"autodist_keras: could not write the step profile to {path} ({e}); "
                 f"set {PROFILE_ENV} to a writable directory. Received: {self.directory!r}",
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
             return None
         return path

@@ -25,6 +25,7 @@ import warnings
 import weakref
 
 from autodist_keras.errors import StrategyError
+from autodist_keras.stacklevel import user_stacklevel
 from autodist_keras.strategies.plan import Plan
 
 STRATEGY_NAMES = ("auto", "single_device", "data_parallel", "proportional", "fastt", "heterog", "disco")
@@ -231,7 +232,7 @@ def warn_if_batch_outgrows_plan(plan, batch_size):
         f"rows (on {len(plan.devices)} device(s)). To plan for the larger batches, call "
         f"strategy.plan_for(model, {batch_size}) before fit, or make the first batch full "
         f"size. Received: batch of {batch_size} rows, plan for {plan.global_batch_size}",
-        stacklevel=2,
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -443,7 +444,7 @@ class AutoStrategy:
                 f"strategy={strategy!r} is not used: plan= gives the plan to run, and it is a "
                 f"{planner or 'hand-made'} plan. Leave strategy out (or pass the plan's own "
                 "strategy) to silence this warning.",
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
 
     # ----------------------------------------------------------- properties
@@ -549,7 +550,7 @@ class AutoStrategy:
                     "under the strategy of this scope, call model.compile(...) inside it "
                     f"first. Received: fit inside the scope of AutoStrategy({active.name!r}) "
                     f"(another object), model compiled in AutoStrategy({strategy.name!r})",
-                    stacklevel=2,
+                    stacklevel=user_stacklevel(),
                 )
             strategy.adapter.before_fit(model)
             if len(args) > 5:  # callbacks passed positionally: leave them alone
@@ -701,7 +702,7 @@ class AutoStrategy:
                 "dimension as 1, so its predicted step times are far too low and the "
                 f"choice between plans may be wrong. {advice} "
                 f"Received: input_shapes={input_shapes!r}",
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
         if self._fixed_plan is not None:
             self.plan = self._fixed_plan
@@ -728,7 +729,7 @@ class AutoStrategy:
                         "batches are larger, call strategy.plan_for(model, batch_size) with "
                         "their size before fit. "
                         f"Received: first batch of {batch_size} row(s)",
-                        stacklevel=3,
+                        stacklevel=user_stacklevel(),
                     )
         self._plans = {k: v for k, v in self._plans.items() if v[0]() is not None}
         self._plans[id(model)] = (weakref.ref(model), self.graph, self.plan)
@@ -818,7 +819,7 @@ class AutoStrategy:
             ) from None
         for note in notes:
             warnings.warn(f"plan=: {note} The plan still runs as given; its prediction is "
-                          "the simulator's for this model and cluster.", stacklevel=4)
+                          "the simulator's for this model and cluster.", stacklevel=user_stacklevel())
         recorded = self.plan.prediction
         if not self.plan.prediction_matches():
             # Edited after its prediction was written: the recorded figures describe
