@@ -152,7 +152,9 @@ if __name__ == "__main__":
     strategy = AutoStrategy("proportional", cluster=Cluster.cpu_testbed())
     with strategy.scope():
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
-        model.compile(optimizer="adam", loss="mse")
+        # (a schedule: the settings watch reads the optimizer's config every fit)
+        schedule = keras.optimizers.schedules.ExponentialDecay(0.01, 10, 0.9)
+        model.compile(optimizer=keras.optimizers.Adam(schedule), loss="mse")
     x, y = np.ones((48, 8), "float32"), np.ones((48, 4), "float32")
     model.fit(x, y, batch_size=24, verbose=0)
     model.evaluate(x, y, batch_size=24, verbose=0)
@@ -169,6 +171,31 @@ def test_a_fit_imports_no_tensorflow_as_plain_keras_on_pytorch(tmp_path):
     result = _run(tmp_path, NO_TENSORFLOW)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "tensorflow imported: False"
+
+
+LAZY_TENSORFLOW = """
+import sys
+from keras.src.utils import module_utils
+from autodist_keras.backends.lazy_tensorflow import tensorflow_left_unimported
+
+with tensorflow_left_unimported():
+    inside = module_utils.tensorflow.available
+print("inside:", inside, "imported:", "tensorflow" in sys.modules)
+with tensorflow_left_unimported():
+    import tensorflow  # e.g. a custom layer's module, imported while serializing
+print("after an import inside:", module_utils.tensorflow.available)
+"""
+
+
+def test_the_serializer_sees_tensorflow_again_after_the_block(tmp_path):
+    """Serializing answers "TensorFlow not available" only while it is not imported;
+    after the block Keras asks again, so its TensorFlow-backed layers (Hashing,
+    StringLookup) can be built, also when TensorFlow was imported inside it."""
+    pytest.importorskip("tensorflow")
+    result = _run(tmp_path, LAZY_TENSORFLOW)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-2:] == [
+        "inside: False imported: False", "after an import inside: True"]
 
 
 def _env(tmp_path):

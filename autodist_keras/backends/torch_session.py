@@ -28,12 +28,10 @@ driver.end(history)
 ```
 """
 
-import contextlib
 import itertools
 import json
 import math
 import os
-import sys
 import traceback
 import warnings
 
@@ -41,6 +39,7 @@ from autodist_keras.backends import loss_trackers
 from autodist_keras.backends import replica_random
 from autodist_keras.backends import torch_fusion
 from autodist_keras.backends import torch_transport as tt
+from autodist_keras.backends.lazy_tensorflow import tensorflow_left_unimported
 from autodist_keras.backends.torch_device import check_model_device
 from autodist_keras.backends.torch_device import device_info
 from autodist_keras.backends.torch_device import pin
@@ -146,33 +145,6 @@ def _plain(value):
     return isinstance(value, SCALAR_TYPES)
 
 
-@contextlib.contextmanager
-def _tensorflow_left_unimported():
-    """Within the block, Keras's (de)serializer does not import TensorFlow.
-
-    `serialization_lib` asks `tf.available` for every object it serializes,
-    which imports TensorFlow wherever it is installed: several seconds and
-    TensorFlow's start-up log lines in a PyTorch job, where plain Keras
-    imports none. While TensorFlow is not imported no object can be one of
-    its types, so the answer "not available" is the true one here; the lazy
-    module is left as it was after the block. Keras versions without this
-    lazy module are left alone.
-    """
-    from keras.src.utils import module_utils
-
-    lazy = getattr(module_utils, "tensorflow", None)
-    if (lazy is None or "tensorflow" in sys.modules
-            or getattr(lazy, "_available", False) is not None):
-        yield
-        return
-    lazy._available = False
-    try:
-        yield
-    finally:
-        if "tensorflow" not in sys.modules:
-            lazy._available = None
-
-
 def _lost_settings(obj):
     """Constructor settings of `obj` that a rebuild from its Keras config changes.
 
@@ -189,9 +161,9 @@ def _lost_settings(obj):
     from keras.src.saving import serialization_lib
 
     try:
-        with _tensorflow_left_unimported():
-            rebuilt = serialization_lib.deserialize_keras_object(
-                serialization_lib.serialize_keras_object(obj), safe_mode=False)
+        with tensorflow_left_unimported():
+            config = serialization_lib.serialize_keras_object(obj)
+        rebuilt = serialization_lib.deserialize_keras_object(config, safe_mode=False)
         parameters = inspect.signature(type(obj).__init__).parameters.values()
     except Exception:  # noqa: BLE001  (reported elsewhere, with the right advice)
         return []
@@ -616,13 +588,14 @@ class Driver:
         }
         if self.spawned:
             # A callable learning rate goes as its value (sent again before every step).
-            with callable_learning_rate_as_value(optimizer), _tensorflow_left_unimported():
+            with callable_learning_rate_as_value(optimizer):
                 check_serializable(model)
                 check_config_round_trip(model)
                 from keras.src.saving import serialization_lib
 
                 try:
-                    model_config = serialization_lib.serialize_keras_object(model)
+                    with tensorflow_left_unimported():
+                        model_config = serialization_lib.serialize_keras_object(model)
                 except (NotImplementedError, TypeError, ValueError, RecursionError) as e:
                     said = " ".join(str(e).split()).split(". ")[0].rstrip(".")  # Keras's first sentence
                     raise BackendError(
@@ -634,8 +607,10 @@ class Driver:
                         f"Received: {type(e).__name__} from get_config()"
                     ) from e
                 model_config.pop("compile_config", None)
-                compile_config = dict(model.get_compile_config() or {})
-                compile_config["optimizer"] = serialization_lib.serialize_keras_object(optimizer)
+                with tensorflow_left_unimported():
+                    compile_config = dict(model.get_compile_config() or {})
+                    compile_config["optimizer"] = serialization_lib.serialize_keras_object(
+                        optimizer)
                 for key in ("metrics", "weighted_metrics"):
                     compile_config.pop(key, None)
                 payload["model"] = json.loads(json.dumps(model_config, default=_json_default))
@@ -1054,10 +1029,9 @@ def _rebuild_model(setup, rank):
             ) from None
     _apply_keras_settings(setup["keras"])
     try:
-        with _tensorflow_left_unimported():
-            model = serialization_lib.deserialize_keras_object(setup["model"], safe_mode=False)
-            compile_config = serialization_lib.deserialize_keras_object(setup["compile"],
-                                                                        safe_mode=False)
+        model = serialization_lib.deserialize_keras_object(setup["model"], safe_mode=False)
+        compile_config = serialization_lib.deserialize_keras_object(setup["compile"],
+                                                                    safe_mode=False)
     except (TypeError, ValueError) as e:
         registered = setup["model"].get("registered_name")
         class_name = setup["model"].get("class_name") or ""

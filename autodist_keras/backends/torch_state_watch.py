@@ -27,6 +27,7 @@ watch.changed()           # indices of the variables written since `mark()`
 import contextlib
 import weakref
 
+from autodist_keras.backends.lazy_tensorflow import tensorflow_left_unimported
 from autodist_keras.errors import BackendError
 
 # The settings each of rank 0's optimizers had when built, or when the runtime
@@ -215,7 +216,7 @@ def _setting_keys(optimizer):
     """The config keys of `optimizer` with plain scalar values that it holds
     as attributes of the same name."""
     try:
-        with callable_learning_rate_as_value(optimizer):
+        with callable_learning_rate_as_value(optimizer), tensorflow_left_unimported():
             config = optimizer.get_config()
     except (NotImplementedError, TypeError, ValueError):
         return []
