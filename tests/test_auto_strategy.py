@@ -34,6 +34,21 @@ def test_unknown_names_and_options_list_the_valid_ones():
             AutoStrategy(cluster)
     with pytest.raises(StrategyError, match=r"AutoStrategy\(cluster=\.\.\.\)"):
         AutoStrategy(Cluster.cpu_testbed())
+    for cluster in ("2XV100", "V100,1080Ti", "node-0:2xV100"):
+        with pytest.raises(StrategyError, match="It looks like a cluster"):
+            AutoStrategy(cluster)
+    import pathlib
+
+    with pytest.raises(StrategyError, match=r"AutoStrategy\(cluster='my.yaml'\)"):
+        AutoStrategy(pathlib.Path("my.yaml"))
+    with pytest.raises(StrategyError, match=r"It looks like a plan: .*AutoStrategy\(plan="
+                                            r"'plan.json'\)"):
+        AutoStrategy("plan.json")
+    with pytest.raises(StrategyError, match="Did you mean 'auto'"):
+        AutoStrategy("AUTO")
+    # (a one-name array passed "in STRATEGY_NAMES" elementwise and was accepted)
+    with pytest.raises(StrategyError, match="Unknown strategy array"):
+        AutoStrategy(np.array(["auto"]))
     with pytest.raises(StrategyError, match="Unknown device"):
         AutoStrategy(cluster=Cluster.cpu_testbed(), devices=["node7/gpu0"])
 

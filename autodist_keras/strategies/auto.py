@@ -174,21 +174,33 @@ def _close_names(names, valid, n=2):
     return f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
-def _strategy_hint(strategy):
-    """What an unknown strategy name probably was: a cluster passed first, or a typo."""
-    import re
+def _short(value, limit=80):
+    """`repr(value)`, cut to `limit` characters (a Plan's repr runs to pages)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
+
+def _strategy_hint(strategy):
+    """What an unknown strategy name probably was: a plan or a cluster passed first,
+    or a typo."""
     from autodist_keras.devices.cluster import Cluster
     from autodist_keras.devices.spec import builtin_cluster_names
+    from autodist_keras.devices.spec import looks_like_cluster_string
 
-    if isinstance(strategy, (Cluster, dict)) or (isinstance(strategy, str) and (
-            strategy in builtin_cluster_names()
-            or strategy.endswith((".yaml", ".yml"))
-            or re.match(r"^\s*(\w+:)?\d+\s*x", strategy))):
-        shown = repr(strategy) if isinstance(strategy, str) else "..."
+    text = os.fspath(strategy) if isinstance(strategy, (str, os.PathLike)) else None
+    text = text if isinstance(text, str) else None
+    shown = repr(text) if text is not None else "..."
+    if isinstance(strategy, Plan) or (text is not None and text.endswith(".json")):
+        return (" It looks like a plan: the first argument is the strategy, so pass the "
+                f"plan as a keyword, AutoStrategy(plan={shown}).")
+    if isinstance(strategy, (Cluster, dict)) or (text is not None and (
+            text in builtin_cluster_names() or text.endswith((".yaml", ".yml"))
+            or looks_like_cluster_string(text))):
         return (" It looks like a cluster: the first argument is the strategy, so pass the "
                 f"cluster as a keyword, AutoStrategy(cluster={shown}).")
-    return _close_names([strategy], STRATEGY_NAMES, n=1)
+    if isinstance(strategy, str):
+        return _close_names([strategy.lower()], STRATEGY_NAMES, n=1)
+    return ""
 
 
 _PLANNED_FOR_FIRST_BATCH = "_autodist_planned_for_first_batch"
@@ -307,10 +319,10 @@ class AutoStrategy:
     """
 
     def __init__(self, strategy="auto", cluster=None, devices=None, plan=None, **options):
-        if strategy not in STRATEGY_NAMES:
+        if not isinstance(strategy, str) or strategy not in STRATEGY_NAMES:
             raise StrategyError(
-                f"Unknown strategy {strategy!r}.{_strategy_hint(strategy)} Valid names: "
-                f"{', '.join(STRATEGY_NAMES)}. Received: strategy={strategy!r}"
+                f"Unknown strategy {_short(strategy)}.{_strategy_hint(strategy)} Valid names: "
+                f"{', '.join(STRATEGY_NAMES)}. Received: strategy={_short(strategy)}"
             )
         from autodist_keras.strategies.selection import available_families
 
