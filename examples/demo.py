@@ -165,12 +165,12 @@ def main():
         prop, flat = pinned["proportional"], pinned["data_parallel"]
         ratios = [e / p for p, e in zip(prop, flat)]
         print(f"  ({PINNED_ROUNDS} rounds of {PINNED_STEPS} steps per plan after {PINNED_WARMUP} "
-              f"warm-up, the plans alternating in the same workers; medians of the rounds)\n"
-              f"  proportional: {statistics.median(prop) * 1e3:8.1f} ms measured\n"
-              f"  even:         {statistics.median(flat) * 1e3:8.1f} ms measured\n"
-              f"  measured speedup of proportional over even (pinned workers): "
-              f"{statistics.median(ratios):.2f}x, median of the rounds' "
-              f"{', '.join(f'{r:.2f}x' for r in ratios)}")
+              "warm-up, the plans alternating in the same workers; median step of each)")
+        for i, (p, e, r) in enumerate(zip(prop, flat, ratios), 1):
+            print(f"  round {i}: proportional {p * 1e3:7.1f} ms, even {e * 1e3:7.1f} ms measured: "
+                  f"{r:.2f}x")
+        print(f"  measured speedup of proportional over even (pinned workers): "
+              f"{statistics.median(ratios):.2f}x, the median of the rounds' speedups")
         if max(ratios) > 1.3 * min(ratios):
             print("  (the rounds disagree by more than 30%: other work on this machine is "
                   "competing for its two cores, which the testbed pins; rerun on a quiet "
