@@ -50,6 +50,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
 from _common import error_text  # noqa: E402
+from _common import name_list  # noqa: E402
 from _common import non_negative_int  # noqa: E402
 from _common import positive_float  # noqa: E402
 from _common import positive_int  # noqa: E402
@@ -350,14 +351,22 @@ def main(argv=None):
     parser.add_argument("--rounds", type=positive_int, default=4)
     parser.add_argument("--timeout", type=positive_float, default=600.0,
                         help="seconds per plan run")
-    parser.add_argument("--devices", nargs="*", default=None,
-                        help="testbed devices auto may use (default: all)")
+    parser.add_argument("--devices", nargs="+", type=_testbed_devices, default=None,
+                        help="testbed devices auto may use, each once (default: all): names "
+                             "of Cluster.cpu_testbed(), space- or comma-separated")
     parser.add_argument("--in-process", action="store_true",
                         help="time every plan in this process, PyTorch workers kept between "
                              "fits, instead of a fresh process per plan and round")
     parser.add_argument("--run-plan", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.devices is not None:
+        args.devices = [name for names in args.devices for name in names]
+        repeated = sorted({name for name in args.devices if args.devices.count(name) > 1})
+        if repeated:
+            parser.error(f"argument --devices: {repeated} named more than once; name each "
+                         f"device once, from {', '.join(_testbed_names())}. "
+                         f"Received: {args.devices}")
     if os.environ.get("KERAS_BACKEND") != args.backend:
         # The Keras backend is fixed per process: run again under the requested one.
         env = dict(os.environ, KERAS_BACKEND=args.backend, TF_CPP_MIN_LOG_LEVEL="2")
@@ -376,6 +385,24 @@ def main(argv=None):
           flush=True)
     line = run(args)
     return 1 if line["errors"] else 0
+
+
+def _testbed_names():
+    """The device names of `Cluster.cpu_testbed()` (imports no framework)."""
+    from autodist_keras.devices import Cluster
+
+    return list(Cluster.cpu_testbed().names)
+
+
+def _testbed_devices(text):
+    """argparse type of `--devices`: names of the CPU testbed's devices (a list)."""
+    from autodist_keras.errors import ClusterSpecError
+
+    try:
+        valid = _testbed_names()
+    except ClusterSpecError as e:
+        raise argparse.ArgumentTypeError(f"the CPU testbed cannot be made here: {e}") from None
+    return name_list(valid)(text)
 
 
 def _versions_line():

@@ -46,6 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+from _common import error_text  # noqa: E402
 from _common import non_negative_int  # noqa: E402
 from _common import positive_float  # noqa: E402
 from _common import positive_int  # noqa: E402
@@ -353,22 +354,36 @@ def main(argv=None):
     if unknown:
         parser.error(f"unknown model(s) {unknown} in --models; the models are: "
                      f"{', '.join(known)}")
+    from autodist_keras.estimator.learned import VARIANTS
+
+    unknown = [v for v in args.variants or [] if v not in VARIANTS + ("auto",)]
+    if unknown:
+        parser.error(f"unknown variant(s) {unknown} in --variants; the variants are: "
+                     f"{', '.join(VARIANTS + ('auto',))}")
     # (with --measure the measuring is the point: `--measure --add --models X` adds one
     # model's cases)
     evaluation_only = not (args.profile_worker or args.prospective or args.write_default
                            or args.measure_only or args.measure or args.profile)
-    if evaluation_only and args.models is not None and len(set(args.models)) < 2:
-        parser.error("the held-out evaluation leaves one model out at a time, so --models "
-                     f"needs at least two models. Received: {args.models}; add a model, or "
-                     "pass --measure-only to only measure")
+    if evaluation_only and args.models is not None and len(set(args.models)) < 3:
+        parser.error("the held-out evaluation leaves one model out at a time, and its auto "
+                     "variant holds out models again inside each fold, so --models needs at "
+                     f"least three models. Received: {args.models}; add a model, or pass "
+                     "--measure-only to only measure")
     if args.profile_worker:
         profile_worker(args)
         return None
-    if args.prospective:
-        return prospective(args)
-    if args.write_default:
-        return write_defaults(args)
-    return run(args)
+    progress = {"benchmark": "estimator_accuracy"}  # what a failed run reports
+    try:
+        if args.prospective:
+            return prospective(args)
+        if args.write_default:
+            return write_defaults(args, progress)
+        return run(args, progress)
+    except Exception as e:  # reported in the JSON line; the exit code says it failed
+        progress["error"] = error_text(e)
+        print(f"error: {progress['error']}")
+        print(json.dumps(_clean(progress), default=str))
+        sys.exit(1)
 
 
 # The issue's accuracy targets on held-out cases.
@@ -396,13 +411,14 @@ def _variants(args):
                              if v != "gnn" or learned._torch_available()]
 
 
-def write_defaults(args):
-    """Trains the estimators AutoStrategy scores with, one per backend, on every stored case."""
+def write_defaults(args, progress=None):
+    """Trains the estimators AutoStrategy scores with, one per backend, on every stored
+    case (each one written is added to `progress["write_default"]` as it is)."""
     from autodist_keras.estimator import learned
     from autodist_keras.estimator.measurements import load_measurements
 
     backends = _backends(args)
-    written = {}
+    written = (progress if progress is not None else {}).setdefault("write_default", {})
     for backend in backends:
         records, provenance = load_measurements(data_path(backend, args.data_dir))
         started = time.perf_counter()
@@ -514,15 +530,18 @@ def prospective(args):
     return line
 
 
-def run(args):
+def run(args, progress=None):
+    """The held-out evaluation; `progress` (a dict) gets each backend's figures as they
+    are made (what a failed run reports)."""
     from autodist_keras.estimator import learned
     from autodist_keras.estimator import machine_speed
     from autodist_keras.estimator.measurements import load_measurements
 
     backends = _backends(args)
     variants = _variants(args)
-    summary = {"benchmark": "estimator_accuracy", "held_out": "leave one model out",
-               "versions": versions(_backends(args)), "backends": {}, "source": {}}
+    summary = progress if progress is not None else {}
+    summary.update({"benchmark": "estimator_accuracy", "held_out": "leave one model out",
+                    "versions": versions(_backends(args)), "backends": {}, "source": {}})
     pooled = {}
     for backend in backends:
         path = data_path(backend, args.data_dir)

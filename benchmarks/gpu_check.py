@@ -62,6 +62,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _common import error_text  # noqa: E402
 from _common import positive_float  # noqa: E402
 from _common import versions  # noqa: E402
 
@@ -714,26 +715,12 @@ def main(argv=None):
                      "time a CPU fit. Run with --small (the CPU test), or on a machine with "
                      "a GPU")
     results = {"sections": {}}
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-    started = time.perf_counter()
-    for name in names:
-        limit = SECTION_TIMEOUT_S[name] // (3 if args.small else 1)
-        if args.budget_s is not None:
-            left = int(args.budget_s - (time.perf_counter() - started))
-            if left < 20:
-                results["sections"][name] = {"skipped": "--budget-s spent"}
-                continue
-            limit = min(limit, left)
-        print(f"[gpu_check] {name} (limit {limit} s) ...", flush=True)
-        os.environ[MODEL_SETS_ENV] = args.models
-        results["sections"][name] = run_section(name, args.small, limit, args.out)
-        print(json.dumps({name: results["sections"][name]}, indent=1, default=str)[:6000],
-              flush=True)
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "gpu_check.json"), "w", encoding="utf-8") as f:
-                json.dump(results, f, indent=1, default=str)
+    error = None
+    try:
+        _run_sections(names, args, results)
+    except Exception as e:  # reported in the JSON line; the exit code says it failed
+        error = error_text(e)
+        print(f"[gpu_check] error: {error}", flush=True)
     summary = {"benchmark": "gpu_check", "small": bool(args.small),
                "versions": versions(["torch"])}
     for name, result in results["sections"].items():
@@ -765,8 +752,35 @@ def main(argv=None):
             "multi_gpu_failure_raised": multi["failure"]["raised"],
             "multi_gpu_failure_seconds": multi["failure"]["seconds_to_raise"],
         })
+    if error:
+        summary["error"] = error
     print(json.dumps(summary))
-    return 1 if "error" in summary.values() else 0
+    return 1 if error or "error" in summary.values() else 0
+
+
+def _run_sections(names, args, results):
+    """Runs the sections, each in a fresh process, into `results["sections"]`
+    (written to `--out` after each one)."""
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    started = time.perf_counter()
+    for name in names:
+        limit = SECTION_TIMEOUT_S[name] // (3 if args.small else 1)
+        if args.budget_s is not None:
+            left = int(args.budget_s - (time.perf_counter() - started))
+            if left < 20:
+                results["sections"][name] = {"skipped": "--budget-s spent"}
+                continue
+            limit = min(limit, left)
+        print(f"[gpu_check] {name} (limit {limit} s) ...", flush=True)
+        os.environ[MODEL_SETS_ENV] = args.models
+        results["sections"][name] = run_section(name, args.small, limit, args.out)
+        print(json.dumps({name: results["sections"][name]}, indent=1, default=str)[:6000],
+              flush=True)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "gpu_check.json"), "w", encoding="utf-8") as f:
+                json.dump(results, f, indent=1, default=str)
 
 
 def _cuda_gpus():

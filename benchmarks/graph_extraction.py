@@ -81,6 +81,8 @@ def measure(name, repeats):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from _common import error_text
+    from _common import exit_code
     from _common import positive_int
     from _common import versions
 
@@ -93,7 +95,14 @@ def main(argv=None):
     from rich.console import Console
     from rich.table import Table
 
-    results = {name: measure(name, args.repeats) for name in args.models}
+    results = {}
+    for name in args.models:
+        try:
+            results[name] = measure(name, args.repeats)
+        except Exception as e:  # reported in the JSON line; the exit code says it failed
+            results[name] = {"error": error_text(e)}
+            print(f"{name}: error: {results[name]['error']}")
+    measured = {name: r for name, r in results.items() if "error" not in r}
 
     console = Console(width=140)
     console.print(
@@ -104,7 +113,7 @@ def main(argv=None):
     timing = Table(title="Extraction time (measured)")
     for column in ("model", "nodes", "edges", "build s", "extract median s", "min s", "max s"):
         timing.add_column(column, justify="left" if column == "model" else "right")
-    for name, r in results.items():
+    for name, r in measured.items():
         timing.add_row(name, str(r["nodes"]), str(r["edges"]), f"{r['build_s']:.2f}",
                        f"{r['extract_median_s']:.4f}", f"{r['extract_min_s']:.4f}",
                        f"{r['extract_max_s']:.4f}")
@@ -113,7 +122,7 @@ def main(argv=None):
     for column in ("model", "counted G", "published G", "deviation", "fwd GFLOP", "params",
                    "= count_params", "source"):
         flops.add_column(column, justify="left" if column in ("model", "source") else "right")
-    for name, r in results.items():
+    for name, r in measured.items():
         published = r["published_multiply_adds"]
         flops.add_row(
             name, f"{r['multiply_adds'] / 1e9:.3f}",
@@ -136,7 +145,8 @@ def main(argv=None):
         "transformer_config": TRANSFORMER,
         "models": results,
     }))
+    return exit_code(results)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

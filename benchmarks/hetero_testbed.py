@@ -98,6 +98,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _common import error_text  # noqa: E402
 from _common import exit_code  # noqa: E402
 from _common import name_list  # noqa: E402
 from _common import non_negative_int  # noqa: E402
@@ -610,13 +611,19 @@ def main():
     with tempfile.TemporaryDirectory() as workdir:
         for backend in args.backends:
             for model_name in args.models:
-                row = run_model(backend, model_name, args, workdir)
+                try:
+                    row = run_model(backend, model_name, args, workdir)
+                except Exception as e:  # reported in the JSON line; the exit code says it failed
+                    error = error_text(e)
+                    results[f"{backend}/{model_name}"] = {"error": error}
+                    print(f"{backend:<10} {model_name:<9} error: {error}")
+                    continue
                 results[f"{backend}/{model_name}"] = row
                 _print_row(backend, model_name, row)
     ratios = [r["even_over_proportional_measured"] for r in results.values()
-              if r["even_over_proportional_measured"]]
+              if r.get("even_over_proportional_measured")]
     plain = [r["even_over_proportional"] for r in results.values()
-             if r["even_over_proportional"]]
+             if r.get("even_over_proportional")]
     print(json.dumps({
         "benchmark": "hetero_testbed",
         "load_average_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None,
@@ -634,7 +641,8 @@ def main():
         "share_bound_models": list(SHARE_BOUND),
         "min_ratio_share_bound": min(
             (r["even_over_proportional"] for k, r in results.items()
-             if k.split("/")[1] in SHARE_BOUND and r["even_over_proportional"]), default=None),
+             if k.split("/")[1] in SHARE_BOUND and r.get("even_over_proportional")),
+            default=None),
         "min_ratio_measured_costs": min(ratios) if ratios else None,
         "target_ratio": 1.25,
     }))

@@ -46,13 +46,22 @@ def main():
 
     from autodist_keras import Cluster
 
-    cluster = Cluster.detect() if args.cluster == "detect" else Cluster.cpu_testbed()
+    line = {"benchmark": "op_fusion_torch", "compiler": args.compiler, "device": None,
+            "versions": versions(["torch"]), "steps": args.steps, "warmup": args.warmup,
+            "rounds": args.rounds, "results": {}}
+    try:
+        cluster = Cluster.detect() if args.cluster == "detect" else Cluster.cpu_testbed()
+    except Exception as e:  # reported in the JSON line; the exit code says it failed
+        line["error"] = error_text(e)
+        print(f"error: {line['error']}")
+        print(json.dumps(line))
+        return 1
     device = cluster.names[0]
     print(f"op_fusion_torch: {platform.node() or 'machine'}, {os.cpu_count()} cores, device "
           f"{device}, compiler {args.compiler}; {args.steps} measured steps after "
           f"{args.warmup} warm-up, {args.rounds} alternating rounds per side; load "
           f"{os.getloadavg()[0]:.1f}")
-    results = {}
+    results = line["results"]
     for name in args.models:
         try:
             row, info = compare(name, cluster, device, args, lambda s: s.adapter.last_run,
@@ -67,11 +76,8 @@ def main():
         print(f"{name:4s} {row['regions']} regions ({row['regions_realised'].get('on', 0)} "
               f"compiled)  off {off * 1e3:.1f} ms  on ({args.compiler}) {on * 1e3:.1f} ms  "
               f"off/on {row['off_over_on']:.3f}x (measured)")
-    print(json.dumps({"benchmark": "op_fusion_torch", "compiler": args.compiler,
-                      "device": cluster.device(device).model,
-                      "load_after": os.getloadavg()[0], "versions": versions(["torch"]),
-                      "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
-                      "results": results}))
+    line.update(device=cluster.device(device).model, load_after=os.getloadavg()[0])
+    print(json.dumps(line))
     return exit_code(results)
 
 

@@ -141,13 +141,21 @@ def main():
 
     from autodist_keras import AutoStrategy
 
-    cluster = Cluster.cpu_testbed()
-    AutoStrategy("data_parallel", cluster=cluster).adapter  # logical devices, before any TF op
+    line = {"benchmark": "op_fusion_xla", "versions": versions(["tensorflow"]),
+            "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "results": {}}
+    try:
+        cluster = Cluster.cpu_testbed()
+        AutoStrategy("data_parallel", cluster=cluster).adapter  # logical devices, before any TF op
+    except Exception as e:  # reported in the JSON line; the exit code says it failed
+        line["error"] = error_text(e)
+        print(f"error: {line['error']}")
+        print(json.dumps(line))
+        return 1
     device = cluster.names[0]
     print(f"op_fusion_xla: {platform.node() or 'machine'}, {os.cpu_count()} cores, device "
           f"{device}; {args.steps} measured steps after {args.warmup} warm-up, "
           f"{args.rounds} alternating rounds per side; load {os.getloadavg()[0]:.1f}")
-    results = {}
+    results = line["results"]
     for name in args.models:
         try:
             row, _ = compare(name, cluster, device, args, lambda s: s.adapter.runtime_info)
@@ -159,9 +167,8 @@ def main():
         off, on = row["median_step_s_off"], row["median_step_s_on"]
         print(f"{name:4s} {row['regions']} regions  off {off * 1e3:.1f} ms  on (XLA) "
               f"{on * 1e3:.1f} ms  off/on {row['off_over_on']:.3f}x (measured)")
-    print(json.dumps({"benchmark": "op_fusion_xla", "load_after": os.getloadavg()[0],
-                      "versions": versions(["tensorflow"]), "steps": args.steps,
-                      "warmup": args.warmup, "rounds": args.rounds, "results": results}))
+    line["load_after"] = os.getloadavg()[0]
+    print(json.dumps(line))
     return exit_code(results)
 
 

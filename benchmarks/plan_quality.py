@@ -396,6 +396,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--clusters", default=",".join(CLUSTERS))
+    from _common import error_text
     from _common import positive_int
     from _common import versions
 
@@ -418,7 +419,6 @@ def main(argv=None):
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import keras
 
-    from autodist_keras.devices import Cluster
     planners, missing, auto = families()
     if args.no_auto:
         auto = None
@@ -436,28 +436,14 @@ def main(argv=None):
               "stop them.")
     print("Step times are predictions of the simulator (analytic cost model, catalog GPU "
           "figures); planning times are measured wall time, one run each.")
-    cluster_objs = {name: Cluster.resolve(CLUSTERS[name]) for name in clusters}
     records = {}
+    error = None
     started = time.perf_counter()
-    for model in models:
-        t0 = time.perf_counter()
-        graph = build_graph(model)
-        print(f"{model}: {len(graph.nodes)} layers, {graph.param_bytes / 2**20:.0f} MiB of "
-              f"parameters; graph built in {time.perf_counter() - t0:.1f} s (not timed below).",
-              flush=True)
-        for name in clusters:
-            cluster = cluster_objs[name]
-            per = args.batch_per_device or PER_DEVICE.get(model, 32)
-            rec = run_case(graph, cluster, per * len(cluster), planners, auto,
-                           budget=1e9 if args.no_budget else None,
-                           bound=name == "hetero_testbed")
-            records[(model, name)] = rec
-            line = ", ".join(
-                f"{k} {v['step_time_s'] * 1e3:.1f} ms" + ("" if v["feasible"] else " (OOM)")
-                if v.get("step_time_s") else f"{k} -"
-                for k, v in rec["plans"].items()
-            )
-            print(f"  {name} (batch {rec['global_batch']}): {line}", flush=True)
+    try:
+        _run_cases(models, clusters, args, planners, auto, records)
+    except Exception as e:  # reported in the JSON line; the exit code says it failed
+        error = error_text(e)
+        print(f"error: {error}  (the figures below are of the cases run before it)")
     columns = list(BASELINES) + list(planners) + (["auto"] if auto else [])
     print_table(records, columns)
     summary = summarise(records, auto is not None)
@@ -517,12 +503,40 @@ def main(argv=None):
             for (m, c), rec in records.items()
         ],
         "summary": summary,
+        **({"error": error} if error else {}),
     }
     for case in out["cases"]:
         for entry in case["plans"].values():
             entry.pop("notes", None)
     print(json.dumps(out))
+    return 1 if error else 0
+
+
+def _run_cases(models, clusters, args, planners, auto, records):
+    """Plans every model on every cluster into `records[(model, cluster)]`."""
+    from autodist_keras.devices import Cluster
+
+    cluster_objs = {name: Cluster.resolve(CLUSTERS[name]) for name in clusters}
+    for model in models:
+        t0 = time.perf_counter()
+        graph = build_graph(model)
+        print(f"{model}: {len(graph.nodes)} layers, {graph.param_bytes / 2**20:.0f} MiB of "
+              f"parameters; graph built in {time.perf_counter() - t0:.1f} s (not timed below).",
+              flush=True)
+        for name in clusters:
+            cluster = cluster_objs[name]
+            per = args.batch_per_device or PER_DEVICE.get(model, 32)
+            rec = run_case(graph, cluster, per * len(cluster), planners, auto,
+                           budget=1e9 if args.no_budget else None,
+                           bound=name == "hetero_testbed")
+            records[(model, name)] = rec
+            line = ", ".join(
+                f"{k} {v['step_time_s'] * 1e3:.1f} ms" + ("" if v["feasible"] else " (OOM)")
+                if v.get("step_time_s") else f"{k} -"
+                for k, v in rec["plans"].items()
+            )
+            print(f"  {name} (batch {rec['global_batch']}): {line}", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

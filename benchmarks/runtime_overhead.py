@@ -60,6 +60,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _common import error_text  # noqa: E402
 from _common import exit_code  # noqa: E402
 from _common import name_list  # noqa: E402
 from _common import non_negative_int  # noqa: E402
@@ -289,19 +290,24 @@ def main():
         runs.append(("torch", "ddp"))
     for backend, case in runs:
         env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
-        out = subprocess.run(
-            [sys.executable, __file__, "--case", case, "--steps", str(args.steps),
-             "--warmup", str(args.warmup), "--rounds", str(args.rounds)],
-            env=env, cwd=ROOT, capture_output=True, text=True, timeout=3600,
-        )
         key = f"{backend}/{'one_device' if case == 'single' else 'two_process_vs_ddp'}"
-        if out.returncode != 0:
-            print(out.stderr[-3000:], file=sys.stderr)
-            results[key] = {"error": out.stderr.strip().splitlines()[-1:]}
+        try:
+            out = subprocess.run(
+                [sys.executable, __file__, "--case", case, "--steps", str(args.steps),
+                 "--warmup", str(args.warmup), "--rounds", str(args.rounds)],
+                env=env, cwd=ROOT, capture_output=True, text=True, timeout=3600,
+            )
+            if out.returncode != 0:
+                print(out.stderr[-3000:], file=sys.stderr)
+                results[key] = {"error": out.stderr.strip().splitlines()[-1:]}
+                continue
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            base = row.get("plain_median_s") or row.get("ddp_median_s")
+            row["ratio"] = round(row["autodist_median_s"] / base, 3)
+        except Exception as e:  # reported in the JSON line; the exit code says it failed
+            results[key] = {"error": error_text(e)}
+            print(f"{key:<28} error: {results[key]['error']}")
             continue
-        row = json.loads(out.stdout.strip().splitlines()[-1])
-        base = row.get("plain_median_s") or row.get("ddp_median_s")
-        row["ratio"] = round(row["autodist_median_s"] / base, 3)
         results[key] = row
         print(f"{key:<28} autodist {row['autodist_median_s'] * 1e3:.2f} ms vs "
               f"{'plain Keras' if case == 'single' else 'torch DDP'} {base * 1e3:.2f} ms: "

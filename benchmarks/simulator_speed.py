@@ -34,6 +34,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _common import error_text  # noqa: E402
 from _common import positive_int  # noqa: E402
 from _common import versions  # noqa: E402
 
@@ -114,25 +115,31 @@ def main(argv=None):
         + (f", load average {load[0]:.1f} at start" if load else "") + "."
     )
     records = []
-    started = time.perf_counter()
-    resnet = ModelGraph.from_keras(keras.applications.ResNet50(weights=None))
-    print(f"ResNet50 graph built in {time.perf_counter() - started:.1f} s (not timed below).")
-    cluster = Cluster.from_string("8xV100")
-    plan = baselines.data_parallel_even(resnet, cluster, 256)
-    records.append(_case("resnet50_dp_8xV100", resnet, cluster, plan, args.repeats, 0.1))
-
-    if not args.quick:
+    error = None
+    try:
         started = time.perf_counter()
-        bert = ModelGraph.from_keras(zoo.bert_large())
-        print(f"BERT-large graph built in {time.perf_counter() - started:.1f} s (not timed below).")
-        cluster = Cluster.from_string(";".join(f"node{i}:8xV100" for i in range(8)))
-        plan = baselines.data_parallel_even(bert, cluster, 512)
-        records.append(_case("bert_large_dp_64xV100", bert, cluster, plan, args.repeats, 2.0))
-        cluster = Cluster.from_string("node0:2xV100;node1:4x1080Ti;node2:2xP100")
-        plan = baselines.proportional(bert, cluster, 64, sync="ps", ps_server="node0/gpu0")
-        records.append(
-            _case("bert_large_ps_heterog_testbed", bert, cluster, plan, args.repeats, 2.0)
-        )
+        resnet = ModelGraph.from_keras(keras.applications.ResNet50(weights=None))
+        print(f"ResNet50 graph built in {time.perf_counter() - started:.1f} s (not timed below).")
+        cluster = Cluster.from_string("8xV100")
+        plan = baselines.data_parallel_even(resnet, cluster, 256)
+        records.append(_case("resnet50_dp_8xV100", resnet, cluster, plan, args.repeats, 0.1))
+
+        if not args.quick:
+            started = time.perf_counter()
+            bert = ModelGraph.from_keras(zoo.bert_large())
+            print(f"BERT-large graph built in {time.perf_counter() - started:.1f} s "
+                  "(not timed below).")
+            cluster = Cluster.from_string(";".join(f"node{i}:8xV100" for i in range(8)))
+            plan = baselines.data_parallel_even(bert, cluster, 512)
+            records.append(_case("bert_large_dp_64xV100", bert, cluster, plan, args.repeats, 2.0))
+            cluster = Cluster.from_string("node0:2xV100;node1:4x1080Ti;node2:2xP100")
+            plan = baselines.proportional(bert, cluster, 64, sync="ps", ps_server="node0/gpu0")
+            records.append(
+                _case("bert_large_ps_heterog_testbed", bert, cluster, plan, args.repeats, 2.0)
+            )
+    except Exception as e:  # reported in the JSON line; the exit code says it failed
+        error = error_text(e)
+        print(f"error: {error}")
 
     summary = {
         "benchmark": "simulator_speed",
@@ -143,9 +150,11 @@ def main(argv=None):
         "warmup_calls": 1,
         "simulator_cache": False,
         "cases": records,
+        **({"error": error} if error else {}),
     }
     print(json.dumps(summary))
+    return 1 if error else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

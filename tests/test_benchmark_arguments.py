@@ -1,6 +1,7 @@
 """The benchmarks check their arguments first: a bad value is a one-line argparse
 error (exit code 2) naming what was wrong, before any model, framework or
-measurement starts. Also: simulator_speed times real simulations (cache off),
+measurement starts; a run that fails prints its traceback, then a JSON last line
+with an "error" entry, and exits 1. Also: simulator_speed times real simulations (cache off),
 plan_quality reports a target it did not run as not run, and the shared helpers."""
 
 import json
@@ -8,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import keras
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,6 +40,10 @@ BAD = [
     ("estimator_accuracy.py", ["--models", "foo", "mlp_small"],
      "unknown model(s) ['foo']", "mlp_wide"),
     ("estimator_accuracy.py", ["--steps", "0"], INTEGER, "'0'"),
+    ("estimator_accuracy.py", ["--models", "mlp_small", "mlp_wide", "mlp_deep", "--variants",
+                               "nosuch"], "unknown variant(s) ['nosuch']", "ensemble"),
+    ("estimator_accuracy.py", ["--models", "mlp_small", "mlp_wide"], "at least three models",
+     "['mlp_small', 'mlp_wide']"),
     ("plan_quality.py", ["--batch-per-device", "0"], INTEGER, "'0'"),
     ("plan_quality.py", ["--models", "ResNet50", "--clusters", ","],
      "unknown model or cluster", "hetero_testbed"),
@@ -147,3 +153,115 @@ def test_versions_and_exit_code_helpers():
     assert _common.exit_code({"a": {"even": {"error": ["boom"]}}}) == 1
     assert _common.exit_code({"a": {"error": "boom"}}) == 1
     assert _common.exit_code({"a": {"proportional_measured": {"not_run": ["why"]}}}) == 0
+
+
+# ------------------------------------------------ a failed run still ends in one JSON line
+# Each case makes a run fail cheaply, before any long measurement: an environment the
+# benchmark cannot run in (one core where the CPU testbed needs two), an output path
+# that cannot be written, a broken data file, or, run through `runpy` as the script
+# itself, a model that fails to build or a worker process that runs past its limit.
+# The benchmark must print the traceback to stderr, then a JSON last line holding
+# what it gathered and an "error" entry, and exit 1.
+BUILD_FAILS = ("import autodist_keras.graph as g\n"
+               "def load_model(*a, **k):\n"
+               "    raise RuntimeError('provoked: the model fails to build')\n"
+               "g.load_model = load_model\n")
+WORKER_TIMES_OUT = ("import subprocess\n"
+                    "def run(command, *a, **k):\n"
+                    "    raise subprocess.TimeoutExpired(command, k.get('timeout'))\n"
+                    "subprocess.run = run\n")
+RESNET_FAILS = ("import keras\n"
+                "def resnet(*a, **k):\n"
+                "    raise RuntimeError('provoked: the model fails to build')\n"
+                "keras.applications.ResNet50 = resnet\n")
+
+
+def _one_core():
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
+
+def _run_as_script(script, args, prelude="", one_core=False, backend=None, timeout=120):
+    """Runs `script` as `__main__` (runpy) after `prelude`, in a fresh process."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    if backend:
+        env["KERAS_BACKEND"] = backend
+    path = os.path.join(BENCHMARKS, script)
+    code = (prelude + "import runpy, sys\n"
+            f"sys.argv = [{path!r}] + {list(args)!r}\n"
+            f"sys.path.insert(0, {BENCHMARKS!r})\n"
+            f"runpy.run_path({path!r}, run_name='__main__')\n")
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout,
+                          preexec_fn=_one_core if one_core else None)
+
+
+def _broken_data_dir(tmp_path):
+    (tmp_path / "measurements_torch.json").write_text("{not json", encoding="utf-8")
+    return str(tmp_path)
+
+
+FAILING = [
+    # (id, script, args, how it fails, the name of the benchmark in the JSON line)
+    ("gpu_check-unwritable-out", "gpu_check.py",
+     ["--small", "--sections", "detect", "--out", "/dev/null/gpu_check"], {}, "gpu_check"),
+    ("op_fusion_torch-one-core", "op_fusion_torch.py", ["--models", "mlp", "--steps", "1"],
+     {"one_core": True}, "op_fusion_torch"),
+    ("op_fusion_xla-one-core", "op_fusion_xla.py", ["--models", "mlp", "--steps", "1"],
+     {"one_core": True, "backend": "tensorflow"}, "op_fusion_xla"),
+    ("estimator_accuracy-broken-data", "estimator_accuracy.py",
+     ["--backend", "torch", "--models", "mlp_small", "mlp_wide", "mlp_deep", "--data-dir",
+      "BROKEN"], {},
+     "estimator_accuracy"),
+    ("graph_extraction-build-fails", "graph_extraction.py",
+     ["--models", "VGG16", "--repeats", "1"], {"prelude": BUILD_FAILS}, "graph_extraction"),
+    ("plan_quality-build-fails", "plan_quality.py",
+     ["--models", "MobileNetV2", "--clusters", "hetero_testbed", "--no-auto"],
+     {"prelude": BUILD_FAILS}, "plan_quality"),
+    ("simulator_speed-build-fails", "simulator_speed.py", ["--quick", "--repeats", "1"],
+     {"prelude": RESNET_FAILS, "backend": "tensorflow"}, "simulator_speed"),
+    ("hetero_testbed-worker-timeout", "hetero_testbed.py",
+     ["--backends", "torch", "--models", "mlp", "--rounds", "1", "--steps", "1"],
+     {"prelude": WORKER_TIMES_OUT}, "hetero_testbed"),
+    ("runtime_overhead-worker-timeout", "runtime_overhead.py",
+     ["--backends", "torch", "--rounds", "1", "--steps", "1"],
+     {"prelude": WORKER_TIMES_OUT}, "runtime_overhead"),
+]
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch",
+                    reason="each benchmark process picks its own backend; run under torch only")
+@pytest.mark.parametrize("script, args, how, benchmark", [f[1:] for f in FAILING],
+                         ids=[f[0] for f in FAILING])
+def test_failed_run_ends_in_a_json_line_with_the_error(script, args, how, benchmark, tmp_path):
+    if "one_core" in how and len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("this process has one core already")
+    args = [_broken_data_dir(tmp_path) if a == "BROKEN" else a for a in args]
+    out = _run_as_script(script, args, **how)
+    lines = out.stdout.strip().splitlines()
+    assert lines, (out.returncode, out.stderr[-3000:])
+    try:
+        line = json.loads(lines[-1])
+    except ValueError:
+        pytest.fail(f"no JSON last line (exit code {out.returncode}): {lines[-1][:300]!r}\n"
+                    + out.stderr[-3000:])
+    assert out.returncode == 1, (out.returncode, out.stderr[-3000:])
+    assert line.get("benchmark") == benchmark, line
+    text = json.dumps(line)
+    assert '"error"' in text, line
+    assert "Traceback (most recent call last)" in out.stderr, out.stderr[-3000:]
+
+
+def test_auto_real_check_bad_devices_is_an_argparse_error_naming_the_devices():
+    for devices, wrong in ((["node0/gpu9"], "node0/gpu9"), ([""], "''"),
+                           (["node0/cpu0", "node0/cpu0"], "more than once"),
+                           (["node0/cpu0,node0/cpu0"], "more than once")):
+        out = _run("auto_real_check.py", ["--models", "tiny", "--devices", *devices])
+        assert out.returncode == 2, (devices, out.returncode, out.stdout[-2000:],
+                                     out.stderr[-2000:])
+        last = out.stderr.strip().splitlines()[-1]
+        assert last.startswith("auto_real_check.py: error: argument --devices"), last
+        assert wrong in last, last
+        assert "node0/cpu0, node0/cpu1, node0/cpu2" in last, last
+        assert out.stdout == ""  # nothing ran
+    out = _run("auto_real_check.py", ["--models", "tiny", "--devices"])
+    assert out.returncode == 2 and "--devices" in out.stderr.strip().splitlines()[-1], out.stderr
