@@ -176,7 +176,7 @@ def test_a_fit_imports_no_tensorflow_as_plain_keras_on_pytorch(tmp_path):
 LAZY_TENSORFLOW = """
 import sys
 from keras.src.utils import module_utils
-from autodist_keras.backends.lazy_tensorflow import tensorflow_left_unimported
+from autodist_keras.lazy_tensorflow import tensorflow_left_unimported
 
 with tensorflow_left_unimported():
     inside = module_utils.tensorflow.available

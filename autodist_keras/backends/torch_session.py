@@ -39,7 +39,6 @@ from autodist_keras.backends import loss_trackers
 from autodist_keras.backends import replica_random
 from autodist_keras.backends import torch_fusion
 from autodist_keras.backends import torch_transport as tt
-from autodist_keras.backends.lazy_tensorflow import tensorflow_left_unimported
 from autodist_keras.backends.torch_device import check_model_device
 from autodist_keras.backends.torch_device import device_info
 from autodist_keras.backends.torch_device import pin
@@ -63,6 +62,7 @@ from autodist_keras.backends.torch_state_watch import use_sent_learning_rate
 from autodist_keras.backends.torch_step import ReplicaTrainer
 from autodist_keras.errors import BackendError
 from autodist_keras.errors import WorkerError
+from autodist_keras.lazy_tensorflow import tensorflow_left_unimported
 from autodist_keras.stacklevel import user_stacklevel
 from autodist_keras.strategies.auto import warn_if_batch_outgrows_plan
 

@@ -27,8 +27,8 @@ watch.changed()           # indices of the variables written since `mark()`
 import contextlib
 import weakref
 
-from autodist_keras.backends.lazy_tensorflow import tensorflow_left_unimported
 from autodist_keras.errors import BackendError
+from autodist_keras.lazy_tensorflow import tensorflow_left_unimported
 
 # The settings each of rank 0's optimizers had when built, or when the runtime
 # first saw it built (`note_built_settings`): some decide which variables it makes.

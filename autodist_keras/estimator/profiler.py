@@ -66,6 +66,7 @@ from autodist_keras.devices.detect import host_cpu_name
 from autodist_keras.errors import AutodistError
 from autodist_keras.errors import EstimatorError
 from autodist_keras.errors import OutputError
+from autodist_keras.lazy_tensorflow import tensorflow_left_unimported
 
 CACHE_ENV = "AUTODIST_KERAS_CACHE"
 CACHE_VERSION = 1
@@ -800,38 +801,9 @@ def _structure_key(template):
     return _canonical_json(_spec_signature(tree.map_structure(strip, template)))
 
 
-@contextlib.contextmanager
-def _no_tensorflow_import():
-    """Keeps Keras' config serialisation from importing TensorFlow needlessly.
-
-    `serialize_keras_object` asks whether TensorFlow is importable (to
-    recognise `tf.TensorShape` values), which imports it: seconds and
-    hundreds of MB on the PyTorch backend. When TensorFlow is not loaded no
-    value can be a TensorFlow object, so Keras is told it is unavailable for
-    the duration of the block.
-    """
-    lazy = None
-    if "tensorflow" not in sys.modules:
-        try:
-            from keras.src.utils import module_utils
-
-            lazy = module_utils.tensorflow
-        except ImportError:
-            lazy = None
-    if lazy is None or getattr(lazy, "_available", True) is not None:
-        yield
-        return
-    lazy._available = False
-    try:
-        yield
-    finally:
-        if lazy._available is False:
-            lazy._available = None
-
-
 def _layer_config(layer):
     try:
-        with _no_tensorflow_import():
+        with tensorflow_left_unimported():
             config = dict(layer.get_config())
     except Exception:  # noqa: BLE001 - any layer may refuse; fall back to identity
         return None
@@ -965,8 +937,10 @@ def _itemsize(dtype):
 def _rebuild(layer):
     """A fresh copy of `layer` from its config, or None when that fails."""
     try:
-        with _no_tensorflow_import():
-            return layer.__class__.from_config(layer.get_config())
+        with tensorflow_left_unimported():
+            config = layer.get_config()
+        # (outside the block: building a TF-backed preprocessing layer needs TensorFlow)
+        return layer.__class__.from_config(config)
     except Exception:  # noqa: BLE001 - fall back to the model's own layer object
         return None
 

@@ -1,4 +1,4 @@
-"""Keras's serializer without a TensorFlow import, for PyTorch jobs.
+"""Keras's serializer without a TensorFlow import (the PyTorch runtime, the profiler).
 
 `keras.src.saving.serialization_lib.serialize_keras_object` asks
 `tf.available` (Keras's lazy TensorFlow module) for every object it
