@@ -33,8 +33,10 @@ def tensorflow_left_unimported():
         config = serialization_lib.serialize_keras_object(optimizer)
     ```
     """
-    from keras.src.utils import module_utils
-
+    try:
+        from keras.src.utils import module_utils
+    except ImportError:  # a Keras without the lazy module
+        module_utils = None
     lazy = getattr(module_utils, "tensorflow", None)
     if (lazy is None or "tensorflow" in sys.modules
             or getattr(lazy, "_available", False) is not None):
