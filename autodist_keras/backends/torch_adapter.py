@@ -528,7 +528,7 @@ class _FitRun:
         self.adapter.first_train_shapes = strategy.sample_shapes(x, self.model)
         # torchrun ranks each plan on their own and must agree: from the model's
         # shapes alone there (each rank's first batch may be padded differently).
-        shapes = strategy.sample_shapes(x, self.model) if torchrun_env() is None else None
+        shapes = self.adapter.first_train_shapes if torchrun_env() is None else None
         plan = strategy._plan_for_training(self.model, batch_size, input_shapes=shapes)
         model_checks.check_model_for_plan(self.model, x, y, plan)
         if not plan.is_data_parallel:
