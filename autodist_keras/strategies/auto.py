@@ -27,6 +27,7 @@ import weakref
 from autodist_keras.errors import StrategyError
 from autodist_keras.stacklevel import user_stacklevel
 from autodist_keras.strategies.plan import Plan
+from autodist_keras.strategies.plan import short_repr
 
 STRATEGY_NAMES = ("auto", "single_device", "data_parallel", "proportional", "fastt", "heterog", "disco")
 FAMILY_NAMES = ("fastt", "heterog", "disco")
@@ -174,12 +175,6 @@ def _close_names(names, valid, n=2):
     return f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
-def _short(value, limit=80):
-    """`repr(value)`, cut to `limit` characters (a Plan's repr runs to pages)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
 def _strategy_hint(strategy):
     """What an unknown strategy name probably was: a plan or a cluster passed first,
     or a typo."""
@@ -320,9 +315,10 @@ class AutoStrategy:
 
     def __init__(self, strategy="auto", cluster=None, devices=None, plan=None, **options):
         if not isinstance(strategy, str) or strategy not in STRATEGY_NAMES:
+            shown = short_repr(strategy, 80)  # (a Plan's repr runs to pages)
             raise StrategyError(
-                f"Unknown strategy {_short(strategy)}.{_strategy_hint(strategy)} Valid names: "
-                f"{', '.join(STRATEGY_NAMES)}. Received: strategy={_short(strategy)}"
+                f"Unknown strategy {shown}.{_strategy_hint(strategy)} Valid names: "
+                f"{', '.join(STRATEGY_NAMES)}. Received: strategy={shown}"
             )
         from autodist_keras.strategies.selection import available_families
 

@@ -977,7 +977,7 @@ _SHAPE_FIX = ("Correct the field in the file (the format is the one Plan.to_json
               "or write the plan again with Plan.to_json() or `autodist-keras plan --out`.")
 
 
-def _short(value, limit=120):
+def short_repr(value, limit=120):
     """`repr(value)`, cut to about `limit` characters."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + " ..."
@@ -1006,7 +1006,7 @@ def _shape_error(source, path, problem, received, fix=_SHAPE_FIX):
 
 def _wrong_type(source, path, what, value):
     """The `_shape_error` of a field whose value is not `what`."""
-    return _shape_error(source, path, f"must be {what}, not {_json_type(value)}", _short(value))
+    return _shape_error(source, path, f"must be {what}, not {_json_type(value)}", short_repr(value))
 
 
 def _kind(what, test, nullable=False):
@@ -1040,7 +1040,7 @@ def _seconds(nullable=False):
             raise _wrong_type(source, path, what, value)
         if not math.isfinite(value) or value < 0:
             raise _shape_error(source, path, "must be a finite number of seconds, not negative",
-                               _short(value))
+                               short_repr(value))
     return check
 
 
