@@ -882,6 +882,22 @@ def test_steps_per_execution_above_one_is_refused_as_keras_does():
         model.fit(x, y, batch_size=BATCH, verbose=0)
 
 
+def test_a_shape_error_on_a_replica_says_its_shapes_count_the_replicas_rows():
+    """Keras names the replica's rows (8 of 24 here), not the batch's: a note says so."""
+    strategy = _strategy("even", 3)
+    with strategy.scope():
+        model = _build("mlp")
+        _compile(model, "sgd")
+    x, y = _data("mlp", n=48)
+    model.fit(x, y, batch_size=BATCH, verbose=0)  # the workers are up
+    wrong = np.zeros((48, 17), "float32")
+    with pytest.raises(ValueError, match=r"found shape=\(8, 17\)") as caught:
+        model.fit(wrong, y, batch_size=BATCH, verbose=0)
+    assert caught.value.__notes__ == [
+        "autodist_keras: this replica computed 8 of the step's 24 rows (its share of the "
+        "batch), so the shapes above count 8 rows where plain Keras would show 24."]
+
+
 _LAMBDA_SCALE = 3.0
 
 

@@ -212,14 +212,18 @@ class ReplicaTrainer:
         self.reducer.start_step()
         y_pred = loss = None
         if share > 0:
-            if model._call_has_training_arg:
-                y_pred = model(x, training=True)
-            else:
-                y_pred = model(x)
-            model.zero_grad()
-            loss = model._compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-            )
+            try:
+                if model._call_has_training_arg:
+                    y_pred = model(x, training=True)
+                else:
+                    y_pred = model(x)
+                model.zero_grad()
+                loss = model._compute_loss(
+                    x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+                )
+            except (ValueError, TypeError) as e:
+                _note_shard_rows(e, share, global_batch)
+                raise
             # The change of custom trackers (`self.trackers.delta`), restored here;
             # rank 0 combines every replica's (`loss_trackers`).
             self.trackers.end()
@@ -247,6 +251,21 @@ class ReplicaTrainer:
         self.state_sync.finish()
         profile.mark("state_sync")
         return y_pred, loss
+
+
+def _note_shard_rows(error, share, global_batch):
+    """Notes on `error` that the shapes it names count this replica's rows.
+
+    A shape error raised by the model or the loss on a replica names the
+    shard's first dimension (e.g. 6), where plain Keras would name the
+    batch's (e.g. 16); without the note the user looks for a 6 in their data.
+    No note when the replica holds the whole batch, or before Python 3.11.
+    """
+    if share != global_batch and hasattr(error, "add_note"):
+        error.add_note(
+            f"autodist_keras: this replica computed {share} of the step's {global_batch} "
+            f"rows (its share of the batch), so the shapes above count {share} rows "
+            f"where plain Keras would show {global_batch}.")
 
 
 def _keras_train_step():
