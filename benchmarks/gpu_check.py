@@ -6,7 +6,7 @@ is how the tests keep it working). Every figure is measured here unless its
 name says `predicted`.
 
 Sections (each in a fresh process, each with its own time limit, each
-reported even when another fails):
+reported even when another fails; with `--small`, all in one fresh process):
 
 1. `detect`: `Cluster.detect()`: how the devices were found, and the catalog
    entry each GPU was matched to; the host CPU and how fast it dispatches
@@ -41,7 +41,12 @@ Usage:
     python benchmarks/gpu_check.py [--out DIR] [--sections fit,steps] [--small]
         [--models default|prospective|recheck]
 
-`--small` uses tiny models, batches and step counts (the test on CPU).
+`--small` uses tiny models, batches and step counts (the test on CPU), and
+runs the sections one after another in a single fresh process, whose limit is
+the sum of theirs: a fresh process per section protects a GPU run from a
+device left hung by an earlier section, and costs a Python, PyTorch and Keras
+start-up each. A section that raises there is reported as failed and the next
+one still runs.
 Without `--small` on a machine with no CUDA GPU it refuses (exit code 2)
 before running anything: its GPU-sized cases would time a CPU fit, and the
 ratios it printed would be noise. A section that fails is reported in the
@@ -498,7 +503,10 @@ def _ddp_rank(rank, world, port, backend, small, steps, warmup, batch, conn):
                             world_size=world)
     device = f"cuda:{rank}" if gpu else "cpu"
     with keras.device(device):
-        keras.utils.set_random_seed(5)
+        if rank == 0:
+            # DDP starts every rank from rank 0's weights; seeding here alone spares
+            # the others the TensorFlow import of `set_random_seed` (where installed).
+            keras.utils.set_random_seed(5)
         model = _mlp(small)
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if gpu else None)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)  # = Keras SGD(0.01)
@@ -535,7 +543,15 @@ def _ddp_step_s(devices, backend, small, steps, warmup, batch):
     from autodist_keras.launch import free_port
 
     port = free_port()
-    ctx = multiprocessing.get_context("spawn")
+    if backend == "gloo" and "forkserver" in multiprocessing.get_all_start_methods():
+        # CPU ranks start from the fork server that the runtime's CPU workers use
+        # (Keras and PyTorch imported there once, `torch_pool`), not from a fresh
+        # interpreter each; GPU ranks are spawned (a process that probed CUDA must
+        # not be forked).
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["__main__", "autodist_keras.backends.torch_preload"])
+    else:
+        ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     world = len(devices)
     procs = [ctx.Process(target=_ddp_rank, daemon=True,
@@ -655,38 +671,110 @@ FUNCTIONS = {"detect": section_detect, "fit": section_fit, "testbed": section_te
 
 
 # ------------------------------------------------------------------ driving
+RESULT_PREFIX = "SECTION_RESULT "
+
+
+def _section_list(text):
+    """`--child`'s comma-separated section names (argparse type)."""
+    names = text.split(",")
+    unknown = sorted(set(names) - set(SECTIONS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown sections {unknown}")
+    return names
+
+
 def _child(args):
-    """Runs one section in this (fresh) process and prints its JSON."""
-    result = FUNCTIONS[args.child](args.small)
-    print("SECTION_RESULT " + json.dumps(result, default=str), flush=True)
-    if result.get("exit_now"):
-        os._exit(0)  # the section says a device is stuck: exiting normally could hang
+    """Runs the sections of `--child` in order in this (fresh) process; prints each one's JSON.
+
+    A single section that raises ends the process (its parent reports the
+    exit code and the output). Where several share the process (`--small`),
+    one that raises is reported as failed and the next one runs, on a cleared
+    Keras session. A section whose result says `exit_now` ends the process
+    at once, whatever follows it.
+    """
+    import keras
+
+    shared = len(args.child) > 1
+    started = time.perf_counter()
+    for name in args.child:
+        if args.budget_s is not None and args.budget_s - (time.perf_counter() - started) < 20:
+            result = {"skipped": "--budget-s spent"}
+        else:
+            section_started = time.perf_counter()
+            if shared:
+                try:
+                    result = FUNCTIONS[name](args.small)
+                except Exception as e:  # noqa: BLE001 - reported; the next section runs
+                    import traceback
+
+                    result = {"error": error_text(e),
+                              "traceback_tail": traceback.format_exc()[-3000:]}
+                keras.backend.clear_session()
+            else:
+                result = FUNCTIONS[name](args.small)
+            result["section_seconds"] = round(time.perf_counter() - section_started, 1)
+        print(f"{RESULT_PREFIX}{name} " + json.dumps(result, default=str), flush=True)
+        if result.get("exit_now"):
+            os._exit(0)  # the section says a device is stuck: exiting normally could hang
 
 
-def run_section(name, small, timeout_s, out=None):
-    """One section in a fresh process (`KERAS_BACKEND=torch`); its result or error."""
+def run_sections(names, small, timeout_s, out=None, budget_s=None):
+    """Sections `names` in order in one fresh process (`KERAS_BACKEND=torch`).
+
+    Args:
+        names: Section names.
+        small: Tiny sizes (`--small`).
+        timeout_s: Limit of the process, all sections together.
+        out: Directory for the sections' files (`--out`), or `None`.
+        budget_s: Seconds left of `--budget-s` (the process skips a section that
+            would start with less than 20 s of it left), or `None`.
+
+    Returns:
+        `{name: result}` for every name: a section's result, or an `"error"`
+        (with the output's end) for the one that timed out or ended the process
+        and the ones it kept from running. With one name, its
+        `section_seconds` include the process's start-up.
+    """
     env = dict(os.environ, KERAS_BACKEND="torch", PYTHONUNBUFFERED="1")
     if out:
         env[OUT_ENV] = os.path.abspath(out)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    command = [sys.executable, os.path.abspath(__file__), "--child", name]
+    command = [sys.executable, os.path.abspath(__file__), "--child", ",".join(names)]
     if small:
         command.append("--small")
+    if budget_s is not None:
+        command += ["--budget-s", str(budget_s)]
     started = time.perf_counter()
     try:
         proc = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
                               timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
-        tail = (e.stdout or "")[-1500:] if isinstance(e.stdout, str) else ""
-        return {"error": f"timed out after {timeout_s} s", "output_tail": tail}
+        stdout = e.stdout or ""  # what the process printed before (bytes on POSIX)
+        if isinstance(stdout, bytes):
+            stdout = stdout.decode("utf-8", "replace")
+        ended = {"error": f"timed out after {timeout_s} s", "output_tail": stdout[-1500:]}
+    else:
+        stdout = proc.stdout
+        ended = {"error": f"exit code {proc.returncode}",
+                 "output_tail": (proc.stdout + proc.stderr)[-3000:]}
     seconds = round(time.perf_counter() - started, 1)
-    for line in proc.stdout.splitlines():
-        if line.startswith("SECTION_RESULT "):
-            result = json.loads(line[len("SECTION_RESULT "):])
-            result["section_seconds"] = seconds
-            return result
-    return {"error": f"exit code {proc.returncode}",
-            "output_tail": (proc.stdout + proc.stderr)[-3000:], "section_seconds": seconds}
+    results = {}
+    for line in stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            name, _, text = line[len(RESULT_PREFIX):].partition(" ")
+            results[name] = json.loads(text)
+    if len(names) == 1 and names[0] in results:
+        results[names[0]]["section_seconds"] = seconds
+    first = next((n for n in names if n not in results), None)
+    for name in names[names.index(first):] if first else []:
+        results[name] = (dict(ended, section_seconds=seconds) if name == first else
+                         {"error": f"not run: the process ended in section {first!r}"})
+    return results
+
+
+def run_section(name, small, timeout_s, out=None):
+    """One section in a fresh process (`KERAS_BACKEND=torch`); its result or error."""
+    return run_sections([name], small, timeout_s, out)[name]
 
 
 def main(argv=None):
@@ -701,7 +789,7 @@ def main(argv=None):
     parser.add_argument("--budget-s", type=positive_float, default=None,
                         help="stop starting sections after this many seconds in all; a "
                              "section's limit is cut to what is left")
-    parser.add_argument("--child", choices=SECTIONS, help=argparse.SUPPRESS)
+    parser.add_argument("--child", type=_section_list, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return _child(args)
@@ -759,24 +847,28 @@ def main(argv=None):
 
 
 def _run_sections(names, args, results):
-    """Runs the sections, each in a fresh process, into `results["sections"]`
-    (written to `--out` after each one)."""
+    """Runs the sections, each in a fresh process (with `--small`, all in one),
+    into `results["sections"]` (written to `--out` after each process)."""
     if args.out:
         os.makedirs(args.out, exist_ok=True)
+    os.environ[MODEL_SETS_ENV] = args.models
     started = time.perf_counter()
-    for name in names:
-        limit = SECTION_TIMEOUT_S[name] // (3 if args.small else 1)
+    groups = [names] if args.small else [[name] for name in names]
+    for group in groups:
+        limit = sum(SECTION_TIMEOUT_S[name] // (3 if args.small else 1) for name in group)
+        left = None
         if args.budget_s is not None:
             left = int(args.budget_s - (time.perf_counter() - started))
             if left < 20:
-                results["sections"][name] = {"skipped": "--budget-s spent"}
+                for name in group:
+                    results["sections"][name] = {"skipped": "--budget-s spent"}
                 continue
             limit = min(limit, left)
-        print(f"[gpu_check] {name} (limit {limit} s) ...", flush=True)
-        os.environ[MODEL_SETS_ENV] = args.models
-        results["sections"][name] = run_section(name, args.small, limit, args.out)
-        print(json.dumps({name: results["sections"][name]}, indent=1, default=str)[:6000],
-              flush=True)
+        print(f"[gpu_check] {', '.join(group)} (limit {limit} s) ...", flush=True)
+        results["sections"].update(run_sections(group, args.small, limit, args.out, left))
+        for name in group:
+            print(json.dumps({name: results["sections"][name]}, indent=1, default=str)[:6000],
+                  flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "gpu_check.json"), "w", encoding="utf-8") as f:

@@ -154,7 +154,8 @@ def test_scope_builds_the_model_on_rank_zeros_device_whatever_the_default():
 
 @pytest.mark.slow
 def test_gpu_check_benchmark_runs_small(tmp_path):
-    """`benchmarks/gpu_check.py --small` on this CPU machine: every section runs."""
+    """`benchmarks/gpu_check.py --small` on this CPU machine: every section runs
+    (one after another in one fresh process, as `--small` does)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--small",
