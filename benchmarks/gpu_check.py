@@ -772,11 +772,6 @@ def run_sections(names, small, timeout_s, out=None, budget_s=None):
     return results
 
 
-def run_section(name, small, timeout_s, out=None):
-    """One section in a fresh process (`KERAS_BACKEND=torch`); its result or error."""
-    return run_sections([name], small, timeout_s, out)[name]
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="directory for gpu_check.json")
