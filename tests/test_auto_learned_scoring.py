@@ -3,8 +3,6 @@
 import json
 import math
 import os
-import subprocess
-import sys
 
 import keras
 import pytest
@@ -306,20 +304,27 @@ def test_named_strategy_is_scored_too(testbed):
 
 
 @pytest.mark.skipif(keras.backend.backend() != "torch",
-                    reason="its benchmark process runs PyTorch whatever this process's "
-                           "backend; run under torch only")
+                    reason="the benchmark runs PyTorch (its default backend), here in this "
+                           "process; run under torch only")
 @pytest.mark.parametrize("in_process", [False, True], ids=["fresh_process", "in_process"])
-def test_real_check_runs_a_tiny_case(in_process):
-    """The real-run check end to end on one testbed device (short; torch runtime)."""
-    env = dict(os.environ, KERAS_BACKEND="torch", TF_CPP_MIN_LOG_LEVEL="2")
-    out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "auto_real_check.py"), "--models",
-         "tiny", "--devices", "node0/cpu0", "--steps", "3", "--warmup", "1", "--rounds", "2"]
-        + (["--in-process"] if in_process else []),
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=170,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = json.loads(out.stdout.strip().splitlines()[-1])
+def test_real_check_runs_a_tiny_case(in_process, capsys, monkeypatch):
+    """The real-run check end to end on one testbed device (short; torch runtime).
+
+    Its `main()` runs in this process (the benchmark's own process is not the point);
+    without `--in-process` it times the plan in a fresh process, as users' runs do."""
+    import importlib
+
+    monkeypatch.setenv("KERAS_BACKEND", "torch")  # (else main() runs itself again under it)
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    auto_real_check = importlib.import_module("auto_real_check")
+    capsys.readouterr()
+    code = auto_real_check.main(
+        ["--models", "tiny", "--devices", "node0/cpu0", "--steps", "3", "--warmup", "1",
+         "--rounds", "2"] + (["--in-process"] if in_process else []))
+    out = capsys.readouterr()
+    assert code == 0, out.err[-3000:] + out.out[-3000:]
+    line = json.loads(out.out.strip().splitlines()[-1])
     case = line["cases"][0]
     assert line["benchmark"] == "auto_real_check" and case["model"] == "tiny"
     (label, row), = case["plans"].items()

@@ -52,12 +52,18 @@ BAD = [
 ]
 
 
+# The argument checks run before any framework is imported: the same whatever the
+# backend, so one run (torch) checks them.
+ARGPARSE_ONLY = "an argument check before any framework is imported; run under torch only"
+
+
 def _run(script, args, timeout=60):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     return subprocess.run([sys.executable, os.path.join(BENCHMARKS, script), *args], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason=ARGPARSE_ONLY)
 @pytest.mark.parametrize("script, args, message, detail", BAD,
                          ids=[f"{s}:{' '.join(a)}" for s, a, _, _ in BAD])
 def test_bad_argument_is_an_argparse_error_before_any_work(script, args, message, detail):
@@ -69,6 +75,8 @@ def test_bad_argument_is_an_argparse_error_before_any_work(script, args, message
     assert out.stdout == ""  # nothing ran
 
 
+@pytest.mark.skipif(keras.backend.backend() != "torch",
+                    reason="gpu_check runs PyTorch whatever the backend; run under torch only")
 def test_gpu_check_without_small_refuses_on_a_machine_without_a_gpu():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
@@ -212,13 +220,6 @@ FAILING = [
      ["--backend", "torch", "--models", "mlp_small", "mlp_wide", "mlp_deep", "--data-dir",
       "BROKEN"], {},
      "estimator_accuracy"),
-    ("graph_extraction-build-fails", "graph_extraction.py",
-     ["--models", "VGG16", "--repeats", "1"], {"prelude": BUILD_FAILS}, "graph_extraction"),
-    ("plan_quality-build-fails", "plan_quality.py",
-     ["--models", "MobileNetV2", "--clusters", "hetero_testbed", "--no-auto"],
-     {"prelude": BUILD_FAILS}, "plan_quality"),
-    ("simulator_speed-build-fails", "simulator_speed.py", ["--quick", "--repeats", "1"],
-     {"prelude": RESNET_FAILS, "backend": "tensorflow"}, "simulator_speed"),
     ("hetero_testbed-worker-timeout", "hetero_testbed.py",
      ["--backends", "torch", "--models", "mlp", "--rounds", "1", "--steps", "1"],
      {"prelude": WORKER_TIMES_OUT}, "hetero_testbed"),
@@ -237,20 +238,77 @@ def test_failed_run_ends_in_a_json_line_with_the_error(script, args, how, benchm
         pytest.skip("this process has one core already")
     args = [_broken_data_dir(tmp_path) if a == "BROKEN" else a for a in args]
     out = _run_as_script(script, args, **how)
-    lines = out.stdout.strip().splitlines()
-    assert lines, (out.returncode, out.stderr[-3000:])
+    _assert_failed_run(script, out.returncode, out.stdout, out.stderr, benchmark)
+
+
+def _assert_failed_run(case, code, stdout, stderr, benchmark):
+    """A traceback on stderr, then a JSON last line with an "error" entry, and exit code 1."""
+    lines = stdout.strip().splitlines()
+    assert lines, (case, code, stderr[-3000:])
     try:
         line = json.loads(lines[-1])
     except ValueError:
-        pytest.fail(f"no JSON last line (exit code {out.returncode}): {lines[-1][:300]!r}\n"
-                    + out.stderr[-3000:])
-    assert out.returncode == 1, (out.returncode, out.stderr[-3000:])
-    assert line.get("benchmark") == benchmark, line
+        pytest.fail(f"{case}: no JSON last line (exit code {code}): {lines[-1][:300]!r}\n"
+                    + stderr[-3000:])
+    assert code == 1, (case, code, stderr[-3000:])
+    assert line.get("benchmark") == benchmark, (case, line)
     text = json.dumps(line)
-    assert '"error"' in text, line
-    assert "Traceback (most recent call last)" in out.stderr, out.stderr[-3000:]
+    assert '"error"' in text, (case, line)
+    assert "Traceback (most recent call last)" in stderr, (case, stderr[-3000:])
 
 
+# Benchmarks whose model fails to build, after Keras and the library are imported: run
+# one after another as `__main__` in one fresh process (each after its prelude, with its
+# own argv, stdout and stderr; `sys.exit(main())` ends each with SystemExit), so that
+# Keras is imported once. (simulator_speed builds its graphs with whatever backend.)
+BUILD_FAILING = [
+    # (id, script, args, prelude, the name of the benchmark in the JSON line)
+    ("graph_extraction-build-fails", "graph_extraction.py",
+     ["--models", "VGG16", "--repeats", "1"], BUILD_FAILS, "graph_extraction"),
+    ("plan_quality-build-fails", "plan_quality.py",
+     ["--models", "MobileNetV2", "--clusters", "hetero_testbed", "--no-auto"], BUILD_FAILS,
+     "plan_quality"),
+    ("simulator_speed-build-fails", "simulator_speed.py", ["--quick", "--repeats", "1"],
+     RESNET_FAILS, "simulator_speed"),
+]
+
+RUN_EACH_AS_MAIN = """
+import contextlib, io, json, runpy, sys, traceback
+results = {}
+for case, path, args, prelude in json.loads(sys.argv[1]):
+    out, err, code = io.StringIO(), io.StringIO(), None
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        exec(prelude, {})
+        sys.argv = [path] + args
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as e:
+            code = e.code
+        except BaseException:  # as a process would: a traceback, exit code 1, no JSON line
+            traceback.print_exc()
+            code = "uncaught exception"
+    results[case] = {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch",
+                    reason="each benchmark process picks its own backend; run under torch only")
+def test_failed_runs_whose_model_fails_to_build_end_in_a_json_line_with_the_error():
+    cases = [(case, os.path.join(BENCHMARKS, script), args, prelude)
+             for case, script, args, prelude, _ in BUILD_FAILING]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="torch")
+    out = subprocess.run([sys.executable, "-c", RUN_EACH_AS_MAIN, json.dumps(cases)], env=env,
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert list(results) == [case for case, *_ in BUILD_FAILING]
+    for case, _, _, _, benchmark in BUILD_FAILING:
+        got = results[case]
+        _assert_failed_run(case, got["code"], got["stdout"], got["stderr"], benchmark)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason=ARGPARSE_ONLY)
 def test_auto_real_check_bad_devices_is_an_argparse_error_naming_the_devices():
     for devices, wrong in ((["node0/gpu9"], "node0/gpu9"), ([""], "''"),
                            (["node0/cpu0", "node0/cpu0"], "more than once"),

@@ -89,20 +89,23 @@ def test_two_ranks_launched_like_torchrun_match_single_device(tmp_path):
 
 FAILING = textwrap.dedent("""
     import os, sys, time
-    import numpy as np
-    import keras
-    from autodist_keras import AutoStrategy
-    from autodist_keras.devices import Cluster
 
-    class Boom(keras.callbacks.Callback):
-        def on_epoch_end(self, epoch, logs=None):
-            if epoch == 1:
-                raise ValueError("rank 0's callback failed")
 
-    class Die(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            if batch == 2:
-                os._exit(3)
+    def callbacks(rank, mode):
+        import keras
+
+        class Boom(keras.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                if epoch == 1:
+                    raise ValueError("rank 0's callback failed")
+
+        class Die(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch, logs=None):
+                if batch == 2:
+                    os._exit(3)
+
+        return ([Die()] if mode == "die" else [Boom()]) if rank == 0 else []
+
 
     if __name__ == "__main__":
         out, mode, rank = sys.argv[1], sys.argv[2], int(os.environ["RANK"])
@@ -111,7 +114,12 @@ FAILING = textwrap.dedent("""
         if mode == "sleep":
             time.sleep(120)
         if mode == "skip" and rank == 1:
-            sys.exit(0)  # never calls fit
+            sys.exit(0)  # never calls fit (nor imports Keras: not needed to say so)
+        import numpy as np
+        import keras
+        from autodist_keras import AutoStrategy
+        from autodist_keras.devices import Cluster
+
         cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
         strategy = AutoStrategy(strategy="data_parallel", cluster=cluster, timeout_s=15)
         with strategy.scope():
@@ -123,9 +131,8 @@ FAILING = textwrap.dedent("""
             model.compile(optimizer="sgd", loss="mse")
         rng = np.random.default_rng(0)
         x, y = rng.normal(size=(64, 4)), rng.normal(size=(64, 2))
-        callbacks = ([Die()] if mode == "die" else [Boom()]) if rank == 0 else []
         try:
-            model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=callbacks)
+            model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=callbacks(rank, mode))
             outcome = "completed"
         except Exception as e:
             outcome = f"{type(e).__name__}: {e}"
@@ -233,92 +240,100 @@ def _alive(pids):
     return alive
 
 
-LEFTOVER = textwrap.dedent("""
+RANK_0_ALONE = textwrap.dedent("""
+    import json, os, sys, time
     import numpy as np
     import keras
     from autodist_keras import AutoStrategy
     from autodist_keras.backends import torch_adapter
     from autodist_keras.devices import Cluster
 
+
+    def fit(case, cluster, timeout_s):
+        started = time.monotonic()
+        try:
+            strategy = AutoStrategy("data_parallel", cluster=cluster, timeout_s=timeout_s)
+            with strategy.scope():
+                model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+                model.compile(optimizer="sgd", loss="mse")
+            model.fit(np.zeros((12, 4), "float32"), np.zeros((12, 2), "float32"),
+                      batch_size=12, verbose=0)
+            outcome = "completed"
+        except Exception as e:
+            outcome = f"{type(e).__name__}: {e}"
+        print(json.dumps({"case": case, "outcome": outcome,
+                          "seconds": time.monotonic() - started}), flush=True)
+
+
     if __name__ == "__main__":
+        two = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
+        fit("more_ranks", two, 4)  # WORLD_SIZE=3: refused before any store
+        fit("port_in_use", Cluster.cpu_testbed(), 300)  # MASTER_PORT held by the test
+        os.environ["MASTER_PORT"] = sys.argv[1]  # a free port: nobody else comes
         torch_adapter.WAITING_NOTICE_S = 1.0  # (10 s by default)
-        strategy = AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed(), timeout_s=4)
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-            model.compile(optimizer="sgd", loss="mse")
-        model.fit(np.zeros((12, 4), "float32"), np.zeros((12, 2), "float32"), batch_size=12,
-                  verbose=0)
+        fit("leftover", Cluster.cpu_testbed(), 4)
 """)
 
 
-def _rank_0_of_three(tmp_path, source):
-    """Runs `source` as rank 0 of a 3-rank torchrun job whose other ranks never come."""
+def test_rank_0_of_a_torchrun_job_alone_names_what_is_wrong(tmp_path):
+    """Rank 0 of a 3-rank torchrun job (RANK / WORLD_SIZE / MASTER_* set) whose other
+    ranks never come, in one process, fits three times:
+
+    - for a two-device strategy: refused at once, with the process count to start
+      (the error said to use strategy='auto', which then failed with 'use more or
+      larger devices');
+    - with MASTER_PORT taken (another job, a leftover process): rank 0 cannot start
+      the store and fails at once, named as such (the error said it had waited
+      timeout_s for ranks that did not arrive);
+    - on a free port: the variables, perhaps left over from an earlier torchrun, are
+      named while it waits and when it gives up (it said nothing while it waited
+      timeout_s for ranks that never come).
+    """
+    import socket
     import subprocess
 
     from autodist_keras.backends.tf_multiworker import free_ports
-
-    script = tmp_path / "rank0.py"
-    script.write_text(source)
-    env = dict(os.environ, RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_ports(1)[0]),
-               PYTHONPATH=os.pathsep.join([os.getcwd()] + [p for p in sys.path if p]))
-    return subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                          text=True, timeout=120)
-
-
-def test_torchrun_variables_left_in_the_environment_are_named(tmp_path):
-    """RANK / WORLD_SIZE / MASTER_* left over from an earlier torchrun: the rank said
-    nothing while it waited timeout_s for ranks that never come."""
-    run = _rank_0_of_three(tmp_path, LEFTOVER)
-    assert run.returncode != 0
-    assert "rank 0 has waited 1 s for the other ranks of a 3-rank torchrun job (RANK=0, " \
-           "WORLD_SIZE=3, MASTER_ADDR=127.0.0.1" in run.stderr, run.stderr[-2000:]
-    assert "If these variables are left over" in run.stderr
-    assert "BackendError: Rank 0 waited 4 s" in run.stderr
-    assert "if they are left over from an earlier torchrun, unset them" in run.stderr
-
-
-def test_more_ranks_than_devices_is_refused_with_the_process_count_to_start(tmp_path):
-    """Three ranks for a two-device strategy: the error said to use strategy='auto',
-    which then failed with 'use more or larger devices'."""
-    run = _rank_0_of_three(tmp_path, LEFTOVER.replace(
-        "cluster=Cluster.cpu_testbed()",
-        "cluster=Cluster.cpu_testbed([{'cores': [0], 'threads': 1}, {'cores': [1], 'threads': 1}])"))
-    assert run.returncode != 0
-    message = run.stderr.replace("\n", " ")
-    assert "BackendError: Under torchrun each process runs one replica" in message, message[-2000:]
-    assert "Start 2 processes" in message
-    assert "Received: WORLD_SIZE=3, devices=['node0/cpu0', 'node0/cpu1']" in message
-
-
-def test_a_master_port_in_use_is_named_at_once_not_as_a_timeout(tmp_path):
-    """MASTER_PORT already taken (another job, a leftover process): rank 0 cannot
-    start the store and fails at once, but the error said it had waited timeout_s
-    for ranks that did not arrive."""
-    import socket
-    import subprocess
-    import time
 
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
     holder.listen()
     port = holder.getsockname()[1]
     script = tmp_path / "rank0.py"
-    script.write_text(LEFTOVER.replace("timeout_s=4", "timeout_s=300"))
+    script.write_text(RANK_0_ALONE)
     env = dict(os.environ, RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(port),
                PYTHONPATH=os.pathsep.join([os.getcwd()] + [p for p in sys.path if p]))
-    started = time.monotonic()
+    free = free_ports(1)[0]
     try:
-        run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                             text=True, timeout=200)
+        run = subprocess.run([sys.executable, str(script), str(free)], env=env,
+                             capture_output=True, text=True, timeout=300)
     finally:
         holder.close()
-    message = run.stderr.replace("\n", " ")
-    assert run.returncode != 0
+    assert run.returncode == 0, run.stderr[-3000:]
+    cases = {}
+    for line in run.stdout.splitlines():
+        if line.startswith("{"):
+            case = json.loads(line)
+            cases[case["case"]] = case
+    assert list(cases) == ["more_ranks", "port_in_use", "leftover"], run.stdout[-3000:]
+
+    message = cases["more_ranks"]["outcome"].replace("\n", " ")
+    assert "BackendError: Under torchrun each process runs one replica" in message, message
+    assert "Start 2 processes" in message
+    assert "Received: WORLD_SIZE=3, devices=['node0/cpu0', 'node0/cpu1']" in message
+
+    message = cases["port_in_use"]["outcome"].replace("\n", " ")
     assert (f"BackendError: Rank 0 could not start the job's store at MASTER_ADDR:MASTER_PORT "
-            f"= 127.0.0.1:{port}: the port is already in use") in message, message[-2000:]
+            f"= 127.0.0.1:{port}: the port is already in use") in message, message
     assert "Pick a free port" in message and "`autodist-keras launch`" in message
     assert "EADDRINUSE" in message.split("Received:")[-1]
     assert "waited" not in message
-    assert time.monotonic() - started < 150  # not the 300 s timeout
+    assert cases["port_in_use"]["seconds"] < 150  # not the 300 s timeout
+
+    message = cases["leftover"]["outcome"].replace("\n", " ")
+    assert ("rank 0 has waited 1 s for the other ranks of a 3-rank torchrun job (RANK=0, "
+            f"WORLD_SIZE=3, MASTER_ADDR=127.0.0.1, MASTER_PORT={free}") in run.stderr, (
+        run.stderr[-2000:])
+    assert "If these variables are left over" in run.stderr
+    assert message.startswith("BackendError: Rank 0 waited 4 s"), message
+    assert "if they are left over from an earlier torchrun, unset them" in message

@@ -34,22 +34,27 @@ from autodist_keras import AutoStrategy, Cluster
 
 
 def build():
-    keras.utils.set_random_seed(3)
-    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                             keras.layers.Dense(4)])
+    # (Seeded initializers, not keras.utils.set_random_seed, which imports TensorFlow.)
+    glorot = keras.initializers.GlorotUniform
+    return keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(16, activation="relu", kernel_initializer=glorot(seed=3)),
+        keras.layers.Dense(4, kernel_initializer=glorot(seed=4))])
 
 
 def train(strategy):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(96, 8)).astype("float32")
     y = rng.normal(size=(96, 4)).astype("float32")
+    # (a schedule: the settings watch serializes the optimizer's config every fit)
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.05, 10, 0.9)
     if strategy is None:
         model = build()
-        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse")
     else:
         with strategy.scope():
             model = build()
-            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+            model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse")
     model.fit(x, y, batch_size=24, shuffle=False, verbose=0)
     return model
 """
@@ -133,71 +138,6 @@ def test_custom_layer_of_an_interactive_session_gets_the_advice_that_works_there
     assert "Received: __main__.Scale" in message
 
 
-def test_sequential_model_trains_on_three_processes_like_one_device(tmp_path):
-    result = _run(tmp_path, TRAIN + GUARDED_MAIN)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["replicas"] == 3
-    assert report["paths"][0].startswith("sequential")
-    assert report["max_rel_diff"] < 1e-5
-
-
-NO_TENSORFLOW = """
-import sys
-import numpy as np
-import keras
-from autodist_keras import AutoStrategy, Cluster
-
-if __name__ == "__main__":
-    strategy = AutoStrategy("proportional", cluster=Cluster.cpu_testbed())
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
-        # (a schedule: the settings watch reads the optimizer's config every fit)
-        schedule = keras.optimizers.schedules.ExponentialDecay(0.01, 10, 0.9)
-        model.compile(optimizer=keras.optimizers.Adam(schedule), loss="mse")
-    x, y = np.ones((48, 8), "float32"), np.ones((48, 4), "float32")
-    model.fit(x, y, batch_size=24, verbose=0)
-    model.evaluate(x, y, batch_size=24, verbose=0)
-    model.predict(x, batch_size=24, verbose=0)
-    print("tensorflow imported:", "tensorflow" in sys.modules)
-"""
-
-
-def test_a_fit_imports_no_tensorflow_as_plain_keras_on_pytorch(tmp_path):
-    """Keras's serializer asks whether TensorFlow is available, importing it wherever
-    it is installed: seconds and TensorFlow's start-up log lines in every PyTorch job,
-    where plain Keras imports none."""
-    pytest.importorskip("tensorflow")  # (where it is not installed nothing imports it)
-    result = _run(tmp_path, NO_TENSORFLOW)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == "tensorflow imported: False"
-
-
-LAZY_TENSORFLOW = """
-import sys
-from keras.src.utils import module_utils
-from autodist_keras.lazy_tensorflow import tensorflow_left_unimported
-
-with tensorflow_left_unimported():
-    inside = module_utils.tensorflow.available
-print("inside:", inside, "imported:", "tensorflow" in sys.modules)
-with tensorflow_left_unimported():
-    import tensorflow  # e.g. a custom layer's module, imported while serializing
-print("after an import inside:", module_utils.tensorflow.available)
-"""
-
-
-def test_the_serializer_sees_tensorflow_again_after_the_block(tmp_path):
-    """Serializing answers "TensorFlow not available" only while it is not imported;
-    after the block Keras asks again, so its TensorFlow-backed layers (Hashing,
-    StringLookup) can be built, also when TensorFlow was imported inside it."""
-    pytest.importorskip("tensorflow")
-    result = _run(tmp_path, LAZY_TENSORFLOW)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-2:] == [
-        "inside: False imported: False", "after an import inside: True"]
-
-
 def _env(tmp_path):
     return dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=ROOT,
                 AUTODIST_KERAS_CACHE=str(tmp_path / "cache"))
@@ -271,20 +211,77 @@ def test_fit_above_the_main_guard_says_the_workers_failed_importing_the_script(t
     assert 'outside `if __name__ == "__main__":`' in message
 
 
-def test_a_package_run_with_python_m_needs_no_guard_in_its_main_module(tmp_path):
-    """`python -m pkg` runs pkg/__main__.py, which multiprocessing does not import
-    again in the workers: such a module (often `main()` at module level, unguarded)
-    was refused as if the workers would run it again."""
+# A package's unguarded __main__.py: trains a Sequential model on the testbed's three
+# devices, says whether its fit, evaluate and predict imported TensorFlow, checks that
+# Keras's serializer sees TensorFlow again after the block that hides it, and last (plain
+# Keras imports TensorFlow for an optimizer with a schedule) trains it on one device.
+PACKAGE_MAIN = """
+import importlib.util, sys
+from mytrain import AutoStrategy, Cluster, json, np, train
+
+strategy = AutoStrategy("proportional", cluster=Cluster.cpu_testbed())
+model = train(strategy)
+x = np.ones((48, 8), "float32")
+model.evaluate(x, x[:, :4], batch_size=24, verbose=0)
+model.predict(x, batch_size=24, verbose=0)
+report = {"tensorflow_imported": "tensorflow" in sys.modules, "lazy": None}
+if importlib.util.find_spec("tensorflow") is not None:
+    from keras.src.utils import module_utils
+    from autodist_keras.lazy_tensorflow import tensorflow_left_unimported
+
+    with tensorflow_left_unimported():
+        inside = module_utils.tensorflow.available
+    report["lazy"] = {"inside": inside, "imported": "tensorflow" in sys.modules}
+    with tensorflow_left_unimported():
+        import tensorflow  # e.g. a custom layer's module, imported while serializing
+    report["lazy"]["after an import inside"] = module_utils.tensorflow.available
+reference = train(None)
+diffs = [float(np.max(np.abs(a - b)) / (np.max(np.abs(a)) + 1e-12))
+         for a, b in zip(reference.get_weights(), model.get_weights())]
+report.update(replicas=len(strategy.plan.replicas), max_rel_diff=max(diffs),
+              paths=[v.path for v in model.trainable_weights])
+print(json.dumps(report))
+"""
+
+
+def test_a_package_run_with_python_m_needs_no_guard_and_trains_like_one_device(tmp_path):
+    """One `python -m mytrain` run checks four things.
+
+    - `python -m pkg` runs pkg/__main__.py, which multiprocessing does not import
+      again in the workers: such a module (often `main()` at module level,
+      unguarded) was refused as if the workers would run it again.
+    - A `keras.Sequential` model, whose layers get other variable paths when a
+      worker rebuilds it from its config, trains on three processes like on one
+      device.
+    - A fit (its optimizer has a schedule: the settings watch serializes the
+      optimizer's config every fit), evaluate and predict under the strategy import
+      no TensorFlow: Keras's serializer asks whether TensorFlow is available, which
+      imported it wherever it is installed (seconds and TensorFlow's start-up log
+      lines in every PyTorch job). (The one-device reference trains last: plain
+      Keras imports TensorFlow itself for an optimizer with a schedule.)
+    - Serializing answers "TensorFlow not available" only while it is not
+      imported; after the block Keras asks again, so its TensorFlow-backed layers
+      (Hashing, StringLookup) can be built, also when TensorFlow was imported
+      inside it.
+    """
+    import importlib.util
+
     package = tmp_path / "mytrain"
     package.mkdir()
     (package / "__init__.py").write_text(textwrap.dedent(TRAIN))
-    (package / "__main__.py").write_text(
-        "from mytrain import AutoStrategy, Cluster, train\n" + textwrap.dedent(UNGUARDED_MAIN))
+    (package / "__main__.py").write_text(PACKAGE_MAIN)
     result = subprocess.run([sys.executable, "-m", "mytrain"], capture_output=True, text=True,
-                            timeout=300, env=_env(tmp_path), cwd=tmp_path)
+                            timeout=400, env=_env(tmp_path), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "trained" in result.stdout
-
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["replicas"] == 3
+    assert report["paths"][0].startswith("sequential"), report["paths"]
+    assert report["max_rel_diff"] < 1e-5, report
+    if importlib.util.find_spec("tensorflow") is None:
+        return  # (where it is not installed nothing imports it)
+    assert report["tensorflow_imported"] is False, "a fit, evaluate or predict imported it"
+    assert report["lazy"] == {"inside": False, "imported": False,
+                              "after an import inside": True}, report["lazy"]
 
 
 LAYER_REGISTERED_IN_MAIN = """

@@ -407,6 +407,10 @@ def test_cli_launch_starts_ranks_with_torchrun_variables(cli, tmp_path):
         assert info.value.code == 2
 
 
+@pytest.mark.skipif(keras.backend.backend() != "torch",
+                    reason="writing the plan file and the memory check of a forced plan do not "
+                           "depend on the backend (CLI planning under TensorFlow: "
+                           "test_cli_plan_and_simulate_round_trip); run under torch only")
 def test_cli_file_errors_modes_and_infeasible_plans(cli, tmp_path):
     # An output path that cannot be written is a one-line error, not a traceback.
     run = cli("plan", "--model", "mlp", "--cluster", HETERO, "--out", str(tmp_path))
@@ -499,7 +503,8 @@ def test_cli_scores_a_plan_the_same_whatever_the_strategy_and_simulate_flags_a_m
 
 
 @torch_only
-def test_placement_plans_are_not_runnable_when_planning_for_the_torch_backend(graph, hetero):
+def test_placement_plans_are_not_runnable_when_planning_for_the_torch_backend(graph, hetero,
+                                                                             cli):
     """`plan --backend torch` chose a FastT placement and said `runnable: true`,
     while the PyTorch runtime runs data-parallel plans only."""
     from autodist_keras.strategies import baselines
@@ -511,14 +516,10 @@ def test_placement_plans_are_not_runnable_when_planning_for_the_torch_backend(gr
     assert not ok and "the PyTorch runtime runs one process per device" in why
     assert selection.runnable_anywhere(dp, hetero, "torch") == (True, "")
 
-    # FastT's best plan for this encoder under PyTorch's costs is a placement.
-    import subprocess
-    import sys
-
-    made = subprocess.run(
-        [sys.executable, "-m", "autodist_keras.cli", "plan", "--model", "transformer_encoder",
-         "--cluster", "node0:2xA100@100", "--batch-size", "64", "--backend", "torch", "--json"],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, KERAS_BACKEND="torch"))
+    # FastT's best plan for this encoder under PyTorch's costs is a placement. (The CLI
+    # in this process: it runs under torch only, so `--backend torch` is this process's.)
+    made = cli("plan", "--model", "transformer_encoder", "--cluster", "node0:2xA100@100",
+               "--batch-size", "64", "--backend", "torch", "--json")
     assert made.returncode == 0, made.stderr
     data = json.loads(made.stdout)
     fastt = data["baselines"]["fastt"]
@@ -527,11 +528,12 @@ def test_placement_plans_are_not_runnable_when_planning_for_the_torch_backend(gr
 
 
 @torch_only
-def test_cli_plans_for_the_backend_asked_and_simulate_names_a_mismatch(tmp_path):
+def test_cli_plans_for_the_backend_asked_and_simulate_names_a_mismatch(tmp_path, cli):
     """Predictions depend on the Keras backend (PyTorch's host time on GPUs, op
-    fusion): `--backend` picks it in a fresh process, the plan file records it, and
-    `simulate` under another backend says so. Real CLI processes: the backend is
-    fixed per process."""
+    fusion): `--backend` picks it in a fresh process whatever KERAS_BACKEND says
+    (real CLI processes, each way: the backend is fixed per process), the plan file
+    records it, and `simulate` for another backend says so; for the plan's own
+    backend (here in this PyTorch process, `--backend` left out) it does not."""
     import subprocess
     import sys
 
@@ -547,17 +549,20 @@ def test_cli_plans_for_the_backend_asked_and_simulate_names_a_mismatch(tmp_path)
     assert json.loads(made.stdout)["backend"] == "torch"
     assert Plan.from_json(str(out)).provenance.backend == "torch"
     other = run("simulate", "--model", "mlp", "--cluster", "2xV100", "--plan", str(out),
-                "--json", backend_env="tensorflow")
+                "--backend", "tensorflow", "--json", backend_env="torch")
     assert other.returncode == 0, other.stderr
     assert "was planned and predicted for the torch backend; this simulation is for " \
            "tensorflow" in other.stderr
     data = json.loads(other.stdout)
     assert data["backend"] == "tensorflow" and data["plan_file_backend"] == "torch"
-    same = run("simulate", "--model", "mlp", "--cluster", "2xV100", "--plan", str(out),
-               "--backend", "torch", "--json", backend_env="tensorflow")
+    same = cli("simulate", "--model", "mlp", "--cluster", "2xV100", "--plan", str(out), "--json")
     assert same.returncode == 0 and "was planned and predicted" not in same.stderr
+    assert json.loads(same.stdout)["backend"] == "torch"
 
 
+@pytest.mark.skipif(keras.backend.backend() != "torch",
+                    reason="`devices` and its output do not depend on the backend; run under "
+                           "torch only")
 def test_cli_output_piped_into_a_reader_that_stops_early_ends_quietly(tmp_path):
     """`autodist-keras devices --json | head` closes the pipe early: no traceback
     and no 'cannot use the file' error on stderr."""
@@ -608,7 +613,7 @@ def test_a_batch_that_fits_nowhere_gets_a_short_error_naming_one_that_fits(cli):
 @pytest.mark.skipif(keras.backend.backend() != "torch",
                     reason="the CLI processes use this process's backend and the import code "
                            "is backend-independent; run under torch only (cheaper)")
-def test_cli_import_registers_the_custom_layers_of_a_keras_file(tmp_path):
+def test_cli_import_registers_the_custom_layers_of_a_keras_file(tmp_path, cli, monkeypatch):
     import subprocess
     import sys
     import textwrap
@@ -641,15 +646,17 @@ def test_cli_import_registers_the_custom_layers_of_a_keras_file(tmp_path):
         return subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, text=True,
                               capture_output=True, timeout=240)
 
-    without = run("-m", "autodist_keras.cli", "graph", "--model", "custom.keras")
-    assert without.returncode == 2
-    assert "--import MODULE" in without.stderr and "Traceback" not in without.stderr
+    # A fresh process, where only --import can register the layer.
     with_import = run("-m", "autodist_keras.cli", "graph", "--model", "custom.keras",
                       "--import", "my_layers", "--json")
     assert with_import.returncode == 0, with_import.stderr
     assert json.loads(with_import.stdout)["params"] == 8 * 16 + 16 + 16 * 4 + 4
-    missing = run("-m", "autodist_keras.cli", "graph", "--model", "custom.keras",
-                  "--import", "no_such_module_here")
+    # The errors, in this process (the layer is unregistered here again, see above).
+    monkeypatch.chdir(tmp_path)
+    without = cli("graph", "--model", "custom.keras")
+    assert without.returncode == 2
+    assert "--import MODULE" in without.stderr and "Traceback" not in without.stderr
+    missing = cli("graph", "--model", "custom.keras", "--import", "no_such_module_here")
     assert missing.returncode == 2 and "Cannot import module 'no_such_module_here'" in missing.stderr
 
 
