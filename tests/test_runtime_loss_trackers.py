@@ -147,32 +147,36 @@ def tracker_worker_model():
     return _build(False)
 
 
-@pytest.mark.skipif(keras.backend.backend() != "tensorflow",
-                    reason="TF_CONFIG workers are the TensorFlow runtime's")
-def test_two_tensorflow_workers_log_the_tracker_of_the_whole_batch():
-    """The trackers' changes travel in the gradient all-reduce with the other state."""
-    from autodist_keras.backends import tf_multiworker
+def two_tensorflow_workers_job(cluster, batch):
+    """The trackers' changes travel in the gradient all-reduce with the other state:
+    two TensorFlow workers (shares 16 and 8) must log the tracker of the whole batch.
+
+    A job of `test_runtime_tensorflow_multiworker.test_two_workers_match_single_device`,
+    which trains it in the same two workers as its other models (one launch of two
+    TensorFlow processes for them all).
+
+    Args:
+        cluster: Two CPU-testbed devices, one core each.
+        batch: The global batch size, 24.
+
+    Returns:
+        The job: its model function, plan, data, and the history to match.
+    """
     from autodist_keras.graph import ModelGraph
     from autodist_keras.strategies import baselines
 
-    batch = 24
     x, y = _data(False)
     x, y = x[:96], y[:96]
     reference = tracker_worker_model()
     initial = reference.get_weights()
     expected = reference.fit(x, y, batch_size=batch, shuffle=False, verbose=0).history
-    cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
     plan = baselines.proportional(ModelGraph.from_keras(reference), cluster, batch,
                                   speeds={"node0/cpu0": 2.0, "node0/cpu1": 1.0})
     assert plan.shares_for(batch) == [16, 8]
-    results = tf_multiworker.launch_local_workers(
-        tracker_worker_model, cluster, x, y, batch, steps=4, plan=plan,
-        initial_weights=initial, timeout_s=300,
-    )
-    for result in results:
-        np.testing.assert_allclose(result["history"]["penalty"], expected["penalty"],
-                                   rtol=1e-5)
-        np.testing.assert_allclose(result["loss"], expected["loss"], rtol=1e-5)
+    return {"name": "loss tracker", "model_fn": tracker_worker_model, "x": x, "y": y,
+            "plan": plan, "initial": initial, "steps": 4,
+            "history": {"penalty": expected["penalty"], "loss": expected["loss"]},
+            "weights": None, "share": [16, 8]}
 
 
 @keras.saving.register_keras_serializable(package="test_runtime_loss_trackers")

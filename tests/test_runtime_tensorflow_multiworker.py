@@ -46,10 +46,120 @@ def worker_model_gathering_predictions():
     return worker_model()
 
 
-@pytest.mark.parametrize("model_fn", [worker_model, worker_model_gathering_predictions],
-                         ids=["predictions_in_the_all_reduce", "predictions_all_gathered"])
-def test_two_workers_match_single_device(model_fn):
+# Several models per launch. Starting two TensorFlow workers costs each ~5 CPU-s
+# before its first step, more than training a small model for a few steps, so
+# the tests that compare a model trained by the workers with a reference train
+# several models one after another in the same workers: `models_in_turn` is
+# the launch's model function; it trains the jobs `_launch_with_jobs` names
+# (each with its own plan, data and initial weights), writes each rank's
+# history and weights, and then builds the launch's own model, which the
+# worker trains and reports as usual.
+JOBS_ENV = "AUTODIST_KERAS_TEST_JOBS"
+
+
+def models_in_turn():
+    """Worker side of `_launch_with_jobs` (called inside the worker's `strategy.scope()`).
+
+    Each job runs as `tf_worker` runs the launch's own model (`fit_repeating`,
+    no callbacks) under its own plan (set as `tf_worker`'s alternating plans
+    set theirs). A model function that sets the adapter's
+    `FOLDED_PREDICTIONS_MAX_ELEMENTS` sets it for its own job: it is restored
+    before the next model is built.
+    """
+    import json
+
+    from autodist_keras.backends import tensorflow_adapter
     from autodist_keras.backends import tf_multiworker
+    from autodist_keras.strategies.auto import _active_strategy
+    from autodist_keras.strategies.plan import Plan
+
+    spec = json.loads(os.environ[JOBS_ENV])
+    strategy = _active_strategy()
+    launch_plan = strategy._fixed_plan
+    rank = strategy.adapter.rank
+    mine = strategy.adapter.worker_devices
+    folded = tensorflow_adapter.FOLDED_PREDICTIONS_MAX_ELEMENTS
+    for job in spec["jobs"]:
+        where = job["dir"]
+        strategy._fixed_plan = Plan.from_json(os.path.join(where, "plan.json"))
+        model = tf_multiworker.resolve_callable(job["model_fn"])()
+        with np.load(os.path.join(where, "initial.npz")) as data:
+            model.set_weights([data[f"w{i}"] for i in range(len(data.files))])
+        history = tensorflow_adapter.fit_repeating(
+            model, np.load(os.path.join(where, "x.npy")), np.load(os.path.join(where, "y.npy")),
+            job["batch_size"], job["steps"], [])
+        tensorflow_adapter.FOLDED_PREDICTIONS_MAX_ELEMENTS = folded
+        share = sum(int(r.batch_share) for r in strategy.plan.replicas if r.device in mine)
+        np.savez(os.path.join(where, f"weights{rank}.npz"),
+                 **{f"w{i}": w for i, w in enumerate(model.get_weights())})
+        with open(os.path.join(where, f"result{rank}.json"), "w") as f:
+            json.dump({"share": share, "history": {
+                name: [float(v) for v in values] for name, values in history.history.items()}}, f)
+    strategy._fixed_plan = launch_plan
+    return tf_multiworker.resolve_callable(spec["main"])()
+
+
+def _launch_with_jobs(tmp_path, monkeypatch, jobs, model_fn, cluster, x, y, steps, plan,
+                      **kwargs):
+    """`launch_local_workers` for `model_fn` whose workers first train `jobs`.
+
+    Args:
+        jobs: Dicts with `name`, `model_fn`, `x`, `y`, `plan`, `initial`
+            (weights) and `steps` (batches of `BATCH`).
+
+    Returns:
+        `(results, done)`: the launch's results, and for each job's name a
+        list by rank of dicts with the job's `history`, `weights` and `share`.
+    """
+    import json
+
+    from autodist_keras.backends import tf_multiworker
+
+    spec = {"main": tf_multiworker.callable_spec(model_fn), "jobs": []}
+    for i, job in enumerate(jobs):
+        where = tmp_path / f"job{i}"
+        where.mkdir()
+        np.save(where / "x.npy", job["x"], allow_pickle=False)
+        np.save(where / "y.npy", job["y"], allow_pickle=False)
+        np.savez(where / "initial.npz", **{f"w{k}": w for k, w in enumerate(job["initial"])})
+        job["plan"].to_json(str(where / "plan.json"))
+        spec["jobs"].append({"dir": str(where), "model_fn": tf_multiworker.callable_spec(
+            job["model_fn"]), "batch_size": BATCH, "steps": job["steps"]})
+    monkeypatch.setenv(JOBS_ENV, json.dumps(spec))
+    results = tf_multiworker.launch_local_workers(
+        models_in_turn, cluster, x, y, BATCH, steps=steps, plan=plan, **kwargs)
+    done = {}
+    for i, job in enumerate(jobs):
+        done[job["name"]] = []
+        for rank in range(len(results)):
+            with open(tmp_path / f"job{i}" / f"result{rank}.json") as f:
+                result = json.load(f)
+            with np.load(tmp_path / f"job{i}" / f"weights{rank}.npz") as data:
+                result["weights"] = [data[f"w{k}"] for k in range(len(data.files))]
+            done[job["name"]].append(result)
+    return results, done
+
+
+@pytest.mark.filterwarnings("ignore:Output\\(s\\).*carry a Keras mask")
+def test_two_workers_match_single_device(tmp_path, monkeypatch):
+    """Two workers, one per core with uneven shares (16 and 8 of 24), end where
+    one device ends. One launch trains, one model after another in the same two
+    workers (`models_in_turn`), each case with its own plan, data and reference:
+
+    - "mlp" (the launch's own model, also its results: ranks, pinning, step times),
+      and "mlp, predictions all-gathered" (not folded into the all-reduce);
+    - "batch norm": the loss and the batch-norm statistics ride in the gradient
+      all-reduce; the workers end where one process driving both replicas ends;
+    - "masked" and "masked, predictions all-gathered": the predictions the metrics
+      read travel with their Keras masks, folded into the all-reduce or
+      all-gathered (they lost them: accuracy counted the padding);
+    - "sparse input, Adam" and "embedding, Adam": sparse gradients between workers
+      (see `_sparse_job`);
+    - "loss tracker": a tracker updated in `compute_loss` logs the whole batch's value
+      (`test_runtime_loss_trackers.two_tensorflow_workers_job`).
+    """
+    from test_runtime_loss_trackers import two_tensorflow_workers_job
+
     from autodist_keras.devices import Cluster
     from autodist_keras.graph import ModelGraph
     from autodist_keras.strategies import baselines
@@ -68,8 +178,19 @@ def test_two_workers_match_single_device(model_fn):
         speeds={"node0/cpu0": 2.0, "node0/cpu1": 1.0}, bucket_bytes=256,
     )
     assert plan.shares_for(BATCH) == [16, 8] and len(plan.buckets) == 3
-    results = tf_multiworker.launch_local_workers(
-        model_fn, cluster, x, y, BATCH, steps=-(-SAMPLES // BATCH), plan=plan,
+    jobs = [
+        {"name": "mlp, predictions all-gathered", "model_fn": worker_model_gathering_predictions,
+         "x": x, "y": y, "plan": plan, "initial": initial, "steps": -(-SAMPLES // BATCH),
+         "history": {"loss": history.history["loss"], "accuracy": history.history["accuracy"]},
+         "rtol": {"accuracy": 1e-6}, "weights": _weights(reference), "share": [16, 8]},
+        _batch_norm_job(cluster),
+        *_masked_jobs(cluster),
+        _sparse_job(sparse_input_adam_worker_model, cluster),
+        _sparse_job(embedding_adam_worker_model, cluster),
+        two_tensorflow_workers_job(cluster, BATCH),
+    ]
+    results, done = _launch_with_jobs(
+        tmp_path, monkeypatch, jobs, worker_model, cluster, x, y, -(-SAMPLES // BATCH), plan,
         initial_weights=initial, return_weights=True, timeout_s=400,
     )
     assert [r["rank"] for r in results] == [0, 1]
@@ -94,6 +215,32 @@ def test_two_workers_match_single_device(model_fn):
         # top of rtol 1e-5 (the weights are O(0.1-1)); the losses stay at 1e-5.
         for w, want, got in zip(reference.weights, reference.get_weights(), result["weights"]):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=w.path)
+    _check_jobs(jobs, done)
+
+
+def _weights(model):
+    """`(path, value)` of each of `model`'s weights, the reference a job's weights must match."""
+    return [(w.path, value) for w, value in zip(model.weights, model.get_weights())]
+
+
+def _check_jobs(jobs, done):
+    """Checks each rank's history, weights and share of each job against the job's reference."""
+    for job in jobs:
+        assert len(done[job["name"]]) == len(job["share"]), job["name"]
+        for rank, result in enumerate(done[job["name"]]):
+            case = f"{job['name']!r}, rank {rank}"
+            assert result["share"] == job["share"][rank], case
+            for name, want in job["history"].items():
+                np.testing.assert_allclose(result["history"][name], want,
+                                           rtol=job.get("rtol", {}).get(name, 1e-5),
+                                           err_msg=f"{case}: {name}")
+            if job.get("weights") is None:
+                continue
+            assert len(result["weights"]) == len(job["weights"]), case
+            for (path, want), got in zip(job["weights"], result["weights"]):
+                # The same tolerance as the launch's own model (see above).
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5,
+                                           err_msg=f"{case}: {path}")
 
 
 def test_failing_worker_raises_worker_error():
@@ -186,36 +333,27 @@ def _fit_in_one_process(model_fn, cluster, plan, initial, x, y):
     return model, model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
 
 
-def test_two_workers_match_one_process_with_batch_norm():
+def _batch_norm_job(cluster):
     """The loss and the batch-norm statistics ride in the gradient all-reduce;
     two workers must end where one process driving both replicas ends."""
-    from autodist_keras.backends import tf_multiworker
-    from autodist_keras.devices import Cluster
     from autodist_keras.graph import ModelGraph
     from autodist_keras.strategies import baselines
 
     rng = np.random.default_rng(1)
     x = rng.normal(size=(96, 8)).astype("float32")
     y = rng.integers(0, 3, size=(96,)).astype("int32")
-    cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
     keras.utils.set_random_seed(5)
     initial = bn_worker_model().get_weights()
     plan = baselines.proportional(ModelGraph.from_keras(bn_worker_model()), cluster, BATCH,
                                   speeds={"node0/cpu0": 2.0, "node0/cpu1": 1.0})
     local, history = _fit_in_one_process(bn_worker_model, cluster, plan, initial, x, y)
-    results = tf_multiworker.launch_local_workers(
-        bn_worker_model, cluster, x, y, BATCH, steps=4, plan=plan, initial_weights=initial,
-        return_weights=True, timeout_s=400,
-    )
-    assert [r["share"] for r in results] == [16, 8]
     moving = [i for i, w in enumerate(local.weights) if "moving" in w.path]
     assert len(moving) == 2
-    for result in results:
-        np.testing.assert_allclose(result["loss"], history.history["loss"], rtol=1e-5)
-        for w, want, got in zip(local.weights, local.get_weights(), result["weights"]):
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=w.path)
     # The statistics moved: they are not the initial zeros and ones.
     assert not np.allclose(local.get_weights()[moving[0]], initial[moving[0]])
+    return {"name": "batch norm", "model_fn": bn_worker_model, "x": x, "y": y, "plan": plan,
+            "initial": initial, "steps": 4, "history": {"loss": history.history["loss"]},
+            "weights": _weights(local), "share": [16, 8]}
 
 
 def bn_accuracy_worker_model():
@@ -239,14 +377,41 @@ def embedding_worker_model():
     return model
 
 
-@pytest.mark.parametrize("model_fn", [bn_accuracy_worker_model, embedding_worker_model],
-                         ids=["batch_norm_and_accuracy", "embedding"])
-def test_devices_sharing_a_core_share_one_worker(model_fn):
+def test_devices_sharing_a_core_share_one_worker(tmp_path, monkeypatch):
     """`processes="per_core"`: the testbed's cpu1 and cpu2 (both on core 1) run as two
     replicas of one worker process, summed locally before the one cross-process
-    all-reduce, and training ends where one process driving all three replicas ends."""
-    from autodist_keras.backends import tf_multiworker
+    all-reduce, and training ends where one process driving all three replicas ends:
+    "batch norm and accuracy" (the launch's own model) and "embedding", trained one
+    after the other in the same workers (`models_in_turn`) with "sparse input, Adam"
+    and "embedding, Adam" (`_sparse_job`: with one worker driving two replicas)."""
     from autodist_keras.devices import Cluster
+
+    cluster = Cluster.cpu_testbed()
+    main = _sharing_a_core_job(bn_accuracy_worker_model, cluster)
+    jobs = [
+        _sharing_a_core_job(embedding_worker_model, cluster),
+        _sparse_job(sparse_input_adam_worker_model, cluster, per_core=True),
+        _sparse_job(embedding_adam_worker_model, cluster, per_core=True),
+    ]
+    results, done = _launch_with_jobs(
+        tmp_path, monkeypatch, jobs, main["model_fn"], cluster, main["x"], main["y"], 4,
+        main["plan"], initial_weights=main["initial"], return_weights=True, timeout_s=400,
+        processes="per_core",
+    )
+    assert [r["devices"] for r in results] == [["node0/cpu0"], ["node0/cpu1", "node0/cpu2"]]
+    assert [r["affinity"] for r in results] == [[0], [1]]
+    assert [r["share"] for r in results] == [12, 12]
+    replicas = results[1]["runtime"]["replica_devices"]
+    assert replicas["node0/cpu1"].endswith("task:1/device:CPU:0")
+    assert replicas["node0/cpu2"].endswith("task:1/device:CPU:1")
+    _check_jobs([main], {main["name"]: [
+        {"history": r["history"], "weights": r["weights"], "share": r["share"]} for r in results]})
+    _check_jobs(jobs, done)
+
+
+def _sharing_a_core_job(model_fn, cluster):
+    """`model_fn` on the testbed (shares 12, 6 and 6), with one process driving all
+    three replicas as the reference."""
     from autodist_keras.graph import ModelGraph
     from autodist_keras.strategies import baselines
 
@@ -256,28 +421,16 @@ def test_devices_sharing_a_core_share_one_worker(model_fn):
     else:
         x = rng.normal(size=(96, 8)).astype("float32")
     y = rng.integers(0, 3, size=(96,)).astype("int32")
-    cluster = Cluster.cpu_testbed()
     keras.utils.set_random_seed(7)
     initial = model_fn().get_weights()
     plan = baselines.proportional(ModelGraph.from_keras(model_fn()), cluster, BATCH,
                                   bucket_bytes=256)
     assert plan.shares_for(BATCH) == [12, 6, 6]
     local, history = _fit_in_one_process(model_fn, cluster, plan, initial, x, y)
-    results = tf_multiworker.launch_local_workers(
-        model_fn, cluster, x, y, BATCH, steps=4, plan=plan, initial_weights=initial,
-        return_weights=True, timeout_s=400, processes="per_core",
-    )
-    assert [r["devices"] for r in results] == [["node0/cpu0"], ["node0/cpu1", "node0/cpu2"]]
-    assert [r["affinity"] for r in results] == [[0], [1]]
-    assert [r["share"] for r in results] == [12, 12]
-    replicas = results[1]["runtime"]["replica_devices"]
-    assert replicas["node0/cpu1"].endswith("task:1/device:CPU:0")
-    assert replicas["node0/cpu2"].endswith("task:1/device:CPU:1")
-    for result in results:
-        for name, values in history.history.items():
-            np.testing.assert_allclose(result["history"][name], values, rtol=1e-5, err_msg=name)
-        for w, want, got in zip(local.weights, local.get_weights(), result["weights"]):
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=w.path)
+    name = "embedding" if model_fn is embedding_worker_model else "batch norm and accuracy"
+    return {"name": name, "model_fn": model_fn, "x": x, "y": y, "plan": plan,
+            "initial": initial, "steps": 4, "history": history.history,
+            "weights": _weights(local), "share": [12, 12]}
 
 
 def test_worker_device_groups_and_pinning():
@@ -450,6 +603,28 @@ def data():
     return Padded()
 
 
+def train_with_checkpoints(strategy, out, worker):
+    # A second model in the same workers, with callbacks that write files.
+    import keras
+
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(16, activation="relu")(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+        model.compile(optimizer="sgd",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(96, 8)).astype("float32"), rng.integers(0, 3, 96)
+    model.fit(x, y, batch_size=24, epochs=4, verbose=0, callbacks=[
+        keras.callbacks.ModelCheckpoint(os.path.join(out, "ckpt.weights.h5"),
+                                        save_weights_only=True),
+        keras.callbacks.ModelCheckpoint(os.path.join(out, "model.keras")),
+        keras.callbacks.CSVLogger(os.path.join(out, "log.csv")),
+        keras.callbacks.BackupAndRestore(os.path.join(out, "backup"), save_freq=2)])
+    np.savez(os.path.join(out, f"final{worker}.npz"), *model.get_weights())
+
+
 if __name__ == "__main__":
     from autodist_keras import AutoStrategy, Cluster
 
@@ -460,6 +635,7 @@ if __name__ == "__main__":
     history = model.fit(data(), epochs=2, shuffle=False, verbose=0)
     np.savez(sys.argv[1], *model.get_weights())
     print("HISTORY", json.dumps(history.history))
+    train_with_checkpoints(strategy, sys.argv[2], sys.argv[3])
 """
 
 
@@ -499,66 +675,24 @@ def _two_workers_run(tmp_path, source, args, check=True, workers=2):
     return outputs
 
 
-_CHECKPOINTS = """
-import os, sys
-import numpy as np
-import keras
-from autodist_keras import AutoStrategy, Cluster
+def test_two_workers_train_padded_batches_and_keep_off_worker_0s_checkpoint_files(tmp_path):
+    """One launch of two script workers, two models one after the other:
 
-if __name__ == "__main__":
-    out = sys.argv[1]
-    cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
-    strategy = AutoStrategy("data_parallel", cluster=cluster, timeout_s=60)
-    with strategy.scope():
-        keras.utils.set_random_seed(1)
-        inputs = keras.Input((8,))
-        hidden = keras.layers.Dense(16, activation="relu")(inputs)
-        model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
-        model.compile(optimizer="sgd",
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(96, 8)).astype("float32"), rng.integers(0, 3, 96)
-    model.fit(x, y, batch_size=24, epochs=4, verbose=0, callbacks=[
-        keras.callbacks.ModelCheckpoint(os.path.join(out, "ckpt.weights.h5"),
-                                        save_weights_only=True),
-        keras.callbacks.ModelCheckpoint(os.path.join(out, "model.keras")),
-        keras.callbacks.CSVLogger(os.path.join(out, "log.csv")),
-        keras.callbacks.BackupAndRestore(os.path.join(out, "backup"), save_freq=2)])
-    np.savez(os.path.join(out, f"final{os.environ['WORKER']}.npz"), *model.get_weights())
-"""
-
-
-def test_workers_other_than_worker_0_keep_off_its_checkpoint_files(tmp_path):
-    """Every worker runs the script's callbacks: two workers writing one .weights.h5
-    killed the job (h5py's file lock), and a .keras file came out corrupt 1 run in
-    3. Worker 0 writes the files the script names; the others write privately."""
-    source = _CHECKPOINTS.replace("os.environ['WORKER']", "sys.argv[2]")
-    _two_workers_run(tmp_path, source, lambda rank: [str(tmp_path), str(rank)])
-    with np.load(tmp_path / "final0.npz") as saved:
-        final = [saved[f"arr_{i}"] for i in range(len(saved.files))]
-    with np.load(tmp_path / "final1.npz") as saved:
-        for got, want in zip([saved[f"arr_{i}"] for i in range(len(saved.files))], final):
-            np.testing.assert_array_equal(got, want)
-    loaded = keras.models.load_model(tmp_path / "model.keras")
-    for got, want in zip(loaded.get_weights(), final):
-        np.testing.assert_array_equal(got, want)
-    loaded.load_weights(tmp_path / "ckpt.weights.h5")
-    for got, want in zip(loaded.get_weights(), final):
-        np.testing.assert_array_equal(got, want)
-    rows = (tmp_path / "log.csv").read_text().strip().splitlines()
-    assert rows[0].startswith("epoch") and len(rows) == 5
-    assert not (tmp_path / "backup").exists()  # deleted by worker 0 at the end, once
-
-
-def test_two_workers_train_batches_padded_to_different_lengths(tmp_path):
-    """Batches padded per batch retrace the step with an unknown time length,
-    so a per-timestep Dense kernel's gradient has static shape (None, 3): the
-    fused bucket lost its static size and the all-reduce failed with
-    "int() argument must be ... not 'NoneType'" on every worker."""
+    - Batches padded per batch retrace the step with an unknown time length,
+      so a per-timestep Dense kernel's gradient has static shape (None, 3): the
+      fused bucket lost its static size and the all-reduce failed with
+      "int() argument must be ... not 'NoneType'" on every worker.
+    - Every worker runs the script's callbacks (`train_with_checkpoints`): two
+      workers writing one .weights.h5 killed the job (h5py's file lock), and a
+      .keras file came out corrupt 1 run in 3. Worker 0 writes the files the
+      script names; the others write privately.
+    """
     import json
 
+    out = tmp_path / "checkpoints"
+    out.mkdir()
     outputs = _two_workers_run(tmp_path, _PADDED_PER_BATCH,
-                               lambda rank: [str(tmp_path / f"w{rank}.npz")])
+                               lambda rank: [str(tmp_path / f"w{rank}.npz"), str(out), str(rank)])
 
     namespace = {}
     exec(compile(_PADDED_PER_BATCH.replace('if __name__ == "__main__":', "if False:"),
@@ -573,6 +707,21 @@ def test_two_workers_train_batches_padded_to_different_lengths(tmp_path):
             got = [saved[f"arr_{i}"] for i in range(len(saved.files))]
         for w, want, have in zip(reference.weights, reference.get_weights(), got):
             np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-5, err_msg=w.path)
+
+    with np.load(out / "final0.npz") as saved:
+        final = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+    with np.load(out / "final1.npz") as saved:
+        for got, want in zip([saved[f"arr_{i}"] for i in range(len(saved.files))], final):
+            np.testing.assert_array_equal(got, want)
+    loaded = keras.models.load_model(out / "model.keras")
+    for got, want in zip(loaded.get_weights(), final):
+        np.testing.assert_array_equal(got, want)
+    loaded.load_weights(out / "ckpt.weights.h5")
+    for got, want in zip(loaded.get_weights(), final):
+        np.testing.assert_array_equal(got, want)
+    rows = (out / "log.csv").read_text().strip().splitlines()
+    assert rows[0].startswith("epoch") and len(rows) == 5
+    assert not (out / "backup").exists()  # deleted by worker 0 at the end, once
 
 
 def masked_worker_model():
@@ -594,16 +743,10 @@ def masked_worker_model_gathering_predictions():
     return masked_worker_model()
 
 
-@pytest.mark.filterwarnings("ignore:Output\\(s\\).*carry a Keras mask")
-@pytest.mark.parametrize("model_fn", [masked_worker_model,
-                                      masked_worker_model_gathering_predictions],
-                         ids=["predictions_in_the_all_reduce", "predictions_all_gathered"])
-def test_two_workers_score_masked_outputs_with_their_masks(model_fn):
+def _masked_jobs(cluster):
     """The predictions the metrics read travel with their Keras masks, folded
     into the all-reduce or all-gathered (they lost them: accuracy counted the
     padding)."""
-    from autodist_keras.backends import tf_multiworker
-    from autodist_keras.devices import Cluster
     from autodist_keras.graph import ModelGraph
     from autodist_keras.strategies import baselines
 
@@ -614,17 +757,16 @@ def test_two_workers_score_masked_outputs_with_their_masks(model_fn):
     reference = masked_worker_model()
     initial = reference.get_weights()
     history = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-    cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
     plan = baselines.proportional(ModelGraph.from_keras(reference), cluster, BATCH,
                                   speeds={"node0/cpu0": 2.0, "node0/cpu1": 1.0})
-    results = tf_multiworker.launch_local_workers(
-        model_fn, cluster, x, y, BATCH, steps=4, plan=plan, initial_weights=initial,
-        timeout_s=300,
-    )
-    for result in results:
-        np.testing.assert_allclose(result["history"]["accuracy"],
-                                   history.history["accuracy"], rtol=1e-6)
-        np.testing.assert_allclose(result["loss"], history.history["loss"], rtol=1e-5)
+    return [{"name": name, "model_fn": model_fn, "x": x, "y": y, "plan": plan,
+             "initial": initial, "steps": 4,
+             "history": {"accuracy": history.history["accuracy"],
+                         "loss": history.history["loss"]},
+             "rtol": {"accuracy": 1e-6}, "weights": None, "share": [16, 8]}
+            for name, model_fn in [
+                ("masked", masked_worker_model),
+                ("masked, predictions all-gathered", masked_worker_model_gathering_predictions)]]
 
 
 LEFTOVER_TF_CONFIG = """
@@ -880,18 +1022,19 @@ def embedding_adam_worker_model():
     return model
 
 
-@pytest.mark.parametrize("processes", [None, "per_core"], ids=["one_device_each", "per_core"])
-@pytest.mark.parametrize("model_fn", [sparse_input_adam_worker_model, embedding_adam_worker_model],
-                         ids=["sparse_input", "embedding"])
-def test_workers_combine_sparse_gradients_as_one_device_under_adam(model_fn, processes):
+def _sparse_job(model_fn, cluster, per_core=False):
     """Sparse gradients between workers, with Adam (which squares their rows, so
     a row repeated or merged changes the step): a deduplicating lookup's rows are
     merged per id over the workers, an Embedding's concatenated with their repeated
     ids, and training matches single-device Keras. With a worker driving two replicas
     (per_core) both used to be densified and summed: exact for the deduplicated rows,
-    but the Embedding's loss drifted from Keras's (1e-4 after 4 steps)."""
-    from autodist_keras.backends import tf_multiworker
-    from autodist_keras.devices import Cluster
+    but the Embedding's loss drifted from Keras's (1e-4 after 4 steps).
+
+    Args:
+        model_fn: `sparse_input_adam_worker_model` or `embedding_adam_worker_model`.
+        cluster: The launch's cluster: two devices, one per worker (shares 16
+            and 8), or with `per_core` the testbed (12, 6 and 6: two workers).
+    """
     from autodist_keras.graph import ModelGraph
     from autodist_keras.strategies import baselines
 
@@ -906,24 +1049,16 @@ def test_workers_combine_sparse_gradients_as_one_device_under_adam(model_fn, pro
     reference = model_fn()
     initial = reference.get_weights()
     history = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-    if processes == "per_core":
-        cluster = Cluster.cpu_testbed()
+    if per_core:
         plan = baselines.proportional(ModelGraph.from_keras(reference), cluster, BATCH,
                                       bucket_bytes=256)
         assert plan.shares_for(BATCH) == [12, 6, 6]
     else:
-        cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1},
-                                       {"cores": [1], "threads": 1}])
         plan = baselines.proportional(ModelGraph.from_keras(reference), cluster, BATCH,
                                       speeds={"node0/cpu0": 2.0, "node0/cpu1": 1.0})
         assert plan.shares_for(BATCH) == [16, 8]
-    results = tf_multiworker.launch_local_workers(
-        model_fn, cluster, x, y, BATCH, steps=4, plan=plan, initial_weights=initial,
-        return_weights=True, timeout_s=400,
-        **({"processes": processes} if processes else {}),
-    )
-    assert len(results) == 2
-    for result in results:
-        np.testing.assert_allclose(result["history"]["loss"], history.history["loss"], rtol=1e-5)
-        for w, want, got in zip(reference.weights, reference.get_weights(), result["weights"]):
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=w.path)
+    name = ("embedding, Adam" if model_fn is embedding_adam_worker_model
+            else "sparse input, Adam")
+    return {"name": name, "model_fn": model_fn, "x": x, "y": y, "plan": plan,
+            "initial": initial, "steps": 4, "history": {"loss": history.history["loss"]},
+            "weights": _weights(reference), "share": [12, 12] if per_core else [16, 8]}
