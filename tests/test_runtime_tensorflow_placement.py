@@ -1052,11 +1052,11 @@ def test_a_trainable_variable_assigned_in_call_trains_as_plain_keras(split, run_
 
 
 def _xla_conv_model():
-    # Keras's TF backend compiles these two convolutions as their own
+    # Keras's TF backend compiles a grouped convolution (and a channels_first Conv3D,
+    # the same `_conv_xla` path at several times the XLA compile time) as its own
     # tf.function(jit_compile=True) (keras/src/backend/tensorflow/nn.py `conv`).
-    inputs = keras.Input((6, 4, 4, 4), name="x_in")
-    x = keras.layers.Conv3D(2, 2, data_format="channels_first", name="x_c3d")(inputs)
-    x = keras.layers.Reshape((2, 27), name="x_rs")(x)
+    inputs = keras.Input((6, 8), name="x_in")
+    x = keras.layers.Dense(8, activation="tanh", name="x_d")(inputs)
     x = keras.layers.Conv1D(4, 3, groups=2, data_format="channels_first", name="x_gconv")(x)
     x = keras.layers.Flatten(name="x_flat")(x)
     return keras.Model(inputs, keras.layers.Dense(3, name="x_out")(x), name="x_conv")
@@ -1064,22 +1064,21 @@ def _xla_conv_model():
 
 def _xla_conv_data(samples, seed):
     rng = np.random.default_rng(seed)
-    return (rng.normal(size=(samples, 6, 4, 4, 4)).astype("float32"),
+    return (rng.normal(size=(samples, 6, 8)).astype("float32"),
             rng.integers(0, 3, size=(samples,)).astype("int32"))
 
 
-@pytest.mark.parametrize("layout, run_eagerly", [
-    ("home", False), ("split", False), ("split", True)])
-def test_xla_compiled_convolutions_train_on_every_device(layout, run_eagerly):
-    """A grouped Conv1D and a channels_first Conv3D read their kernels inside Keras's
-    XLA function: on the home device the per-device copy made in there got no
-    gradient (the kernel never moved), on another device XLA refused the home
-    device's variable ("Trying to access resource ... from device CPU:2")."""
-    groups = {
-        "home": lambda n: [(n[:3], [(D1, BATCH)]), (n[3:], [(D0, BATCH)])],
-        "split": lambda n: [(n[:2], [(D1, BATCH)]), (n[2:4], [(D0, 12), (D2, 12)]),
-                            (n[4:], [(D0, BATCH)])],
-    }[layout]
+@pytest.mark.parametrize("run_eagerly", [False, True], ids=["traced", "eager"])
+def test_xla_compiled_convolutions_train_on_every_device(run_eagerly):
+    """A grouped Conv1D reads its kernel inside Keras's XLA function: on the home
+    device the per-device copy made in there got no gradient (the kernel never
+    moved), on another device XLA refused the home device's variable ("Trying to
+    access resource ... from device CPU:2"). The conv is split over the home device
+    cpu0 and cpu2, so one fit has both; the Dense before it, on cpu1, is trained
+    through it. (A split part runs as a whole layer call does, `tf_placement._Forward._run`.)"""
+    groups = lambda n: [(n[:2], [(D1, BATCH)]), ([n[2]], [(D0, 12), (D2, 12)]),
+                        (n[3:], [(D0, BATCH)])]
     plan = _hand_plan(_xla_conv_model, groups)
+    assert plan.groups[1].layers == ["x_gconv"]
     _matches_plain_keras(_xla_conv_model, plan, _xla_conv_data(48, 0), _xla_conv_data(30, 1),
                          optimizer="adam", run_eagerly=run_eagerly)

@@ -24,10 +24,13 @@ def _run(*args, timeout=400):
 
 
 def test_times_both_layouts_and_both_plans():
-    out = _run("--models", "cnn", "--rounds", "1", "--steps", "2", "--warmup", "1")
+    # Four launches of fresh workers (2 layouts x 2 plans) are the benchmark's method;
+    # their cost is mostly each worker's start. The MLP traces faster than the CNN, and
+    # one timed step (no warm-up) is enough to check the report.
+    out = _run("--models", "mlp", "--rounds", "1", "--steps", "1", "--warmup", "0")
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    row = report["results"]["cnn"]
+    row = report["results"]["mlp"]
     assert set(row["round_median_step_ms"]) == {
         "per_core/data_parallel", "per_core/proportional",
         "per_device/data_parallel", "per_device/proportional"}
