@@ -692,9 +692,9 @@ def _child(args):
     Keras session. A section whose result says `exit_now` ends the process
     at once, whatever follows it.
     """
-    import keras
-
     shared = len(args.child) > 1
+    if shared:
+        import keras  # a lone section imports what it needs itself (`detect` reports it)
     started = time.perf_counter()
     for name in args.child:
         if args.budget_s is not None and args.budget_s - (time.perf_counter() - started) < 20:
@@ -732,8 +732,10 @@ def run_sections(names, small, timeout_s, out=None, budget_s=None):
     Returns:
         `{name: result}` for every name: a section's result, or an `"error"`
         (with the output's end) for the one that timed out or ended the process
-        and the ones it kept from running. With one name, its
-        `section_seconds` include the process's start-up.
+        and the ones it kept from running (those after a section whose result
+        said `exit_now` name that section). A process that printed every result
+        but did not end within `timeout_s` puts an `"error"` in the last one.
+        With one name, its `section_seconds` include the process's start-up.
     """
     env = dict(os.environ, KERAS_BACKEND="torch", PYTHONUNBUFFERED="1")
     if out:
@@ -745,10 +747,12 @@ def run_sections(names, small, timeout_s, out=None, budget_s=None):
     if budget_s is not None:
         command += ["--budget-s", str(budget_s)]
     started = time.perf_counter()
+    timed_out = False
     try:
         proc = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
                               timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
+        timed_out = True
         stdout = e.stdout or ""  # what the process printed before (bytes on POSIX)
         if isinstance(stdout, bytes):
             stdout = stdout.decode("utf-8", "replace")
@@ -766,7 +770,20 @@ def run_sections(names, small, timeout_s, out=None, budget_s=None):
     if len(names) == 1 and names[0] in results:
         results[names[0]]["section_seconds"] = seconds
     first = next((n for n in names if n not in results), None)
-    for name in names[names.index(first):] if first else []:
+    if first is None:
+        if timed_out:
+            # Every section printed its result, but the process did not end (a
+            # device left hung at exit, say): the report must show it.
+            results[names[-1]]["error"] = (f"timed out after {timeout_s} s: the process did "
+                                           "not end after printing this section's result")
+        return results
+    before = names[names.index(first) - 1] if names.index(first) > 0 else None
+    if before is not None and results[before].get("exit_now"):
+        for name in names[names.index(first):]:
+            results[name] = {"error": f"not run: section {before!r} ended the process "
+                                      "(exit_now)"}
+        return results
+    for name in names[names.index(first):]:
         results[name] = (dict(ended, section_seconds=seconds) if name == first else
                          {"error": f"not run: the process ended in section {first!r}"})
     return results
@@ -860,7 +877,9 @@ def _run_sections(names, args, results):
                 continue
             limit = min(limit, left)
         print(f"[gpu_check] {', '.join(group)} (limit {limit} s) ...", flush=True)
-        results["sections"].update(run_sections(group, args.small, limit, args.out, left))
+        # A lone section's process gets no budget of its own: its limit is the budget.
+        results["sections"].update(run_sections(group, args.small, limit, args.out,
+                                                left if len(group) > 1 else None))
         for name in group:
             print(json.dumps({name: results["sections"][name]}, indent=1, default=str)[:6000],
                   flush=True)
