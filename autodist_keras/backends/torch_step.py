@@ -259,9 +259,10 @@ def _note_shard_rows(error, share, global_batch):
     A shape error raised by the model or the loss on a replica names the
     shard's first dimension (e.g. 6), where plain Keras would name the
     batch's (e.g. 16); without the note the user looks for a 6 in their data.
-    No note when the replica holds the whole batch, or before Python 3.11.
+    No note when the error names no shape, when the replica holds the whole
+    batch, or before Python 3.11.
     """
-    if share != global_batch and hasattr(error, "add_note"):
+    if share != global_batch and hasattr(error, "add_note") and "shape" in str(error):
         error.add_note(
             f"autodist_keras: this replica computed {share} of the step's {global_batch} "
             f"rows (its share of the batch), so the shapes above count {share} rows "
