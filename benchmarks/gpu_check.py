@@ -675,11 +675,12 @@ RESULT_PREFIX = "SECTION_RESULT "
 
 
 def _section_list(text):
-    """`--child`'s comma-separated section names (argparse type)."""
-    names = text.split(",")
+    """Comma-separated section names, in order (argparse type of `--sections` and `--child`)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = sorted(set(names) - set(SECTIONS))
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown sections {unknown}")
+        raise argparse.ArgumentTypeError(
+            f"unknown sections {unknown}; choose from {list(SECTIONS)}")
     return names
 
 
@@ -792,7 +793,7 @@ def run_sections(names, small, timeout_s, out=None, budget_s=None):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="directory for gpu_check.json")
-    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--sections", type=_section_list, default=",".join(SECTIONS))
     parser.add_argument("--small", action="store_true", help="tiny sizes (CPU test)")
     parser.add_argument("--models", choices=("default", "prospective", "recheck"),
                         default="default",
@@ -805,10 +806,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.child:
         return _child(args)
-    names = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = sorted(set(names) - set(SECTIONS))
-    if unknown:
-        parser.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
+    names = args.sections
     if not args.small and set(names) - {"detect"} and _cuda_gpus() == 0:
         parser.error("no CUDA GPU on this machine (torch.cuda.is_available() is False): "
                      "without --small the sections time GPU-sized cases, which here would "

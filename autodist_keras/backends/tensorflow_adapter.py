@@ -343,27 +343,25 @@ class TensorFlowAdapter(BackendAdapter):
         if needed <= 1:
             return
         have = len(tf.config.list_logical_devices("CPU"))
-        if have < needed and _logical_cpus_set_by_a_strategy == have:
-            raise BackendError(
-                f"The cluster has {needed} CPU devices "
-                f"({[d.name for d in self._local_cpu_devices()]}), but an earlier AutoStrategy "
-                f"in this process gave TensorFlow {have} logical CPU devices, and TensorFlow "
-                "fixes them at its first operation. In this process use a cluster of at most "
-                f"{have} CPU devices (Cluster.cpu_testbed() with {have} devices, say), or run "
-                "this strategy in a new process. "
-                f"Received: {have} logical CPU device(s)"
-            )
-        if have < needed:
-            raise BackendError(
-                f"The cluster has {needed} CPU devices ({[d.name for d in self._local_cpu_devices()]}), "
-                f"but TensorFlow already started with {have} logical CPU device(s), and logical "
-                "devices can only be created before TensorFlow runs its first operation. Create "
-                "the AutoStrategy (or call strategy.scope()) before building models or running "
-                "any TensorFlow op, or configure the devices yourself first with "
-                "tf.config.set_logical_device_configuration(tf.config.list_physical_devices('CPU')[0], "
-                f"[tf.config.LogicalDeviceConfiguration()] * {needed}). "
-                f"Received: {have} logical CPU device(s)"
-            )
+        if have >= needed:
+            return
+        if _logical_cpus_set_by_a_strategy == have:
+            why = (f"an earlier AutoStrategy in this process gave TensorFlow {have} logical CPU "
+                   "devices, and TensorFlow fixes them at its first operation. In this process "
+                   f"use a cluster of at most {have} CPU devices (Cluster.cpu_testbed() with "
+                   f"{have} devices, say), or run this strategy in a new process. ")
+        else:
+            why = (f"TensorFlow already started with {have} logical CPU device(s), and logical "
+                   "devices can only be created before TensorFlow runs its first operation. "
+                   "Create the AutoStrategy (or call strategy.scope()) before building models "
+                   "or running any TensorFlow op, or configure the devices yourself first with "
+                   "tf.config.set_logical_device_configuration(tf.config.list_physical_devices("
+                   f"'CPU')[0], [tf.config.LogicalDeviceConfiguration()] * {needed}). ")
+        raise BackendError(
+            f"The cluster has {needed} CPU devices "
+            f"({[d.name for d in self._local_cpu_devices()]}), but {why}"
+            f"Received: {have} logical CPU device(s)"
+        )
 
     def _setup_worker(self):
         """Pins this worker to its devices' cores, creates their logical CPU
