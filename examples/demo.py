@@ -28,6 +28,7 @@ Run: `make demo` (or `KERAS_BACKEND=torch make demo`).
 """
 
 import os
+import statistics
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -96,8 +97,6 @@ def pinned_tensorflow_times(cluster, x, y, proportional, even):
         `{"proportional": [...], "data_parallel": [...]}`: rank 0's median
         step time (s) of each round, in round order.
     """
-    import statistics
-
     from autodist_keras.backends.tf_multiworker import launch_local_workers
 
     plans = [proportional.plan, even.plan]
@@ -159,8 +158,6 @@ def main():
               "one process and share its threads, so those measured times show no "
               "heterogeneity. Timing both plans in pinned worker processes, one per core "
               "set (cpu1 and cpu2 share core 1's process), where it is real:")
-        import statistics
-
         pinned = pinned_tensorflow_times(cluster, x, y, proportional, even)
         prop, flat = pinned["proportional"], pinned["data_parallel"]
         ratios = [e / p for p, e in zip(prop, flat)]
