@@ -49,6 +49,8 @@ BAD = [
      "unknown model or cluster", "hetero_testbed"),
     ("collective_cost.py", ["--sizes", "lots"], "at least 4", "'lots'"),
     ("gpu_check.py", ["--small", "--budget-s", "0"], "above 0", "'0'"),
+    ("gpu_check.py", ["--small", "--sections", "fit,bogus"], "unknown sections ['bogus']",
+     "multi_gpu"),
 ]
 
 
