@@ -37,6 +37,7 @@ from autodist_keras.backends import batchnorm_stats
 from autodist_keras.backends import loss_trackers
 from autodist_keras.backends import model_checks
 from autodist_keras.backends import replica_random
+from autodist_keras.backends import tf_add_guard
 from autodist_keras.backends import tf_fusion
 from autodist_keras.backends import tf_multiworker
 from autodist_keras.backends import tf_reduce
@@ -303,6 +304,7 @@ class TensorFlowAdapter(BackendAdapter):
         super().__init__(strategy)
         import tensorflow as tf  # noqa: F401  (loaded here, lazily)
 
+        tf_add_guard.install()  # replicas know their row counts: see tf_add_guard
         self.cluster = strategy.cluster
         self.worker = tf_multiworker.parse_tf_config()
         self.worker_devices = None  # the plan devices this worker process runs
