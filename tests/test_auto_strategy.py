@@ -310,7 +310,13 @@ def test_planning_for_a_gpu_cluster_that_is_not_here():
     model = zoo.mlp(input_dim=64, hidden=(128,), name="what_if")
     plan = strategy.plan_for(model, 256)
     assert any("not on this machine" in note for note in plan.notes)
-    assert "predicted step time" in strategy.explain()
+    text = strategy.explain()
+    assert "predicted step time" in text
+    # Outside the learned estimator's domain: the reason (a long list of device kinds)
+    # is given once, in the line saying which scorer ran.
+    why = strategy.explain(format="json")["why"]
+    assert any(line.startswith("scored by the simulator (") for line in why), why
+    assert text.count("these devices are of kinds not in its training measurements") == 1, text
 
 
 def test_plan_for_plans_again_for_another_batch_size_and_checks_it():

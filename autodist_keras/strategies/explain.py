@@ -151,7 +151,8 @@ def explanation(plan, cluster, candidates=None, measured=None, strategy_name="au
     # (the row of a shaped plan's name is another plan: its "scored: " note says instead)
     entry = candidates.get(same_as) if shaped else candidates.get(chosen)
     scorer_why = entry.get("scorer_why") if isinstance(entry, dict) else None
-    if scorer_why:
+    if scorer_why and not any(scorer_why in line for line in why):
+        # (a search the learned estimator scored none of says why once, in its summary)
         why.append(f"the learned estimator did not score it: {scorer_why}")
     return {
         "strategy": strategy_name,
