@@ -877,3 +877,86 @@ def test_add_guard_adds_as_numpy_broadcasting_and_keeps_real_biases_fused():
                                    err_msg=f"{shape1} + {shape2}")
         ops = {op.type for op in add.get_concrete_function().graph.get_operations()}
         assert ("BiasAdd" in ops) == fused, (shape1, shape2, sorted(ops))
+
+
+# ----------------------------------------------------- optimizer features
+def _clipped_dense():
+    inputs = keras.Input((8,), name="oc_in")
+    hidden = keras.layers.Dense(16, activation="relu", name="oc_hidden")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(3, name="oc_logits")(hidden))
+
+
+def _clipped_embedding():
+    inputs = keras.Input((5,), dtype="int32", name="oe_ids")
+    hidden = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(30, 6, name="oe_emb")(
+        inputs))
+    return keras.Model(inputs, keras.layers.Dense(3, name="oe_logits")(hidden))
+
+
+def _optimizer_feature_cases():
+    """(build, data, optimizer) triples of `test_optimizer_features_act_on_the_global_gradient`."""
+    opt = keras.optimizers
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 3, size=(96,)).astype("int32")
+    dense_x = (rng.normal(size=(96, 8)) * 4).astype("float32")
+    ids = rng.integers(0, 30, size=(96, 5)).astype("int32")
+    warmup = opt.schedules.CosineDecay(0.0, 6, alpha=0.1, warmup_target=0.02, warmup_steps=3)
+    return [
+        # Global clipping of an accumulated gradient, weight decay, a warm-up schedule,
+        # EMA (swapped into the weights every 4 steps and at the end of fit) and dynamic
+        # loss scaling (the scale grows every 2 finite steps).
+        (_clipped_dense, (dense_x, y), lambda: opt.LossScaleOptimizer(
+            opt.AdamW(warmup, weight_decay=0.3, global_clipnorm=0.1,
+                      gradient_accumulation_steps=3, use_ema=True, ema_momentum=0.8,
+                      ema_overwrite_frequency=4),
+            initial_scale=2.0 ** 15, dynamic_growth_steps=2)),
+        # Per-variable clipping of a sparse (IndexedSlices) gradient, factored slots.
+        (_clipped_embedding, (ids, y), lambda: opt.Adafactor(
+            opt.schedules.ExponentialDecay(0.05, 2, 0.5), clipnorm=0.05)),
+        # Elementwise clipping and a constant loss scale factor; Ftrl's accumulators.
+        (_clipped_dense, (dense_x, y), lambda: opt.Ftrl(
+            0.1, l1_regularization_strength=0.01, l2_shrinkage_regularization_strength=0.01,
+            loss_scale_factor=128.0, clipvalue=0.01)),
+    ]
+
+
+def test_optimizer_features_act_on_the_global_gradient():
+    """Clipping (`clipnorm`, `clipvalue`, `global_clipnorm`), gradient accumulation,
+    weight decay, EMA, schedules, loss scaling and optimizers with other slots
+    (Adafactor, Ftrl) train as on one device: the optimizer sees the summed
+    gradient of the whole batch, once per step. The inputs are scaled so that every
+    clip bites: on the first batch the dense model's gradient norm is 2.98 (per
+    variable 1.92, 0.14, 2.28, 0.07) and the replicas' weighted parts (shares
+    12/6/6) have norms 1.37, 1.42 and 1.90, so clipping each part before the sum
+    trains differently (session 29: with each replica's part clipped, the three
+    cases' losses ended 3.6e-3, 2.7e-3 and 2.3e-4 away from one device's, and this
+    test failed on each). Two epochs of 4 batches, so EMA, accumulation and the
+    schedule cross epochs; optimizer variables (slots, accumulators, EMA averages,
+    the loss scale) are compared too."""
+    for build, (x, y), make_optimizer in _optimizer_feature_cases():
+        keras.utils.set_random_seed(3)
+        initial = build().get_weights()
+        if build is _clipped_embedding:
+            initial[0] = initial[0] * 40  # large rows: clipnorm cuts the embedding's gradient
+        results = []
+        for strategy in (None, _strategy("prop3")):
+            with strategy.scope() if strategy is not None else contextlib.nullcontext():
+                model = build()
+                model.compile(optimizer=make_optimizer(),
+                              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.set_weights(initial)
+            history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+            results.append((model, history.history["loss"]))
+        (reference, ref_loss), (model, loss) = results
+        assert strategy.plan.shares_for(BATCH) == [12, 6, 6]
+        name = type(model.optimizer).__name__
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=name)
+        for w, got, want in zip(reference.weights, model.get_weights(), reference.get_weights()):
+            np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, err_msg=f"{name} {w.path}")
+        ref_vars, got_vars = reference.optimizer.variables, model.optimizer.variables
+        assert [v.name for v in got_vars] == [v.name for v in ref_vars], name
+        # 8 steps; 2 updates applied with gradient accumulation over 3 steps.
+        assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) in (2, 8)
+        for v, got, want in zip(ref_vars, got_vars, ref_vars):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=RTOL, atol=ATOL,
+                                       err_msg=f"{name} {v.path}")

@@ -499,6 +499,80 @@ def test_ema_optimizer_ends_fit_with_the_replicas_in_sync(recwarn):
     _assert_same_weights(model, reference)
 
 
+def _clipped_dense():
+    inputs = keras.Input((8,), name="oc_in")
+    hidden = keras.layers.Dense(16, activation="relu", name="oc_hidden")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(3, name="oc_logits")(hidden))
+
+
+def _optimizer_feature_cases():
+    """Optimizer factories of `test_optimizer_features_act_on_the_global_gradient`."""
+    opt = keras.optimizers
+    warmup = opt.schedules.CosineDecay(0.0, 6, alpha=0.1, warmup_target=0.02, warmup_steps=3)
+    return [
+        # Global clipping of an accumulated gradient, weight decay, a warm-up schedule,
+        # EMA (swapped into the weights every 4 steps and at the end of fit) and dynamic
+        # loss scaling (the scale grows every 2 finite steps).
+        lambda: opt.LossScaleOptimizer(
+            opt.AdamW(warmup, weight_decay=0.3, global_clipnorm=0.1,
+                      gradient_accumulation_steps=3, use_ema=True, ema_momentum=0.8,
+                      ema_overwrite_frequency=4),
+            initial_scale=2.0 ** 15, dynamic_growth_steps=2),
+        # Per-variable clipping, factored slots, a decaying schedule.
+        lambda: opt.Adafactor(opt.schedules.ExponentialDecay(0.05, 2, 0.5), clipnorm=0.05),
+        # Elementwise clipping and a constant loss scale factor; Ftrl's accumulators.
+        lambda: opt.Ftrl(0.1, l1_regularization_strength=0.01,
+                         l2_shrinkage_regularization_strength=0.01, loss_scale_factor=128.0,
+                         clipvalue=0.01),
+        lambda: opt.Lion(0.003, weight_decay=0.1, clipnorm=0.05),
+    ]
+
+
+def test_optimizer_features_act_on_the_global_gradient(recwarn):
+    """Clipping (`clipnorm`, `clipvalue`, `global_clipnorm`), gradient accumulation,
+    weight decay, EMA, schedules, loss scaling and optimizers with other slots
+    (Adafactor, Ftrl, Lion) train as on one device: every rank's optimizer applies
+    the summed gradient of the whole batch. The inputs are scaled so that every clip
+    bites: on the first batch the gradient norm is 4.01 (per variable 2.92, 0.30,
+    2.72, 0.27) and the replicas' weighted parts (shares 12/6/6) have norms 3.00,
+    0.97 and 2.06, so clipping each part before the sum would train differently
+    (the TensorFlow twin of this test fails when each replica clips its part).
+    100 samples: the last batch of 4 is split 2/1/1; two epochs, so EMA,
+    accumulation and the schedule cross epochs. Optimizer variables are compared
+    too (slots, accumulators, EMA averages, the loss scale)."""
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(100, 8)) * 4).astype("float32")
+    y = rng.integers(0, 3, size=(100,)).astype("int32")
+    keras.utils.set_random_seed(3)
+    initial = _clipped_dense().get_weights()
+    for make_optimizer in _optimizer_feature_cases():
+        strategy = _strategy("proportional", 3)
+        results = []
+        for scope in (strategy.scope(), contextlib.nullcontext()):
+            with scope:
+                model = _clipped_dense()
+                model.compile(optimizer=make_optimizer(),
+                              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.set_weights(initial)
+            history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+            results.append((model, history.history["loss"]))
+        (model, loss), (reference, ref_loss) = results
+        name = type(model.optimizer).__name__
+        assert strategy.plan.shares_for(BATCH) == [12, 6, 6], name
+        assert strategy.adapter.last_run["in_sync"] is True, name
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=name)
+        _assert_same_weights(model, reference)
+        ref_vars, got_vars = reference.optimizer.variables, model.optimizer.variables
+        assert [v.name for v in got_vars] == [v.name for v in ref_vars], name
+        # 10 steps; 3 updates applied with gradient accumulation over 3 steps.
+        assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) in (3, 10)
+        for v, got, want in zip(ref_vars, got_vars, ref_vars):
+            np.testing.assert_allclose(keras.ops.convert_to_numpy(got),
+                                       keras.ops.convert_to_numpy(want), rtol=RTOL, atol=ATOL,
+                                       err_msg=f"{name} {v.path}")
+    assert not [w for w in recwarn if "differ" in str(w.message)]
+
+
 @pytest.mark.parametrize("loss_scaled", [False, True], ids=["plain", "loss_scale"])
 def test_a_callable_learning_rate_reaching_the_optimizer_trains_like_one_device(loss_scaled):
     """Keras allows a learning rate that is a function of no arguments. One that reads
