@@ -19,6 +19,7 @@ Known exceptions to exact agreement, tested for what does hold:
 
 import contextlib
 import os
+import warnings
 
 import keras
 import numpy as np
@@ -833,23 +834,6 @@ def test_a_batch_of_no_rows_runs_as_in_plain_keras(plan_name):
                           model.get_weights(), "adam")
 
 
-def test_per_row_statistic_added_to_as_many_rows_as_columns_trains_as_plain_keras():
-    """Keras's TF `add` turns `h + ops.mean(h, axis=-1, keepdims=True)` into a
-    `bias_add` over the columns when the row count is static and equals `h`'s
-    width. Plain Keras traces with an unknown row count; each replica of `even2`
-    has 12 rows of a 12-wide `h`. Before `tf_add_guard`, the weights ended
-    0.0076 off plain Keras's."""
-    def build():
-        keras.utils.set_random_seed(5)
-        inputs = keras.Input((8,), name="rowstat_input")
-        h = keras.layers.Dense(12, name="rowstat_hidden")(inputs)
-        h = h + keras.ops.mean(h, axis=-1, keepdims=True)
-        return keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(h))
-
-    x, y = _data("mlp")
-    _fit_adam_both(build, x[:96], y[:96], "even2", epochs=1)
-
-
 def test_add_guard_adds_as_numpy_broadcasting_and_keeps_real_biases_fused():
     """The guarded `keras.ops.add` agrees with numpy for static shapes where
     Keras's `bias_add` shortcut misplaces `x2`, and still emits `BiasAdd` (which
@@ -960,3 +944,52 @@ def test_optimizer_features_act_on_the_global_gradient():
         for v, got, want in zip(ref_vars, got_vars, ref_vars):
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=RTOL, atol=ATOL,
                                        err_msg=f"{name} {v.path}")
+
+
+
+def test_add_guard_covers_a_row_of_one_the_add_layer_and_the_loss_probe():
+    """Other triggers of the `bias_add` shortcut that `tf_add_guard` corrects (session
+    29's audit): a per-position mean `(1, 4, 1)` added to `(1, 4, 4)` when a partial
+    batch of 3 gives each of 3 replicas one row (added along the last axis), and the
+    `Add` merge layer (`ops.add`) with a per-row max when 8 rows meet 8 units.
+    Without the guard the weights ended 0.16 off plain Keras's, and the plan's
+    per-sample loss probe (`model_checks`, eager batches of 4 rows and of 1) warned
+    falsely that the loss was not a mean of per-sample losses. Evaluate and predict
+    after the fit run the replicas' steps too."""
+    from autodist_keras import AutoStrategy
+    from autodist_keras.devices import Cluster
+
+    def build():
+        inputs = keras.Input((4, 3), name="rows_seq")
+        h = keras.layers.Dense(4, name="rows_d0")(inputs)
+        h = h + keras.ops.mean(h, axis=-1, keepdims=True)  # (1, 4, 1) meets (1, 4, 4)
+        g = keras.layers.Dense(8, name="rows_d1")(keras.layers.Flatten()(h))
+        g = keras.layers.Add()([g, keras.ops.max(g, axis=-1, keepdims=True)])  # 8 rows, 8 wide
+        return keras.Model(inputs, keras.layers.Dense(3, name="rows_logits")(g))
+
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(51, 4, 3)).astype("float32")  # batches of 24, 24 and 3
+    y = rng.integers(0, 3, size=(51,)).astype("int32")
+    keras.utils.set_random_seed(5)
+    reference = build()
+    _compile(reference, "sgd")
+    strategy = AutoStrategy("data_parallel", cluster=Cluster.cpu_testbed(),
+                            devices=["node0/cpu0", "node0/cpu1", "node0/cpu2"])
+    with strategy.scope():
+        model = build()
+        _compile(model, "sgd")
+    model.set_weights(reference.get_weights())
+    results = []
+    for m in (reference, model):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            m.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        assert not [w for w in caught if "per-sample" in str(w.message)]
+        results.append((m.evaluate(x, y, batch_size=BATCH, verbose=0),
+                        m.predict(x, batch_size=BATCH, verbose=0)))
+    assert [r.batch_share for r in strategy.plan.replicas] == [8, 8, 8]
+    assert strategy.plan.shares_for(3) == [1, 1, 1]
+    _assert_weights_match([w.path for w in model.weights], reference.get_weights(),
+                          model.get_weights(), "sgd")
+    np.testing.assert_allclose(results[1][0], results[0][0], rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(results[1][1], results[0][1], rtol=RTOL, atol=ATOL)
