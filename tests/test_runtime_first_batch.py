@@ -106,3 +106,44 @@ def test_a_forced_single_device_plan_does_not_warn():
         warnings.filterwarnings("error", message=".*first training batch")
         model.fit(x, y, batch_size=6, epochs=1, shuffle=False, verbose=0)
         model.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0)
+
+
+class _ShortLast(keras.utils.PyDataset):
+    """Three batches of 24 rows and a last one of 1; records the batches read."""
+
+    def __init__(self):
+        super().__init__()
+        self.x, self.y = _rows(73)
+        self.read = []
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        self.read.append(i)
+        return self.x[i * 24:(i + 1) * 24], self.y[i * 24:(i + 1) * 24]
+
+
+def test_a_short_batch_that_shuffling_puts_first_does_not_make_the_plan():
+    """fit's default shuffle=True reorders a PyDataset's batches, so the 1-row last
+    batch may come first: the plan is made for the full batches (it was made for
+    1 row, and a proportional plan on 3 devices refused it with a StrategyError;
+    "auto" ran such fits on one device), and the fit equals plain Keras's."""
+    cluster = Cluster.cpu_testbed()
+    for seed in range(1, 13):  # until Keras's shuffle hands over the short batch first (1 does)
+        strategy = AutoStrategy("proportional", cluster=cluster)
+        with strategy.scope():
+            model = _model()
+        data = _ShortLast()
+        keras.utils.set_random_seed(seed)
+        model.fit(data, epochs=1, verbose=0)
+        if data.read[-4] == 3:
+            break
+    assert data.read[-4] == 3, data.read
+    assert strategy.plan.global_batch_size == 24 and strategy.plan.shares_for(24) == [12, 6, 6]
+    reference, expected = _model(), _ShortLast()
+    keras.utils.set_random_seed(seed)
+    reference.fit(expected, epochs=1, verbose=0)
+    assert expected.read[-4:] == data.read[-4:]  # the same order as plain Keras
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -395,6 +395,9 @@ class AutoStrategy:
         # Models are held weakly: a strategy reused across trials (a
         # hyper-parameter search) must not keep every model it compiled alive.
         self._plans = {}  # id(model) -> (weakref to the model, graph, plan)
+        # Rows of the full batches of the fit under way, when its first training
+        # batch may be a short one (`_full_batch_rows`); None otherwise.
+        self._fit_batch_rows = None
         self._adapter = None
         self._model_refs = []
         import keras
@@ -568,7 +571,14 @@ class AutoStrategy:
                 kwargs.get("callbacks"), strategy.adapter.callbacks_for_fit, timer)
             strategy.adapter.first_train_batch = None
             strategy.adapter.first_train_shapes = None
-            history = original_fit(*args, **kwargs)
+            outer_rows = strategy._fit_batch_rows  # (a fit started from a fit's callback)
+            strategy._fit_batch_rows = (
+                _full_batch_rows(args[0] if args else kwargs.get("x"), kwargs.get("shuffle", True))
+                if strategy._needs_plan(model) else None)
+            try:
+                history = original_fit(*args, **kwargs)
+            finally:
+                strategy._fit_batch_rows = outer_rows
             known = strategy._known(model)
             if known is not None:
                 # explain() describes the model fitted last, beside its measured step.
@@ -635,6 +645,21 @@ class AutoStrategy:
         return self._plan_for_training(model, int(batch_size), planning_only=True,
                                        input_shapes=input_shapes)
 
+    def _needs_plan(self, model):
+        """Whether `model`'s next training step makes a plan: no plan was given with
+        `plan=` and none is kept for it (`_kept`)."""
+        return self._fixed_plan is None and self._kept(model) is None
+
+    def _kept(self, model):
+        """`(model, graph, plan)` made for this very model while its trainable
+        variables are still those it was planned with, else None (a layer frozen or
+        unfrozen since makes the plan stale: its buckets list the trainable ones)."""
+        known = self._known(model)
+        if known is not None and ({v.name for v in known[1].variables}
+                                  == {v.path for v in model.trainable_weights}):
+            return known
+        return None
+
     def _known(self, model):
         """`(model, graph, plan)` made for this very model, or None (an `id` may be reused
         by a later model once the first is gone)."""
@@ -661,13 +686,12 @@ class AutoStrategy:
 
         from autodist_keras.graph import ModelGraph
 
-        known = self._known(model)
-        if known is not None:
-            planned_for = {v.name for v in known[1].variables}  # trainable then
-            if planned_for == {v.path for v in model.trainable_weights}:
-                _, self.graph, self.plan = known
-                return self.plan
-            self._plans.pop(id(model))
+        kept = self._kept(model)
+        if kept is not None:
+            _, self.graph, self.plan = kept
+            return self.plan
+        if self._known(model) is not None:
+            self._plans.pop(id(model))  # stale
         started = time.perf_counter()
         self.graph = ModelGraph.from_keras(model)
         unknown = self.graph.unknown_dims
@@ -716,6 +740,11 @@ class AutoStrategy:
             self.plan = self._fixed_plan
             self._validate_fixed_plan(model)
         else:
+            if not planning_only and self._fit_batch_rows:
+                # The fit's first batch was a short one that Keras's shuffling put
+                # first: plan for its full batches (scaled down, the shares serve
+                # the short ones as they would have).
+                batch_size = max(batch_size, self._fit_batch_rows)
             self.plan = self._build_plan(self.graph, batch_size)
             self.plan.provenance.planning_time_s = time.perf_counter() - started
             if unknown and len(self.graph.unknown_dims) < len(unknown):
@@ -1084,6 +1113,60 @@ class AutoStrategy:
 
 NOT_HERE_NOTE = ("planned for a cluster whose devices are not on this machine: every candidate "
                  "was considered, as by `autodist-keras plan`; fit here would refuse to run it")
+
+
+def _full_batch_rows(x, shuffle):
+    """Rows of a full batch of `fit`'s input when Keras may hand it over a short batch first.
+
+    Keras shuffles the order of a `keras.utils.PyDataset`'s batches when `fit`
+    is given `shuffle=True` (its default), so the first training batch, which
+    the plan is made for, may be the short last one: a plan for one row
+    failed ("batch_size 1 is smaller than the number of devices") and `"auto"`
+    ran the whole fit on fewer devices, depending on the random order (until
+    session 29). This reads the dataset's batch 0 (`x[0]`, which Keras itself
+    reads before training on the TensorFlow backend) before Keras starts, with
+    Python's and NumPy's global random states put back afterwards, so a
+    dataset that draws random numbers in `__getitem__` draws what it would
+    have in plain Keras.
+
+    Args:
+        x: `fit`'s `x` argument.
+        shuffle: `fit`'s `shuffle` argument.
+
+    Returns:
+        The number of rows of batch 0, or None when `x` is not a shuffled
+        `PyDataset` of two or more batches, or batch 0 cannot be read (Keras
+        then reports the error itself).
+
+    Example:
+
+    ```python
+    rows = _full_batch_rows(my_py_dataset, shuffle=True)   # e.g. 32
+    ```
+    """
+    import random
+
+    import keras
+    import numpy as np
+
+    if not shuffle or not isinstance(x, keras.utils.PyDataset):
+        return None
+    try:
+        if (x.num_batches or 0) < 2:
+            return None  # one batch, or infinite: Keras does not shuffle those
+        python_state, numpy_state = random.getstate(), np.random.get_state()
+        try:
+            batch = x[0]
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+    except Exception:  # noqa: BLE001 - Keras reads the batch again and reports it
+        return None
+    for leaf in keras.tree.flatten(batch):
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and len(shape) > 0 and shape[0] is not None:
+            return int(shape[0])
+    return None
 
 
 def _with_callbacks(given, adapt, timer):
