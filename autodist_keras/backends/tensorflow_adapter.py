@@ -631,6 +631,8 @@ class _Runtime:
         self.compiled = None  # which compile() the traced steps were made for
         self.trained_paths = None  # the trainable variables the plan was made for
         self.eager_rows_deduplicated = {}  # {variable path: bool}, for eager steps
+        self.settings = None  # an OptimizerSettingsWatch: the settings the train steps traced
+        self.settings_retraces = 0  # how often a changed setting dropped the traced steps
 
     # ------------------------------------------------------------ preparing
     def prepare(self, data, batch_size):
@@ -882,6 +884,8 @@ class _Runtime:
             # variables with the old buckets. (0.2 ms for ResNet50's 214.)
             raise model_checks.trainable_changed_during_fit(
                 len(self.trained_paths), len(self.model.trainable_variables))
+        if kind == "train" and not self.model.run_eagerly:
+            self._retrace_if_optimizer_settings_changed()
         fn = self.fns.get(key)
         if fn is None:
             if placement is not None:
@@ -897,6 +901,53 @@ class _Runtime:
         if kind == "predict":
             return fn(x)
         return fn(x, y, sw)
+
+    def _retrace_if_optimizer_settings_changed(self):
+        """Drops the traced train steps when an optimizer setting changed since they were traced.
+
+        A traced step holds the optimizer's Python settings (`momentum`,
+        `beta_1`, `weight_decay`, `clipnorm`, ...) as the constants they were
+        when it was traced; a callback that sets one during `fit` would change
+        only the steps traced later (a new share tuple: the last, partial
+        batch), so batches of different sizes would train with different
+        values, and neither as eager Keras does. The next step traces again
+        with the new values, as eager Keras and the PyTorch runtime apply them
+        at once (plain Keras's traced step sees them only when it happens to
+        trace again: docs/runtime_tensorflow.md, "Optimizer features"). Reads
+        each setting once per step (microseconds). A setting changed at many
+        steps (a per-batch momentum schedule) traces the step as often; the
+        fifth time warns once, naming the settings.
+        """
+        from autodist_keras.backends.torch_state_watch import OptimizerSettingsWatch
+
+        optimizer = self.model.optimizer
+        watch = self.settings
+        if watch is None or watch.optimizer is not optimizer:
+            self.settings = None if optimizer is None else OptimizerSettingsWatch(optimizer)
+            self.settings_retraces = 0
+            return
+        names = watch.moved_keys()
+        if not names:
+            return
+        for key in [k for k in self.fns if "train" in k[:2]]:
+            del self.fns[key]
+        self.settings_retraces += 1
+        if self.settings_retraces == _SETTINGS_RETRACES_WARNED:
+            import warnings
+
+            from autodist_keras.stacklevel import user_stacklevel
+
+            warnings.warn(
+                "The optimizer's settings changed between training steps "
+                f"{self.settings_retraces} times so far; the TensorFlow runtime traces its "
+                "train step again after each change, so that the new values apply (plain "
+                "Keras's traced step would keep the old ones). Change them less often (once "
+                "per epoch) to avoid the traces. "
+                f"Received: {type(optimizer).__name__} settings {names} changed at the last "
+                "step",
+                stacklevel=user_stacklevel(),
+            )
+        watch.mark()
 
     def trainable_changed(self):
         """Whether the model's trainable variables differ from those planned for."""
@@ -1427,6 +1478,10 @@ class _Runtime:
         return _split_extras(summed, floats, folded)
 
 # ------------------------------------------------------------------ helpers
+# The train steps traced again for changed optimizer settings before a warning.
+_SETTINGS_RETRACES_WARNED = 5
+
+
 def _standardise(data):
     import tensorflow as tf
 

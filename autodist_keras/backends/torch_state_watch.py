@@ -111,6 +111,18 @@ class OptimizerSettingsWatch:
         """Records the settings as the ones the workers hold."""
         self._values = self._read()
 
+    def moved_keys(self):
+        """The names of the settings that differ from the last `mark()`.
+
+        Unlike `changed()`, any new value is accepted (the TensorFlow runtime,
+        which sends nothing, only traces its step again).
+
+        Returns:
+            A list of setting names, empty when nothing changed.
+        """
+        return [key for key, old, new in zip(self.keys, self._values, self._read())
+                if old is not new and not _same(old, new)]
+
     def changed(self):
         """The settings changed since the last `mark()`, as `{name: value}`.
 
