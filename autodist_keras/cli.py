@@ -87,11 +87,15 @@ def _cmd_plan(args):
     from autodist_keras.strategies.plan import output_target
 
     if args.strategy not in STRATEGY_NAMES:
+        from autodist_keras.strategies.auto import _close_names
+
+        # Names are lower case with underscores: `Proportional`, `data-parallel` are typos.
+        hint = _close_names([args.strategy.lower().replace("-", "_")], STRATEGY_NAMES, n=1)
         raise StrategyError(
-            f"Unknown strategy; valid names: {', '.join(STRATEGY_NAMES)}. "
-            f"Received: {args.strategy!r}"
+            f"Unknown strategy {args.strategy!r}.{hint} Valid names: "
+            f"{', '.join(STRATEGY_NAMES)}. Received: {args.strategy!r}"
         )
-    if args.out:  # a bad output path fails before the planning
+    if args.out is not None:  # a bad output path ("" included) fails before the planning
         output_target(args.out, "plan.json")
     cluster = _cluster(args.cluster)
     graph = _load_graph(args.model, args.imports)
@@ -155,9 +159,11 @@ def _cmd_plan(args):
         "per_device": explanation(plan, cluster, strategy_name=args.strategy)["devices"],
         "notes": list(plan.notes),
         "predicted": "all step times are predictions (the simulator's, or the learned "
-                     "estimator's where `scorer` says so), not measurements",
+                     "estimator's where `scorer` says so), not measurements; so are "
+                     "`feasible`, `memory_per_device` (peak bytes) and `speedup_vs_even`. "
+                     "Only `planning_time_s` is measured",
     }
-    if args.out:
+    if args.out is not None:
         plan.to_json(args.out)
         result["plan_file"] = args.out
     if args.json:
@@ -177,6 +183,10 @@ def _cmd_simulate(args):
     from autodist_keras.strategies.plan import Plan
 
     plan = Plan.from_json(args.plan)  # first: a bad plan file fails before the model loads
+    if args.trace is not None:  # and a bad trace path ("" included) before the simulation
+        from autodist_keras.strategies.plan import output_target
+
+        output_target(args.trace, "trace.json")
     cluster = _cluster(args.cluster)
     graph = _load_graph(args.model, args.imports)
     for what, made_for, here in (
@@ -201,7 +211,7 @@ def _cmd_simulate(args):
               "per-process numbering (e.g. " + ", ".join(
                   f"{a} -> {b}" for a, b in list(renames.items())[:3]) + ")", file=sys.stderr)
     result = simulate(graph, cluster, plan)
-    if args.trace:
+    if args.trace is not None:
         result.export_trace(args.trace)
     if args.json:
         prediction = result.to_prediction()

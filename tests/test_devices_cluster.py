@@ -164,6 +164,16 @@ def test_resolve(tmp_path):
     assert Cluster.resolve(None).source.startswith("detect: ")
     with pytest.raises(ClusterSpecError, match="No such file"):
         Cluster.resolve(str(tmp_path / "missing.yml"))
+    # A path is a path, with or without a YAML ending: a directory, or a missing file,
+    # was read as a cluster string ("Unknown GPU type '/tmp/.../specs'").
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "specs" / "mine.yaml").write_text("nodes: [{gpus: [T4]}]\n")
+    for folder in (str(tmp_path / "specs"), str(tmp_path / "specs") + os.sep):
+        with pytest.raises(ClusterSpecError, match=r"a directory, not a YAML resource spec "
+                           r"file\. It holds 'mine\.yaml'.*Received"):
+            Cluster.resolve(folder)
+    with pytest.raises(ClusterSpecError, match="No such file"):
+        Cluster.resolve(str(tmp_path / "specs" / "mine"))
     for bad in (3, 2.5, ["2xT4"], object()):
         with pytest.raises(ClusterSpecError, match="Received"):
             Cluster.resolve(bad)

@@ -54,6 +54,26 @@ def test_lanes_follow_devices_in_natural_order_and_the_legend_hides_none(
     assert legend_left > axes_right, (legend_left, axes_right)
 
 
+def test_plot_and_trace_refuse_paths_that_name_no_file(twelve_gpu_timeline, tmp_path,
+                                                       monkeypatch):
+    """`plot("")` wrote a hidden `.png`, `export_trace(None)` raised a bare TypeError, and
+    a path under a file failed at the write with "File exists"."""
+    from autodist_keras.errors import OutputError
+    from autodist_keras.strategies.gantt import plot_timeline
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("a file, not a folder")
+    for write in (lambda p: plot_timeline(twelve_gpu_timeline, p),
+                  twelve_gpu_timeline.export_trace):
+        for bad, says in (("", "The output path is empty"), ("  ", "The output path is empty"),
+                          (None, "must be a string or path-like"),
+                          (7, "must be a string or path-like"),
+                          ("notes.txt/deeper/out.svg", "is a file, not a directory")):
+            with pytest.raises(OutputError, match=says + ".*Received"):
+                write(bad)
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt"]
+
+
 PLOT_KEEPS_BACKEND = '''
 import json
 import sys

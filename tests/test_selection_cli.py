@@ -354,6 +354,9 @@ def test_cli_plan_and_simulate_round_trip(cli, tmp_path):
                 "planning_time_s", "feasible", "memory_per_device"):
         assert key in data
     assert {"data_parallel_even", "proportional"} <= set(data["baselines"])
+    # Memory, feasibility and speedup are predicted too; the label said "step times" only.
+    assert all(f"`{key}`" in data["predicted"]
+               for key in ("memory_per_device", "feasible", "speedup_vs_even"))
     assert data["runnable"] is True and data["not_runnable_reason"] is None
     assert all(b["runnable"] in (True, None) for b in data["baselines"].values())
     rows = data["per_device"]
@@ -451,6 +454,47 @@ def test_cli_file_errors_modes_and_infeasible_plans(cli, tmp_path):
               "single_device", "--batch-size", "256")
     assert run.returncode == 0, run.stderr
     assert "INFEASIBLE (predicted): " in run.stdout
+
+
+def test_cli_refuses_output_paths_that_name_no_file_before_planning(cli, tmp_path):
+    # `--out ""` planned, wrote nothing and exited 0; a path under a file failed only
+    # after the planning, with "File exists".
+    (tmp_path / "notes.txt").write_text("a file, not a folder")
+    for out, says in (("", "The output path is empty"),
+                      (str(tmp_path / "notes.txt" / "plan.json"), "is a file, not a directory")):
+        run = cli("plan", "--model", "mlp", "--cluster", "2xV100", "--out", out)
+        assert run.returncode == 2 and says in run.stderr, run.stderr
+        assert "planning time" not in run.stdout and "planning:" not in run.stderr
+    plan_file = tmp_path / "plan.json"
+    assert cli("plan", "--model", "mlp", "--cluster", "2xV100", "--json", "--out",
+               str(plan_file)).returncode == 0
+    run = cli("simulate", "--model", "mlp", "--cluster", "2xV100", "--plan", str(plan_file),
+              "--trace", "")
+    assert run.returncode == 2 and "The output path is empty" in run.stderr, run.stderr
+    assert {p for p in os.listdir(tmp_path) if p != "cache"} == {"notes.txt", "plan.json"}
+    # A strategy in another case or with a dash says which name was meant.
+    run = cli("plan", "--model", "mlp", "--cluster", "2xV100", "--strategy", "Data-Parallel")
+    assert run.returncode == 2, run.stderr
+    assert "Did you mean 'data_parallel'?" in run.stderr and "Received" in run.stderr
+
+
+def test_a_model_whose_one_sample_does_not_fit_is_not_said_to_be_too_big_alone():
+    """0.02 GiB usable per GPU: the weights fit, one 512x512 sample's activations do
+    not. The hint said "the weights, gradients and optimizer slots alone exceed a
+    device's memory", which was untrue (and a smaller model would not help)."""
+    usable = 0.02 * 2**30
+    cluster = Cluster.from_dict({"nodes": [{"gpus": [{"name": "Tiny", "memory_gb": (
+        usable + simulator.GPU_MEMORY_RESERVE_BYTES) / (1 - simulator.GPU_MEMORY_RESERVE_FRACTION)
+        / 2**30, "fp32_tflops": 8, "bandwidth_gbps": 300, "count": 2}]}]})
+    inputs = keras.Input((512, 512, 3))
+    x = keras.layers.Conv2D(32, 3, padding="same")(inputs)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    graph = ModelGraph.from_keras(keras.Model(inputs, keras.layers.Dense(2)(x)))
+    with pytest.raises(StrategyError) as info:
+        selection.choose_plan(graph, cluster, 4, use_cache=False, estimator="simulator")
+    message = str(info.value)
+    assert "fits no sample on these devices (predicted): beside the weights" in message, message
+    assert "one sample's activations" in message and "alone" not in message
 
 
 def test_cli_batch_size_must_be_positive_and_the_chosen_candidate_is_named(cli):

@@ -415,8 +415,9 @@ class Cluster:
 
         Args:
             value: `None` (detect this machine), a `Cluster` (returned as is),
-                a path to a YAML file (an existing file, or a string ending in
-                `.yaml` / `.yml`), `"cpu_testbed"`, the name of a spec shipped
+                a path to a YAML file (an existing file, a string ending in
+                `.yaml` / `.yml`, or one with a path separator: a missing file or
+                a directory is an error that says so), `"cpu_testbed"`, the name of a spec shipped
                 with the package (`"hetero_testbed"`, `"v100x8_nvlink"`,
                 `"a100x4_t4x4"`: `autodist_keras/devices/clusters/`), another
                 string (`from_string`), or a dict (`from_dict`).
@@ -435,7 +436,10 @@ class Cluster:
             return cls.from_yaml(value)
         if isinstance(value, str):
             text = value.strip()
-            if text.lower().endswith((".yaml", ".yml")) or (text and os.path.isfile(text)):
+            # A path separator cannot appear in a cluster string, so such a text is a
+            # path: a missing file or a directory is reported as one, not as a GPU type.
+            if (text.lower().endswith((".yaml", ".yml")) or (text and os.path.isfile(text))
+                    or "/" in text or os.sep in text):
                 return cls.from_yaml(text)
             if text == "cpu_testbed":
                 return cls.cpu_testbed()
@@ -447,6 +451,8 @@ class Cluster:
             try:
                 return cls.from_string(value)
             except ClusterSpecError:
+                if os.path.isdir(text):  # e.g. `--cluster clusters`: says it is a directory
+                    return cls.from_yaml(text)
                 close = spec.close_builtin_cluster(text)
                 if close is None or spec.looks_like_cluster_string(text):
                     raise

@@ -711,6 +711,19 @@ def cluster_from_yaml(path):
             f"{', '.join(builtin_cluster_names())}). Received: {path!r}",
             source=path,
         ) from None
+    except IsADirectoryError:
+        try:
+            specs = sorted(n for n in os.listdir(path) if n.lower().endswith((".yaml", ".yml")))
+        except OSError:  # an unreadable directory: no names to suggest
+            specs = []
+        found = (f" It holds {', '.join(repr(n) for n in specs[:5])}"
+                 f"{' ...' if len(specs) > 5 else ''}." if specs else "")
+        raise ClusterSpecError(
+            f"Cannot read it: it is a directory, not a YAML resource spec file.{found} Give "
+            f"the path of the spec file, e.g. "
+            f"{os.path.join(path, specs[0] if specs else 'cluster.yaml')!r}. Received: {path!r}",
+            source=path,
+        ) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ClusterSpecError(
             f"Cannot read the file as UTF-8 text ({type(e).__name__}: {e}). "

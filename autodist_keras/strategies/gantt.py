@@ -58,8 +58,8 @@ def plot_timeline(result, path, title="Simulated step (predicted)"):
     from autodist_keras.strategies.plan import write_atomic
 
     given = path
-    path = os.fspath(path)
     refuse_directory(path, "timeline.png")  # before ".png" is added to a bare name
+    path = os.fspath(path)
     ext = os.path.splitext(path)[1].lower().lstrip(".")
     if not ext:
         ext, path = "png", path + ".png"

@@ -886,12 +886,22 @@ def write_text_atomic(path, text):
 
 
 def refuse_directory(path, example_name):
-    """Raises `OutputError` if `path` is a directory, suggesting a file in it.
+    """Raises `OutputError` if `path` cannot name a file: not a path, empty, a directory.
+
+    A directory gets a file in it suggested. (An empty path wrote nothing from the
+    command line, with status 0, and `plot("")` a hidden `.png` file.)
 
     Args:
-        path: The path to be written.
-        example_name: A file name to suggest inside the directory.
+        path: The path to be written (a string or path-like).
+        example_name: A file name to suggest.
     """
+    if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)):
+        raise OutputError(f"The output path must be a string or path-like, such as "
+                          f"{example_name!r}. Received: {short_repr(path, 80)} of type "
+                          f"{type(path).__name__}")
+    if not os.fspath(path).strip():
+        raise OutputError(f"The output path is empty: give the file to write, such as "
+                          f"{example_name!r}. Received: {os.fspath(path)!r}")
     if os.path.isdir(path):
         raise OutputError(f"Cannot write {path!r}: it is a directory. Give a file name, such "
                           f"as {os.path.join(path, example_name)!r}. Received: {path!r}")
@@ -911,9 +921,14 @@ def output_target(path, example_name):
 
     Returns:
         The path of the file to replace.
+
+    Raises:
+        OutputError: If `path` is not a path, is empty, a directory, a device,
+            pipe or socket, or lies under a file or in a directory this user
+            cannot write.
     """
-    path = os.fspath(path)
-    refuse_directory(path, example_name)  # (isdir, like exists below, follows links)
+    refuse_directory(path, example_name)
+    path = os.fspath(path)  # (isdir, like exists below, follows links)
     target = path
     if os.path.islink(path):
         try:
@@ -928,6 +943,20 @@ def output_target(path, example_name):
         raise OutputError(f"Cannot write {path!r}: it exists and is not a regular file (a "
                           "device, pipe or socket), which the output would replace. Give the "
                           f"path of a file. Received: {path!r}")
+    # The nearest folder that exists must be one, and writable (the missing ones below it
+    # are made): checked here, before the work, not found by the write after it ("File
+    # exists" for a path under a file, after the whole planning).
+    parent = os.path.dirname(os.path.abspath(target))
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise OutputError(f"Cannot write {path!r}: {parent!r} is a file, not a directory, so "
+                          "nothing can be written under it. Give a path in a directory (or "
+                          f"move that file). Received: {path!r}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"Cannot write {path!r}: the directory {parent!r} is not writable "
+                          "by this user. Give a path in a writable directory, or change its "
+                          f"permissions. Received: {path!r}")
     return target
 
 
@@ -947,8 +976,8 @@ def write_atomic(path, write, suffix=""):
             the file or its directory cannot be written (nothing is left
             behind).
     """
-    path = os.fspath(path)
     target = output_target(path, "out" + suffix)
+    path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(target))
     tmp = None
     try:

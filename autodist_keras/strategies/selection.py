@@ -677,8 +677,20 @@ def _fits_hint(graph, cluster, devices, batch_size):
     if capacity >= batch_size:
         return ""
     if capacity <= 0:
-        return (" Data parallelism fits no sample on these devices (predicted): the weights, "
-                "gradients and optimizer slots alone exceed a device's memory.")
+        from autodist_keras.estimator import simulator
+
+        static, per_sample = simulator.replica_memory_terms(graph)
+        room = max(simulator.usable_memory_bytes(cluster.device(d)) for d in names)
+        if static > room:
+            return (" Data parallelism fits no sample on these devices (predicted): the "
+                    f"weights, gradients and optimizer slots alone ({static / 2**20:.1f} MiB) "
+                    f"exceed the most any device can use ({room / 2**20:.1f} MiB).")
+        # The state fits, but one sample's activations do not fit beside it: a smaller
+        # batch cannot help (it said "the weights ... alone exceed", which was untrue).
+        return (" Data parallelism fits no sample on these devices (predicted): beside the "
+                f"weights, gradients and optimizer slots ({static / 2**20:.1f} MiB) one "
+                f"sample's activations ({per_sample / 2**20:.1f} MiB) exceed the most any "
+                f"device can use ({room / 2**20:.1f} MiB).")
     return (f" Data parallelism fits about {capacity} samples per step on these "
             f"{len(names)} devices (predicted): try batch_size={capacity} or less.")
 
