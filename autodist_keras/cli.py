@@ -92,7 +92,7 @@ def _cmd_plan(args):
         # Names are lower case with underscores: `Proportional`, `data-parallel` are typos.
         hint = _close_names([args.strategy.lower().replace("-", "_")], STRATEGY_NAMES, n=1)
         raise StrategyError(
-            f"Unknown strategy {args.strategy!r}.{hint} Valid names: "
+            f"Unknown strategy.{hint} Valid names: "
             f"{', '.join(STRATEGY_NAMES)}. Received: {args.strategy!r}"
         )
     if args.out is not None:  # a bad output path ("" included) fails before the planning

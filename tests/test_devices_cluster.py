@@ -174,6 +174,12 @@ def test_resolve(tmp_path):
             Cluster.resolve(folder)
     with pytest.raises(ClusterSpecError, match="No such file"):
         Cluster.resolve(str(tmp_path / "specs" / "mine"))
+    # ... but a cluster string whose GPU type holds a "/" stays a cluster string (it
+    # read "No such file" for a while in session 29), and its typos stay GPU-type errors.
+    assert [d.model for d in Cluster.resolve("2xV100/32GB").devices] == ["V100-SXM2-32GB"] * 2
+    assert len(Cluster.resolve("node0:2xV100;node1:1xA100/80GB@50").devices) == 3
+    with pytest.raises(ClusterSpecError, match="Unknown GPU type 'V100/33GB'"):
+        Cluster.resolve("2xV100/33GB")
     for bad in (3, 2.5, ["2xT4"], object()):
         with pytest.raises(ClusterSpecError, match="Received"):
             Cluster.resolve(bad)

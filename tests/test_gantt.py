@@ -68,7 +68,8 @@ def test_plot_and_trace_refuse_paths_that_name_no_file(twelve_gpu_timeline, tmp_
         for bad, says in (("", "The output path is empty"), ("  ", "The output path is empty"),
                           (None, "must be a string or path-like"),
                           (7, "must be a string or path-like"),
-                          ("notes.txt/deeper/out.svg", "is a file, not a directory")):
+                          ("notes.txt/deeper/out.svg", "is a file, not a directory"),
+                          ("pics/", "ends with a path separator")):
             with pytest.raises(OutputError, match=says + ".*Received"):
                 write(bad)
     assert sorted(os.listdir(tmp_path)) == ["notes.txt"]

@@ -20,8 +20,10 @@ wrong.
 call through to Keras unchanged, except a call where Keras would take the
 `bias_add` path and that path disagrees with broadcasting; that call becomes a
 plain `tf.add` of the same converted operands, which is what Keras computes
-when the row count is unknown. Only those results change, and they become
-correct, also in the process's own code outside AutoStrategy.
+when the row count is unknown. Only those calls change: they give numpy
+broadcasting's result, or, where broadcasting has none (`(3, 8) + (8, 1)`),
+TensorFlow's shape error instead of a silently wrong sum, also in the
+process's own code outside AutoStrategy.
 
 Example:
 

@@ -416,8 +416,9 @@ class Cluster:
         Args:
             value: `None` (detect this machine), a `Cluster` (returned as is),
                 a path to a YAML file (an existing file, a string ending in
-                `.yaml` / `.yml`, or one with a path separator: a missing file or
-                a directory is an error that says so), `"cpu_testbed"`, the name of a spec shipped
+                `.yaml` / `.yml`, or one with a path separator that is no cluster
+                string: a missing file or a directory is an error that says so),
+                `"cpu_testbed"`, the name of a spec shipped
                 with the package (`"hetero_testbed"`, `"v100x8_nvlink"`,
                 `"a100x4_t4x4"`: `autodist_keras/devices/clusters/`), another
                 string (`from_string`), or a dict (`from_dict`).
@@ -436,14 +437,24 @@ class Cluster:
             return cls.from_yaml(value)
         if isinstance(value, str):
             text = value.strip()
-            # A path separator cannot appear in a cluster string, so such a text is a
-            # path: a missing file or a directory is reported as one, not as a GPU type.
-            if (text.lower().endswith((".yaml", ".yml")) or (text and os.path.isfile(text))
-                    or "/" in text or os.sep in text):
+            if text.lower().endswith((".yaml", ".yml")) or (text and os.path.isfile(text)):
+                return cls.from_yaml(text)
+            from autodist_keras.devices import spec
+
+            if "/" in text or os.sep in text:
+                # A path, unless it parses as a cluster string: a GPU type may hold a
+                # "/" ("2xV100/32GB", which catalog lookups read as "V100 32GB"). A
+                # missing file or a directory is reported as one, not as a GPU type.
+                if os.path.isdir(text):
+                    return cls.from_yaml(text)
+                try:
+                    return cls.from_string(text)
+                except ClusterSpecError:
+                    if spec.looks_like_cluster_string(text):
+                        raise
                 return cls.from_yaml(text)
             if text == "cpu_testbed":
                 return cls.cpu_testbed()
-            from autodist_keras.devices import spec
 
             builtin = spec.builtin_cluster_path(text)
             if builtin is not None:

@@ -1126,8 +1126,10 @@ def _full_batch_rows(x, shuffle):
     session 29). This reads the dataset's batch 0 (`x[0]`, which Keras itself
     reads before training on the TensorFlow backend) before Keras starts, with
     Python's and NumPy's global random states put back afterwards, so a
-    dataset that draws random numbers in `__getitem__` draws what it would
-    have in plain Keras.
+    dataset drawing from those in `__getitem__` draws what it would have in
+    plain Keras. The read is one call more than plain Keras makes: a dataset
+    with its own generator, or other side effects of `__getitem__`, sees it
+    (docs/runtime_tensorflow.md, "Hooking into Keras").
 
     Args:
         x: `fit`'s `x` argument.

@@ -886,7 +886,8 @@ def write_text_atomic(path, text):
 
 
 def refuse_directory(path, example_name):
-    """Raises `OutputError` if `path` cannot name a file: not a path, empty, a directory.
+    """Raises `OutputError` if `path` cannot name a file: not a path, empty, a directory
+    (an existing one, or a path ending with a separator).
 
     A directory gets a file in it suggested. (An empty path wrote nothing from the
     command line, with status 0, and `plot("")` a hidden `.png` file.)
@@ -905,6 +906,11 @@ def refuse_directory(path, example_name):
     if os.path.isdir(path):
         raise OutputError(f"Cannot write {path!r}: it is a directory. Give a file name, such "
                           f"as {os.path.join(path, example_name)!r}. Received: {path!r}")
+    if os.fspath(path).endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):
+        # ("pics/" wrote a hidden "pics/.png"; `--out plans/` failed after the planning.)
+        raise OutputError(f"Cannot write {os.fspath(path)!r}: it ends with a path separator, "
+                          "so it names a directory, not a file. Give a file name, such as "
+                          f"{os.path.join(path, example_name)!r}. Received: {os.fspath(path)!r}")
 
 
 def output_target(path, example_name):
