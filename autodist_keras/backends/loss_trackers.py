@@ -36,6 +36,24 @@ def _variables_of(metrics):
     return ids
 
 
+def compiled_metric_variable_ids(model):
+    """`id()`s of the variables of the compiled loss tracker, the compiled
+    metrics and the compiled per-output loss metrics: the metric state the
+    runtimes make global by themselves.
+
+    Args:
+        model: A Keras model (compiled or not).
+
+    Returns:
+        A set of `id(variable)`; empty for a model that is not compiled.
+    """
+    compile_loss = getattr(model, "_compile_loss", None)
+    return _variables_of(
+        [getattr(model, "_loss_tracker", None), getattr(model, "_compile_metrics", None)]
+        + (list(compile_loss.metrics) if compile_loss is not None else [])
+    )
+
+
 def tracker_metrics(model):
     """`(metric, variables)` of the metrics in `model.metrics` that no runtime
     makes global by itself, each with its variables not listed before.
@@ -45,11 +63,7 @@ def tracker_metrics(model):
         tracker, the compiled metrics and the compiled per-output loss
         metrics. Empty for a model with only compiled metrics.
     """
-    compile_loss = getattr(model, "_compile_loss", None)
-    special = _variables_of(
-        [getattr(model, "_loss_tracker", None), getattr(model, "_compile_metrics", None)]
-        + (list(compile_loss.metrics) if compile_loss is not None else [])
-    )
+    special = compiled_metric_variable_ids(model)
     out, seen = [], set()
     for metric in model.metrics:
         own = []

@@ -38,6 +38,7 @@ from autodist_keras.backends import loss_trackers
 from autodist_keras.backends import model_checks
 from autodist_keras.backends import replica_random
 from autodist_keras.backends import tf_add_guard
+from autodist_keras.backends import tf_assign_watch
 from autodist_keras.backends import tf_fusion
 from autodist_keras.backends import tf_multiworker
 from autodist_keras.backends import tf_reduce
@@ -1052,9 +1053,10 @@ class _Runtime:
                             xi, training=True, replica_index=self._index_of(replica))
                         if trackers is None:
                             trackers = self._trackers(updates)
-                        loss = model._compute_loss(
-                            x=xi, y=yi, y_pred=y_pred, sample_weight=swi, training=True
-                        )
+                        with trackers.watching():
+                            loss = model._compute_loss(
+                                x=xi, y=yi, y_pred=y_pred, sample_weight=swi, training=True
+                            )
                         weighted = loss * tf.constant(share / total, loss.dtype)
                         scaled = (
                             model.optimizer.scale_loss(weighted)
@@ -1168,9 +1170,10 @@ class _Runtime:
                     all_updates.append((replica, share, updates))
                     if trackers is None:
                         trackers = self._trackers(updates)
-                    loss = model._compute_loss(
-                        x=xi, y=yi, y_pred=y_pred, sample_weight=swi, training=False
-                    )
+                    with trackers.watching():
+                        loss = model._compute_loss(
+                            x=xi, y=yi, y_pred=y_pred, sample_weight=swi, training=False
+                        )
                     if loss is not None:
                         weighted_losses.append(loss * tf.constant(share / total, loss.dtype))
                 trackers.record(share, restore=index < len(local) - 1)
@@ -1393,14 +1396,18 @@ class _Runtime:
         """A `_TrackerRecord` of the custom metric trackers (`loss_trackers`),
         made after the first replica's forward pass and before its
         `compute_loss`; variables that pass assigned (a layer's metric
-        updated in `call`, recorded with the other state) are left out."""
+        updated in `call`, recorded with the other state) are left out.
+        Other variables `compute_loss` assigns join it as they are assigned
+        (`_TrackerRecord.watching`), except those of the compiled loss and
+        metrics, which the steps make global themselves."""
         import tensorflow as tf
 
         assigned = {id(v) for v, _ in updates}
         variables = [v for v in loss_trackers.tracker_variables(self.model)
                      if id(v) not in assigned]
+        excluded = assigned | loss_trackers.compiled_metric_variable_ids(self.model)
         with tf.device(self.adapter.home):
-            return _TrackerRecord(variables, self.adapter.home)
+            return _TrackerRecord(variables, self.adapter.home, excluded)
 
     def _local_loss_and_state(self, weighted_losses, all_updates, total):
         """This process's summed weighted loss and its new non-trainable state.
@@ -1500,7 +1507,8 @@ def _standardise(data):
 
 
 class _TrackerRecord:
-    """The custom metric trackers' values each replica's `compute_loss` left.
+    """The custom metric trackers' values each replica's `compute_loss` left,
+    and those of any other variable `compute_loss` assigned (`watching`).
 
     Made before the first replica's `compute_loss` (it reads the old
     values); `record` after each replica's reads the new values and, except
@@ -1512,13 +1520,41 @@ class _TrackerRecord:
     replica's value, like integer layer state.
     """
 
-    def __init__(self, variables, device):
+    def __init__(self, variables, device, excluded=()):
         import tensorflow as tf
 
-        self.variables = variables
+        self.variables = list(variables)
         self.device = device
-        self.old = [tf.identity(v.value) for v in variables]
+        self.old = [tf.identity(v.value) for v in self.variables]
         self.new = []  # (share, [value per variable]) per replica
+        # Variables `watching` leaves alone: the compiled metrics, the compiled
+        # (per-output) loss trackers, state the forward pass recorded.
+        self._excluded = set(excluded) | {id(v) for v in self.variables}
+
+    def watching(self):
+        """A context in which every variable that gets assigned (by a
+        `compute_loss` override: a moving average of the loss, a step
+        counter) joins the record at its first assignment, its old value
+        read just before it (`tf_assign_watch`). A variable a later replica
+        assigns first counts as unchanged by the replicas before it.
+
+        Returns:
+            A context manager.
+        """
+        return tf_assign_watch.watching(self._learn)
+
+    def _learn(self, variable):
+        import tensorflow as tf
+
+        if id(variable) in self._excluded:
+            return
+        self._excluded.add(id(variable))
+        with tf.device(self.device):
+            old = tf.identity(variable.value)
+        self.variables.append(variable)
+        self.old.append(old)
+        for _, values in self.new:  # replicas already recorded left it as it was
+            values.append(old)
 
     def record(self, share, restore):
         import tensorflow as tf

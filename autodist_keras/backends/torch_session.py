@@ -620,6 +620,8 @@ class Driver:
             payload["modules"] = custom_modules(model)
             # State that is neither config nor variables (adapted lookup tables).
             payload["assets"] = layer_assets(model)
+            # Trainable flags a config may not carry (a subclassed model's sublayers).
+            payload["trainable_flags"] = trainable_flags(model)
         try:
             if self.wake is not None:
                 self.wake()
@@ -1052,6 +1054,7 @@ def _rebuild_model(setup, rank):
             f"Received: model class {setup['model'].get('class_name')!r}"
         ) from None
     load_layer_assets(model, setup.get("assets") or {}, rank)
+    use_trainable_flags(model, setup.get("trainable_flags"))
     model.compile(**compile_config)
     if setup.get("learning_rate_sent") is not None:  # rank 0's is a function
         use_sent_learning_rate(model.optimizer, setup["learning_rate_sent"])
@@ -1069,6 +1072,67 @@ def _rebuild_model(setup, rank):
         variables = [weights[i] for i in built_for]
     build_as(model.optimizer, variables, setup.get("optimizer_built_with") or {})
     return model
+
+
+def trainable_flags(model):
+    """The `trainable` flags of `model`'s layers and weights, for `use_trainable_flags`.
+
+    A functional or Sequential model's config holds each layer's `trainable`,
+    but a subclassed model's config holds only its constructor's arguments:
+    a sublayer frozen after construction (`model.backbone.trainable = False`,
+    the transfer-learning recipe) came back trainable in a spawned worker,
+    whose rebuilt replica then had more trainable variables than rank 0's and
+    failed at SETUP ("This replica has 4 trainable variables but rank 0's
+    model has 2"), until session 29.
+
+    Args:
+        model: Rank 0's model.
+
+    Returns:
+        A dict: `"layers"`, `[class name, trainable]` of every layer in
+        `model._flatten_layers()` order (the model first, each layer before
+        its sublayers); `"weights"`, the `trainable` flag of each of
+        `model.weights`, in order.
+
+    Example:
+
+    >>> trainable_flags(model)  # doctest: +SKIP
+    {'layers': [['WithBackbone', True], ['Functional', False], ...], 'weights': [...]}
+    """
+    return {
+        "layers": [[type(layer).__name__, bool(layer.trainable)]
+                   for layer in model._flatten_layers()],
+        "weights": [bool(v.trainable) for v in model.weights],
+    }
+
+
+def use_trainable_flags(model, flags):
+    """Gives a rebuilt replica rank 0's `trainable` flags (`trainable_flags`).
+
+    Layers are set in `_flatten_layers()` order, each before its sublayers
+    (setting a layer's flag sets its sublayers' too), then each weight's own
+    flag. Nothing is changed when the replica's layers or weights do not line
+    up with rank 0's (other classes or counts): the SETUP checks that follow
+    then name the difference.
+
+    Args:
+        model: The replica a spawned worker rebuilt from rank 0's config.
+        flags: `trainable_flags(rank 0's model)`, or None (nothing to do).
+    """
+    if not flags:
+        return
+    layers = model._flatten_layers()
+    if [type(layer).__name__ for layer in layers] != [name for name, _ in flags["layers"]]:
+        return
+    for layer, (_, trainable) in zip(layers, flags["layers"]):
+        if bool(layer.trainable) != trainable:
+            layer.trainable = trainable
+    weights = model.weights
+    if len(weights) != len(flags["weights"]):
+        return
+    for variable, trainable in zip(weights, flags["weights"]):
+        if bool(variable.trainable) != trainable:
+            variable.trainable = trainable
 
 
 def _built_for(optimizer, weights):
