@@ -84,6 +84,51 @@ def test_freeze_and_recompile_in_scope_replans_and_matches_plain_keras():
 
 
 
+class _ReadOnlyTrainable(keras.layers.Layer):
+    """A layer whose `trainable` is a property without a setter (frozen by a flag)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.frozen = False
+        self.w = self.add_weight(shape=(3,), initializer="ones")
+
+    @property
+    def trainable(self):
+        return self._trainable and not self.frozen
+
+    def call(self, inputs):
+        return inputs * self.w
+
+
+class _WithReadOnly(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.gate = _ReadOnlyTrainable()
+        self.norm = keras.layers.BatchNormalization()
+        self.head = keras.layers.Dense(2)
+
+    def call(self, inputs):
+        return self.head(self.norm(self.gate(inputs)))
+
+
+def test_trainable_flags_skip_a_read_only_trainable_property():
+    """`use_trainable_flags` (what a PyTorch worker does at SETUP) raised
+    AttributeError for a layer whose `trainable` has no setter, instead of
+    leaving it for the SETUP checks to name; the other layers still take rank
+    0's flags (a frozen BatchNormalization: inference mode in the worker too)."""
+    from autodist_keras.backends.torch_session import trainable_flags
+    from autodist_keras.backends.torch_session import use_trainable_flags
+
+    rank0, replica = _WithReadOnly(), _WithReadOnly()
+    for model in (rank0, replica):
+        model(np.zeros((1, 3), "float32"))
+    rank0.gate.frozen = True
+    rank0.norm.trainable = False
+    use_trainable_flags(replica, trainable_flags(rank0))
+    assert replica.gate.trainable and not replica.norm.trainable
+    assert [w.trainable for w in replica.norm.weights] == [w.trainable for w in rank0.norm.weights]
+
+
 @pytest.mark.parametrize("optimizer, second_batch", [
     ("sgd", 48),
     # Optimizers with slots: the PyTorch workers rebuilt the optimizer for the

@@ -43,6 +43,15 @@ class ActivityMean(keras.layers.Layer):
         return inputs
 
 
+def _eager(tensor):
+    """Whether `tensor` has a value (not a symbolic tensor of a traced function)."""
+    try:
+        ops.convert_to_numpy(tensor)
+    except NotImplementedError:
+        return False
+    return True
+
+
 @keras.saving.register_keras_serializable(package="test_runtime_loss_trackers")
 class PenaltyTracked(keras.Model):
     """A subclassed model whose compute_loss adds a penalty and logs it with a Mean."""
@@ -61,6 +70,10 @@ class PenaltyTracked(keras.Model):
                                             name="loss_average")
         self.steps = self.add_weight(shape=(), dtype="int32", initializer="zeros",
                                      trainable=False, name="steps")
+        # Noise compute_loss draws (times 0: the loss stays that of one device);
+        # an eager step keeps each draw in `draws`.
+        self.noise_seed = keras.random.SeedGenerator(3)
+        self.draws = []
 
     def call(self, inputs):
         hidden = self.activity(self.hidden(inputs))
@@ -75,10 +88,19 @@ class PenaltyTracked(keras.Model):
         for pred in keras.tree.flatten(y_pred):
             penalty = penalty + 0.1 * ops.mean(ops.square(pred))
         self.penalty_tracker.update_state(penalty)
-        self.loss_average.assign(0.8 * self.loss_average + 0.2 * ops.stop_gradient(loss))
+
+        def update_average():  # in a branch (a tf.cond in a traced step)
+            self.loss_average.assign(0.8 * self.loss_average + 0.2 * ops.stop_gradient(loss))
+            return ops.zeros(())
+
+        ops.cond(ops.isfinite(loss), update_average, lambda: ops.zeros(()))
         if training:
             self.steps.assign_add(1)
-        return loss + penalty
+        noise = keras.random.normal((ops.shape(y_pred if self.second is None
+                                               else y_pred["a"])[0],), seed=self.noise_seed)
+        if self.run_eagerly and _eager(noise):
+            self.draws.append(ops.convert_to_numpy(noise))
+        return loss + penalty + 0.0 * ops.mean(noise)
 
     def get_config(self):
         return {"two_outputs": self.two_outputs, "name": self.name}
@@ -156,6 +178,16 @@ def test_a_tracker_updated_in_compute_loss_logs_what_one_device_logs(two_outputs
     assert int(ops.convert_to_numpy(model.steps)) == int(ops.convert_to_numpy(reference.steps))
     np.testing.assert_allclose(ops.convert_to_numpy(model.loss_average),
                                ops.convert_to_numpy(reference.loss_average), rtol=1e-5)
+    # (The average is assigned in an `ops.cond` branch: the traced step failed
+    # with InaccessibleTensorError until session 29's review.) Each replica draws
+    # its own noise: with its seed state restored after each replica, the 12-row
+    # replicas drew the first 12 numbers of the 24-row replica's draw.
+    if run_eagerly:  # the last 9 steps (2 epochs, evaluate) of 3 replicas each
+        draws = model.draws[-27:]
+        assert [len(d) for d in draws[:6]] == [24, 12, 12, 24, 12, 12]
+        for k in range(0, 27, 3):
+            a, b, c = draws[k:k + 3]
+            assert not np.array_equal(a[:len(b)], b) and not np.array_equal(b, c)
 
 
 def tracker_worker_model():

@@ -39,10 +39,21 @@ def seed_state_variables(model):
     Returns:
         A list of variables of shape `(2,)`: `[seed, counter]` each.
     """
-    return [
-        v for v in model.variables
-        if v.name == _SEED_STATE_NAME and tuple(v.shape) == (2,) and "int" in str(v.dtype)
-    ]
+    return [v for v in model.variables if is_seed_state(v)]
+
+
+def is_seed_state(variable):
+    """Whether `variable` is a `SeedGenerator`'s state (see `seed_state_variables`).
+
+    Args:
+        variable: A Keras variable.
+
+    Returns:
+        True for a variable named like a seed state, of shape `(2,)` and an
+        integer dtype.
+    """
+    return (variable.name == _SEED_STATE_NAME and tuple(variable.shape) == (2,)
+            and "int" in str(variable.dtype))
 
 
 def wrap_seed(value, dtype):

@@ -1530,17 +1530,25 @@ class _TrackerRecord:
         # Variables `watching` leaves alone: the compiled metrics, the compiled
         # (per-output) loss trackers, state the forward pass recorded.
         self._excluded = set(excluded) | {id(v) for v in self.variables}
+        self._graph = None  # the graph `watching` began in (None: eager)
 
     def watching(self):
         """A context in which every variable that gets assigned (by a
         `compute_loss` override: a moving average of the loss, a step
         counter) joins the record at its first assignment, its old value
-        read just before it (`tf_assign_watch`). A variable a later replica
-        assigns first counts as unchanged by the replicas before it.
+        read just before it (`tf_assign_watch`), in the step's own graph even
+        when the assignment is in a `tf.cond` branch or a loop body. A
+        variable a later replica assigns first counts as unchanged by the
+        replicas before it. A `SeedGenerator`'s state is left out: each
+        replica goes on drawing after the one before (restored, every replica
+        would draw the same numbers for its rows).
 
         Returns:
             A context manager.
         """
+        import tensorflow as tf
+
+        self._graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         return tf_assign_watch.watching(self._learn)
 
     def _learn(self, variable):
@@ -1549,7 +1557,16 @@ class _TrackerRecord:
         if id(variable) in self._excluded:
             return
         self._excluded.add(id(variable))
-        with tf.device(self.device):
+        if replica_random.is_seed_state(variable):
+            return
+        graph = self._graph
+        # An assignment in a control-flow branch or a nested function is traced in
+        # a graph of its own, whose tensors the step cannot use: read the old
+        # value in the step's graph (ordered before the branch that assigns).
+        outer = (graph.as_default() if graph is not None
+                 and tf.compat.v1.get_default_graph() is not graph
+                 else contextlib.nullcontext())
+        with outer, tf.device(self.device):
             old = tf.identity(variable.value)
         self.variables.append(variable)
         self.old.append(old)

@@ -1112,7 +1112,8 @@ def use_trainable_flags(model, flags):
     Layers are set in `_flatten_layers()` order, each before its sublayers
     (setting a layer's flag sets its sublayers' too), then each weight's own
     flag. Nothing is changed when the replica's layers or weights do not line
-    up with rank 0's (other classes or counts): the SETUP checks that follow
+    up with rank 0's (other classes or counts), nor for a layer whose
+    `trainable` is a property without a setter: the SETUP checks that follow
     then name the difference.
 
     Args:
@@ -1126,7 +1127,12 @@ def use_trainable_flags(model, flags):
         return
     for layer, (_, trainable) in zip(layers, flags["layers"]):
         if bool(layer.trainable) != trainable:
-            layer.trainable = trainable
+            try:
+                layer.trainable = trainable
+            except AttributeError:
+                # `trainable` overridden as a property without a setter: left as
+                # the replica has it (the SETUP checks name a difference).
+                continue
     weights = model.weights
     if len(weights) != len(flags["weights"]):
         return
