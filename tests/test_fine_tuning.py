@@ -103,9 +103,11 @@ class _ReadOnlyTrainable(keras.layers.Layer):
 class _WithReadOnly(keras.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.gate = _ReadOnlyTrainable()
-        self.norm = keras.layers.BatchNormalization()
-        self.head = keras.layers.Dense(2)
+        # (Explicit names: Keras left a name scope open after calling a model whose
+        # auto-generated names start with "_", prefixing every later test's variables.)
+        self.gate = _ReadOnlyTrainable(name="ro_gate")
+        self.norm = keras.layers.BatchNormalization(name="ro_norm")
+        self.head = keras.layers.Dense(2, name="ro_head")
 
     def call(self, inputs):
         return self.head(self.norm(self.gate(inputs)))
@@ -119,7 +121,7 @@ def test_trainable_flags_skip_a_read_only_trainable_property():
     from autodist_keras.backends.torch_session import trainable_flags
     from autodist_keras.backends.torch_session import use_trainable_flags
 
-    rank0, replica = _WithReadOnly(), _WithReadOnly()
+    rank0, replica = _WithReadOnly(name="ro_rank0"), _WithReadOnly(name="ro_replica")
     for model in (rank0, replica):
         model(np.zeros((1, 3), "float32"))
     rank0.gate.frozen = True
@@ -127,6 +129,9 @@ def test_trainable_flags_skip_a_read_only_trainable_property():
     use_trainable_flags(replica, trainable_flags(rank0))
     assert replica.gate.trainable and not replica.norm.trainable
     assert [w.trainable for w in replica.norm.weights] == [w.trainable for w in rank0.norm.weights]
+    from keras.src.backend.common import global_state
+
+    assert not global_state.get_global_attribute("name_scope_stack"), "a name scope leaked"
 
 
 @pytest.mark.parametrize("optimizer, second_batch", [
