@@ -1546,9 +1546,7 @@ class _TrackerRecord:
         Returns:
             A context manager.
         """
-        import tensorflow as tf
-
-        self._graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        self._graph = _outer_graph()
         return tf_assign_watch.watching(self._learn)
 
     def _learn(self, variable):

@@ -900,17 +900,18 @@ def refuse_directory(path, example_name):
         raise OutputError(f"The output path must be a string or path-like, such as "
                           f"{example_name!r}. Received: {short_repr(path, 80)} of type "
                           f"{type(path).__name__}")
-    if not os.fspath(path).strip():
+    text = os.fspath(path)
+    if not text.strip():
         raise OutputError(f"The output path is empty: give the file to write, such as "
-                          f"{example_name!r}. Received: {os.fspath(path)!r}")
+                          f"{example_name!r}. Received: {text!r}")
     if os.path.isdir(path):
         raise OutputError(f"Cannot write {path!r}: it is a directory. Give a file name, such "
                           f"as {os.path.join(path, example_name)!r}. Received: {path!r}")
-    if os.fspath(path).endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):
+    if text.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):
         # ("pics/" wrote a hidden "pics/.png"; `--out plans/` failed after the planning.)
-        raise OutputError(f"Cannot write {os.fspath(path)!r}: it ends with a path separator, "
+        raise OutputError(f"Cannot write {text!r}: it ends with a path separator, "
                           "so it names a directory, not a file. Give a file name, such as "
-                          f"{os.path.join(path, example_name)!r}. Received: {os.fspath(path)!r}")
+                          f"{os.path.join(text, example_name)!r}. Received: {text!r}")
 
 
 def output_target(path, example_name):
