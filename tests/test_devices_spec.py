@@ -114,6 +114,25 @@ def test_from_string_forms():
     assert Cluster.from_string("2XH100").nodes["node0"].intra_link == "nvlink"
 
 
+def test_a_node_of_several_gpu_models_defaults_to_pcie():
+    """`8xA100,8xV100` was one NVLink node of 16 GPUs: no NVLink board holds two GPU
+    models (a 16-GPU SXM node is an NVSwitch box of one type)."""
+    mixed = Cluster.from_string("8xA100,8xV100")
+    node = mixed.nodes["node0"]
+    assert (node.intra_link, node.intra_latency) == ("pcie", cluster_module.PCIE_LATENCY)
+    assert mixed.topology.link_type("node0/gpu0", "node0/gpu15") == "pcie"
+    assert any("node0: its GPU models differ (A100-SXM4-40GB, V100-SXM2-16GB)" in n
+               and "PCIe" in n for n in mixed.notes)
+    assert "its GPU models differ" in mixed.summary(rich=False)  # `autodist-keras devices`
+    one = Cluster.from_string("16xV100")  # one model: a DGX-2-class NVSwitch box
+    assert one.nodes["node0"].intra_link == "nvlink" and one.notes == []
+    # Said explicitly, nvlink is taken as given, at the slowest model's figure, noted.
+    told = Cluster.from_dict({"nodes": [{"name": "box", "intra_link": "nvlink",
+                                         "gpus": ["2xA100", "2xV100"]}]})
+    assert (told.nodes["box"].intra_link, told.nodes["box"].intra_bandwidth) == ("nvlink", 150e9)
+    assert any("box: intra_link nvlink on GPU models that differ" in n for n in told.notes)
+
+
 BAD_YAML = [
     ("nodes:\n  - gpus: [V1000]\n", "nodes[0].gpus[0]", "Did you mean"),
     ("nodes:\n  - gpus: [{type: 1080 Tie, count: 2}]\n", "nodes[0].gpus[0].type",
@@ -241,16 +260,28 @@ def test_unreadable_files(tmp_path):
     ("2xV100@-5", "positive"),
     ("2xV100@inf", "finite"),
     ("2xV100@1@2", "at most one '@'"),
-    ("0xV100", "from 1"),
-    ("2xV100,,T4", "separated by ','"),
-    ("2xV100;", "separated by ','"),
+    ("0xV100", "`nodes\\[0\\].gpus\\[0\\]`: The count before 'x' must be a whole number "
+               "from 1 to 1024; it is '0'"),
+    # A sign, a fraction or an exponent was read as a GPU type ("Unknown GPU type '-2xV100'.
+    # Did you mean 'V100-SXM2-16GB'?").
+    ("-2xV100", "must be a whole number from 1 to 1024; it is '-2'. Write e.g. '2xV100'"),
+    ("+2xV100", "whole number from 1 to 1024; it is '\\+2'"),
+    ("2.5xV100", "whole number from 1 to 1024; it is '2.5'"),
+    ("1e1xV100", "whole number from 1 to 1024; it is '1e1'"),
+    # Empty entries and nodes name the entry (was `nodes[0]`: "A node lists one or more GPUs").
+    ("2xV100,,4x1080Ti", "`nodes\\[0\\].gpus\\[1\\]`: This GPU entry is empty: two ',' in a "
+                         "row.*Remove the extra ','"),
+    ("2xV100,", "`nodes\\[0\\].gpus\\[1\\]`: This GPU entry is empty"),
+    ("2xV100;", "`nodes\\[1\\]`: This node is empty.*Remove the extra ';'"),
+    ("2xV100;;T4", "`nodes\\[1\\]`: This node is empty"),
+    ("n1:@50", "`nodes\\[0\\].gpus`: Node 'n1' lists no GPUs.*'n1:2xV100@50'"),
     ("a:b:c", "Unknown GPU type"),
     ("bad name:T4", "letters"),
     ("n:T4;n:T4", "unique"),
     ("2xT4 16GB", "Did you mean 'T4'"),
     ("CPU_TESTBED", "use the cluster 'cpu_testbed'"),
     ("99999999999999xT4", "from 1 to 1024"),
-    ("3x", "catalog type"),
+    ("3x", "The GPU type after the count is missing.*'3xV100'"),  # (said what a type is)
 ])
 def test_bad_strings(text, needle):
     with pytest.raises(ClusterSpecError, match=needle) as info:

@@ -63,16 +63,23 @@ def test_plot_and_trace_refuse_paths_that_name_no_file(twelve_gpu_timeline, tmp_
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "notes.txt").write_text("a file, not a folder")
+    (tmp_path / "gone").symlink_to(tmp_path / "no_such_folder")
+    cases = [("", "The output path is empty"), ("  ", "The output path is empty"),
+             (None, "must be a string or path-like"),
+             (7, "must be a string or path-like"),
+             ("notes.txt/deeper/out.svg", "is a file, not a directory"),
+             ("pics/", "ends with a path separator"),
+             # (was "is a file, not a directory")
+             ("gone/out.svg", "is a symbolic link to a missing target")]
+    if os.path.isdir("/proc"):  # (failed at the write, after the drawing: "No such file")
+        cases.append(("/proc/out.svg", "no file can be created in '/proc'"
+                      if os.geteuid() == 0 else "is not writable by this user"))
     for write in (lambda p: plot_timeline(twelve_gpu_timeline, p),
                   twelve_gpu_timeline.export_trace):
-        for bad, says in (("", "The output path is empty"), ("  ", "The output path is empty"),
-                          (None, "must be a string or path-like"),
-                          (7, "must be a string or path-like"),
-                          ("notes.txt/deeper/out.svg", "is a file, not a directory"),
-                          ("pics/", "ends with a path separator")):
+        for bad, says in cases:
             with pytest.raises(OutputError, match=says + ".*Received"):
                 write(bad)
-    assert sorted(os.listdir(tmp_path)) == ["notes.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["gone", "notes.txt"]
 
 
 PLOT_KEEPS_BACKEND = '''

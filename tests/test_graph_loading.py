@@ -134,10 +134,20 @@ def test_module_function_spec_from_the_working_directory_and_failing_builders(
         "    return zoo.mlp(input_dim=3, hidden=(4,), name='from_cwd')\n"
         "def broken():\n"
         "    raise RuntimeError('no GPU config here')\n"
+        "def lookup():\n"
+        "    return {}['width']\n"
     )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     assert load_model("models_in_cwd_for_test:build").name == "from_cwd"
-    with pytest.raises(GraphError, match="'models_in_cwd_for_test:broken'.*RuntimeError: "
-                                         "no GPU config here"):
+    with pytest.raises(GraphError, match="'models_in_cwd_for_test:broken'.*RuntimeError\\("
+                                         "'no GPU config here'\\)"):
         load_model("models_in_cwd_for_test:broken")
+    # It said "raised KeyError: 'width'. Received: {}" (the options, none here).
+    with pytest.raises(GraphError) as info:
+        load_model("models_in_cwd_for_test:lookup")
+    message = str(info.value)
+    assert ("its function models_in_cwd_for_test.lookup() raised KeyError('width') at "
+            f"{tmp_path / 'models_in_cwd_for_test.py'}:7.") in message, message
+    assert message.endswith("Received: 'models_in_cwd_for_test:lookup'"), message
+    assert isinstance(info.value.__cause__, KeyError)

@@ -203,6 +203,13 @@ def test_explain_labels_predictions(graph, hetero):
     assert "predicted step time" in plain and "measured step time: 10.000 ms" in plain
     fancy = render_text(data, use_rich=True)
     assert "Candidates (predicted)" in fancy
+    # The speedup over even data parallelism was shown twice: as the search's "why"
+    # note (1.14x) and as its own line (1.145x). Once now; the JSON keeps the note.
+    assert any(w.startswith("predicted speedup over ") for w in data["why"])
+    for text in (plain, fancy):
+        assert text.count("predicted speedup over") == 1, text
+        assert f"predicted speedup over even data parallelism: " \
+               f"{data['speedup_vs_even_predicted']}x" in text
     assert data["predicted"]["breakdown_source"] == "simulator"
 
 
@@ -460,11 +467,26 @@ def test_cli_refuses_output_paths_that_name_no_file_before_planning(cli, tmp_pat
     # `--out ""` planned, wrote nothing and exited 0; a path under a file failed only
     # after the planning, with "File exists".
     (tmp_path / "notes.txt").write_text("a file, not a folder")
-    for out, says in (("", "The output path is empty"),
-                      (str(tmp_path / "notes.txt" / "plan.json"), "is a file, not a directory")):
+    # A link to a folder that is gone was called "a file"; a file in a folder that takes
+    # no new file (/proc; root passes the access check) failed after the planning.
+    (tmp_path / "gone").symlink_to(tmp_path / "no_such_folder")
+    cases = [("", "The output path is empty"),
+             (str(tmp_path / "notes.txt" / "plan.json"), "is a file, not a directory"),
+             (str(tmp_path / "gone" / "plan.json"),
+              f"is a symbolic link to a missing target ({str(tmp_path / 'no_such_folder')!r})")]
+    if os.path.isfile("/proc/version"):
+        cases.append(("/proc/version", "no file can be created in '/proc'" if os.geteuid() == 0
+                      else "is not writable by this user"))
+    if os.geteuid() != 0:  # (root writes in a folder whatever its mode)
+        (tmp_path / "locked").mkdir(mode=0o555)
+        cases.append((str(tmp_path / "locked" / "plan.json"), "is not writable by this user"))
+    for out, says in cases:
         run = cli("plan", "--model", "mlp", "--cluster", "2xV100", "--out", out)
         assert run.returncode == 2 and says in run.stderr, run.stderr
         assert "planning time" not in run.stdout and "planning:" not in run.stderr
+    os.unlink(tmp_path / "gone")
+    if os.geteuid() != 0:
+        os.rmdir(tmp_path / "locked")
     plan_file = tmp_path / "plan.json"
     assert cli("plan", "--model", "mlp", "--cluster", "2xV100", "--json", "--out",
                str(plan_file)).returncode == 0

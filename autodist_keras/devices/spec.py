@@ -183,6 +183,10 @@ def _list(value, source, field, what, example, allow_empty=False):
 
 # ----------------------------------------------------------------- GPU entries
 _COUNT_PREFIX = re.compile(r"^\s*(\d+)\s*[xX*]\s*(.*)$")
+# A count that is not a whole number from 1 up: "-2xV100", "+2xV100", "2.5xV100", "1e1xV100"
+# (read as GPU types called "-2xV100", with a "Did you mean 'V100-SXM2-16GB'?").
+_BAD_COUNT_PREFIX = re.compile(
+    r"^\s*([-+]\s*[\d.]*|[\d.]*\.[\d.]*|\d+[eE][-+]?\d+)\s*[xX*]\s*(.*)$")
 
 
 def _gpu_entries(item, source, field):
@@ -190,15 +194,20 @@ def _gpu_entries(item, source, field):
     if isinstance(item, str):
         match = _COUNT_PREFIX.match(item)
         count, name = 1, item
-        if match:
-            count = _integer(
-                int(match.group(1)) if len(match.group(1)) < 12 else MAX_COUNT + 1,
-                source, field, "The count before 'x'", 1, MAX_COUNT,
+        bad_count = _BAD_COUNT_PREFIX.match(item)
+        if bad_count or (match and not 1 <= int(match.group(1)[:12]) <= MAX_COUNT):
+            raise _fail(
+                f"The count before 'x' must be a whole number from 1 to {MAX_COUNT}; it "
+                f"is {(bad_count or match).group(1).strip()!r}. Write e.g. '2xV100' (a type "
+                "without a count is one GPU), and leave out a type the node has none of.",
+                source, field, item,
             )
-            name = match.group(2)
+        if match:
+            count, name = int(match.group(1)), match.group(2)
         if not name.strip():
             raise _fail(
-                "A GPU entry names a catalog type, e.g. 'V100' or '2xV100'.",
+                f"The GPU type after the count is missing: write the count, 'x' and a "
+                f"catalog type, e.g. '{match.group(1) if match else 2}xV100'.",
                 source, field, item,
             )
         return count, _catalog_figures(catalog.lookup_gpu(name.strip(), source, field))
@@ -312,8 +321,38 @@ def _cpu_entries(item, source, field, available):
 
 
 # ---------------------------------------------------------------------- nodes
-def _intra_link(node, figures, kind, source, field):
-    """Returns `(type, bandwidth, default_latency)` of a node's intra-node link."""
+def _intra_link(node, figures, kind, source, field, notes=None, name=None):
+    """Returns `(type, bandwidth, default_latency)` of a node's intra-node link.
+
+    The default for GPUs is `nvlink` when the node holds one GPU model and it is
+    an NVLink (SXM) part, else `pcie`: no NVLink board holds two GPU models
+    (`8xA100,8xV100` was one NVLink node of 16 GPUs). An explicit `nvlink` on a
+    node of several models is taken as given, at the slowest model's figure.
+
+    Args:
+        node: The node's spec (a dict; `intra_link` is read from it).
+        figures: One dict of figures per device of the node.
+        kind: `"gpu"` or `"cpu"`.
+        source: Where the spec came from, for errors.
+        field: The node's field path, for errors.
+        notes: A list the cluster's notes go to (what a mixed node's link is
+            taken to be), or None.
+        name: The node's name, for the notes.
+
+    Returns:
+        `(link type, bytes/s per direction, default latency in seconds)`.
+
+    Raises:
+        ClusterSpecError: If `intra_link` is not `nvlink`, `pcie` or a
+            figure, or is `nvlink` on a GPU without NVLink.
+
+    Example:
+
+    ```python
+    figures = [_catalog_figures(catalog.lookup_gpu("V100"))] * 2
+    _intra_link({}, figures, "gpu", "<dict>", "nodes[0]")  # ("nvlink", 150e9, 3e-06)
+    ```
+    """
     link_field = _child(field, "intra_link")
     value = node.get("intra_link")
     numeric = isinstance(value, str) and _EXPONENT_NUMBER.match(value.strip())
@@ -330,8 +369,17 @@ def _intra_link(node, figures, kind, source, field):
             "figure in GB/s.",
             source, link_field, node.get("intra_link"),
         )
+    models = list(dict.fromkeys(f["model"] for f in figures))  # in the node's order
+    mixed = len(models) > 1
+    node_name = name if name is not None else field
     if value is None:
         value = "nvlink" if all(f["nvlink_fabric"] for f in figures) else "pcie"
+        if value == "nvlink" and mixed:
+            value = "pcie"
+            _add_note(notes, f"{node_name}: its GPU models differ ({', '.join(models)}), so "
+                             "its GPUs are taken to talk over PCIe: no NVLink board holds "
+                             "two GPU models. If they do share NVLink, say `intra_link: "
+                             "nvlink` (or a figure in GB/s) in a YAML spec.")
     if value == "nvlink":
         missing = sorted({f["model"] for f in figures if f["nvlink"] <= 0})
         if missing:
@@ -340,13 +388,23 @@ def _intra_link(node, figures, kind, source, field):
                 "figure in GB/s.",
                 source, link_field, node.get("intra_link"),
             )
-        return "nvlink", min(f["nvlink"] for f in figures), NVLINK_LATENCY
+        bandwidth = min(f["nvlink"] for f in figures)
+        if mixed:
+            _add_note(notes, f"{node_name}: intra_link nvlink on GPU models that differ "
+                             f"({', '.join(models)}), taken as given at the slowest model's "
+                             f"NVLink figure, {bandwidth / catalog.GB:g} GB/s per direction.")
+        return "nvlink", bandwidth, NVLINK_LATENCY
     if value == "pcie":
         return "pcie", min(f["pcie"] for f in figures), PCIE_LATENCY
     raise _fail(
         "intra_link must be `nvlink`, `pcie` or a bandwidth in GB/s (a number).",
         source, link_field, node.get("intra_link"),
     )
+
+
+def _add_note(notes, text):
+    if notes is not None and text not in notes:
+        notes.append(text)
 
 
 def _parse_node(node, i, source, state, cpus_field=None):
@@ -412,7 +470,8 @@ def _parse_node(node, i, source, state, cpus_field=None):
             state["total"] += count
             _check_total(state, source, _child(gpus_field, j))
             figures.extend([fig] * count)
-        link, bandwidth, latency = _intra_link(node, figures, "gpu", source, field)
+        link, bandwidth, latency = _intra_link(node, figures, "gpu", source, field,
+                                               notes=state["notes"], name=name)
         for k, fig in enumerate(figures):
             devices.append(Device(
                 name=f"{name}/gpu{k}", node=name, index=k, kind="gpu", model=fig["model"],
@@ -815,10 +874,22 @@ def cluster_from_string(text):
         if ":" in body:
             name, body = body.split(":", 1)
             node["name"] = name.strip()
+        # (An empty entry was "A node lists one or more GPUs", naming no entry.)
+        if not part.strip():
+            raise _fail("This node is empty: two ';' in a row, or a ';' at the start or "
+                        f"end. Remove the extra ';'. {grammar}", source, field, text)
+        if not body.strip():
+            who = f"Node {node['name']!r}" if node.get("name") else "This node"
+            raise _fail(f"{who} lists no GPUs: write them before any '@', after the "
+                        f"node's name and ':', e.g. '{node.get('name') or 'node0'}:2xV100@50'. "
+                        f"{grammar}", source, _child(field, "gpus"), part.strip())
         items = [item.strip() for item in body.split(",")]
-        if any(not item for item in items):
-            raise _fail(f"A node lists one or more GPUs, separated by ','. {grammar}",
-                        source, field, part.strip())
+        for j, item in enumerate(items):
+            if not item:
+                raise _fail("This GPU entry is empty: two ',' in a row, or a ',' at the "
+                            f"start or end of the node's list. Remove the extra ','. "
+                            f"{grammar}", source, _child(_child(field, "gpus"), j),
+                            part.strip())
         node["gpus"] = items
         nodes.append(node)
     return _cluster_from_spec({"nodes": nodes}, source)

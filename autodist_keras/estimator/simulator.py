@@ -78,7 +78,7 @@ from autodist_keras.errors import PlanError
 from autodist_keras.estimator.cost_model import AnalyticCostModel
 from autodist_keras.graph.model_graph import DEFAULT_OPTIMIZER_SLOTS
 from autodist_keras.strategies.plan import Prediction
-from autodist_keras.strategies.plan import refuse_directory
+from autodist_keras.strategies.plan import output_target
 from autodist_keras.strategies.plan import write_text_atomic
 
 # What a GPU keeps from its nominal memory for the CUDA context, the framework's
@@ -378,11 +378,12 @@ class SimResult:
             EstimatorError: If a figure is NaN or infinite, which the strict JSON
                 that trace viewers read cannot hold (nothing is written).
             OutputError: If `path` names no file to write (not a path, empty, a
-                directory) or cannot be written.
+                directory) or cannot be written (checked before the trace is made).
         """
         from autodist_keras.estimator.profiler import json_text
 
-        refuse_directory(path, "trace.json")  # a path that names no file: an OutputError
+        # A path that names no file or cannot be written: an OutputError before the trace.
+        output_target(path, "trace.json")
         write_text_atomic(path, json_text(self.trace(other_data), os.fspath(path)))
         return path
 

@@ -130,13 +130,52 @@ def load_model(spec, **kwargs):
 
 
 def _call(fn, spec, kwargs):
+    """Calls the builder `fn(**kwargs)` of model spec `spec`.
+
+    Args:
+        fn: The builder (a zoo builder, a `keras.applications` function, or
+            the function a `"module:function"` spec names).
+        spec: The model spec, for the message.
+        kwargs: The options passed to `fn`.
+
+    Returns:
+        What `fn` returned.
+
+    Raises:
+        GraphError: If `fn` raises; the message names the function, the
+            line it raised at and the exception as `repr` shows it
+            (`KeyError('x')`, not the bare `'x'` of `str`); the original is
+            chained as its cause.
+
+    Example:
+
+    ```python
+    _call(zoo.BUILDERS["mlp"], "mlp", {"hidden": (8,)})
+    ```
+    """
     try:
         model = fn(**kwargs)
     except Exception as e:  # noqa: BLE001 - the user's builder may fail in any way
-        what = f"with options {sorted(kwargs)}" if kwargs else "(no options)"
+        import traceback
+
+        from autodist_keras.errors import received_repr
+
+        # (It said "raised KeyError: 'x'. Received: {}": the options, empty here.)
+        name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+        module = getattr(fn, "__module__", None)
+        function = f"{module}.{name}" if module and name else repr(fn)
+        # Where it raised: the last line run in the function's own file (not deep in
+        # Keras), else the last line run.
+        frames = traceback.extract_tb(e.__traceback__)[1:]  # (not this function's call)
+        code = getattr(fn, "__code__", None)
+        own = [f for f in frames if code is not None and f.filename == code.co_filename]
+        frame = (own or frames or [None])[-1]
+        where = f" at {frame.filename}:{frame.lineno}" if frame is not None else ""
+        options = f" with options {received_repr(kwargs)}" if kwargs else ""
         raise GraphError(
-            f"Building model {spec!r} {what} raised {type(e).__name__}: {e}. "
-            f"Received: {kwargs!r}"
+            f"Building model {spec!r}: its function {function}(){options} raised "
+            f"{received_repr(e)}{where}. Fix the function (or the options given to it). "
+            f"Received: {spec!r}{options}"
         ) from e
     return model
 

@@ -54,6 +54,7 @@ def plot_timeline(result, path, title="Simulated step (predicted)"):
             "plot() needs matplotlib: pip install 'autodist-keras[plot]'. Received: no matplotlib"
         ) from None
 
+    from autodist_keras.strategies.plan import output_target
     from autodist_keras.strategies.plan import refuse_directory
     from autodist_keras.strategies.plan import write_atomic
 
@@ -67,6 +68,7 @@ def plot_timeline(result, path, title="Simulated step (predicted)"):
     if ext not in formats:
         raise OutputError(f"plot() writes an image; {ext!r} is not a format matplotlib writes. "
                           f"Use .png (or one of {', '.join(sorted(formats))}). Received: {path!r}")
+    output_target(path, "timeline.png")  # a path that cannot be written fails before drawing
     fig = timeline_figure(result, title)
     # "tight" grows the image to take in the legend outside the axes.
     write_atomic(path, lambda f: fig.savefig(f, dpi=100, format=ext, bbox_inches="tight"),

@@ -931,8 +931,17 @@ def output_target(path, example_name):
 
     Raises:
         OutputError: If `path` is not a path, is empty, a directory, a device,
-            pipe or socket, or lies under a file or in a directory this user
-            cannot write.
+            pipe or socket, or lies under a file, under a symbolic link to a
+            missing target, or in a directory where this user cannot create
+            a file (checked by creating and removing one).
+
+    Example:
+
+    ```python
+    target = output_target("runs/plan.json", "plan.json")  # before the planning
+    plan = ...  # long work
+    plan.to_json("runs/plan.json")
+    ```
     """
     refuse_directory(path, example_name)
     path = os.fspath(path)  # (isdir, like exists below, follows links)
@@ -956,6 +965,16 @@ def output_target(path, example_name):
     parent = os.path.dirname(os.path.abspath(target))
     while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
         parent = os.path.dirname(parent)
+    if os.path.islink(parent) and not os.path.exists(parent):
+        # (It was called "a file": a link to a folder that is gone, or not made yet.)
+        if _link_loops(parent):
+            raise OutputError(f"Cannot write {path!r}: {parent!r} is a symbolic link in a "
+                              "loop of links, so nothing can be written under it. Remove the "
+                              f"link or give another path. Received: {path!r}")
+        raise OutputError(f"Cannot write {path!r}: {parent!r} is a symbolic link to a missing "
+                          f"target ({os.readlink(parent)!r}), so nothing can be written under "
+                          "it. Create the directory it points to, fix the link, or give "
+                          f"another path. Received: {path!r}")
     if not os.path.isdir(parent):
         raise OutputError(f"Cannot write {path!r}: {parent!r} is a file, not a directory, so "
                           "nothing can be written under it. Give a path in a directory (or "
@@ -964,7 +983,27 @@ def output_target(path, example_name):
         raise OutputError(f"Cannot write {path!r}: the directory {parent!r} is not writable "
                           "by this user. Give a path in a writable directory, or change its "
                           f"permissions. Received: {path!r}")
+    # The output is a new file in that folder, renamed over the target: a folder that
+    # takes no new file (/proc, a read-only mount; root passes the access check above
+    # whatever the mode) failed only at the write, after the work.
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".tmp-")
+    except OSError as e:
+        raise OutputError(f"Cannot write {path!r}: no file can be created in {parent!r} "
+                          f"({e.strerror or e}), and the output is written there first. Give "
+                          f"a path in a writable directory. Received: {path!r}") from None
+    os.close(fd)
+    os.unlink(probe)
     return target
+
+
+def _link_loops(path):
+    """Whether resolving the symbolic link `path` runs into a loop of links."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
 
 
 def write_atomic(path, write, suffix=""):
