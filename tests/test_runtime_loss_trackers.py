@@ -32,14 +32,18 @@ SAMPLES = 120  # two full batches and one of 24
 
 @keras.saving.register_keras_serializable(package="test_runtime_loss_trackers")
 class ActivityMean(keras.layers.Layer):
-    """Passes its input through and logs its mean square with a Mean, in call."""
+    """Passes its input through, logs its mean square with a Mean and counts its
+    rows in an integer declared aggregation="sum", in call."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.tracker = keras.metrics.Mean(name="activity")
+        self.seen = self.add_weight(shape=(), dtype="int32", initializer="zeros",
+                                    trainable=False, aggregation="sum", name="seen")
 
     def call(self, inputs):
         self.tracker.update_state(ops.mean(ops.square(inputs)))
+        self.seen.assign_add(ops.shape(inputs)[0])
         return inputs
 
 
@@ -70,6 +74,9 @@ class PenaltyTracked(keras.Model):
                                             name="loss_average")
         self.steps = self.add_weight(shape=(), dtype="int32", initializer="zeros",
                                      trainable=False, name="steps")
+        # A count of the rows trained on, declared to sum over replicas.
+        self.rows = self.add_weight(shape=(), dtype="int32", initializer="zeros",
+                                    trainable=False, aggregation="sum", name="rows")
         # Noise compute_loss draws (times 0: the loss stays that of one device);
         # an eager step keeps each draw in `draws`.
         self.noise_seed = keras.random.SeedGenerator(3)
@@ -94,10 +101,11 @@ class PenaltyTracked(keras.Model):
             return ops.zeros(())
 
         ops.cond(ops.isfinite(loss), update_average, lambda: ops.zeros(()))
+        rows = ops.shape(y_pred if self.second is None else y_pred["a"])[0]
         if training:
             self.steps.assign_add(1)
-        noise = keras.random.normal((ops.shape(y_pred if self.second is None
-                                               else y_pred["a"])[0],), seed=self.noise_seed)
+            self.rows.assign_add(rows)
+        noise = keras.random.normal((rows,), seed=self.noise_seed)
         if self.run_eagerly and _eager(noise):
             self.draws.append(ops.convert_to_numpy(noise))
         return loss + penalty + 0.0 * ops.mean(noise)
@@ -176,6 +184,14 @@ def test_a_tracker_updated_in_compute_loss_logs_what_one_device_logs(two_outputs
     # followed the shards' losses: 1.2972 against 0.9336 after fit, 1.2864 against
     # 1.0781 after evaluate, one output, traced).
     assert int(ops.convert_to_numpy(model.steps)) == int(ops.convert_to_numpy(reference.steps))
+    # An integer declared aggregation="sum" adds up the replicas' changes: every
+    # row counted once (240; it took the first replica's 24 + 24 + 12 per epoch,
+    # 120, until session 30).
+    assert int(ops.convert_to_numpy(model.rows)) == int(ops.convert_to_numpy(reference.rows)) == 240
+    # The same for such a count in a layer's call (the forward pass's state): 2 rows
+    # at build, 240 in fit, 120 in evaluate (it was 182 on TensorFlow).
+    seen = [int(ops.convert_to_numpy(m.activity.seen)) for m in (model, reference)]
+    assert seen == [362, 362]
     np.testing.assert_allclose(ops.convert_to_numpy(model.loss_average),
                                ops.convert_to_numpy(reference.loss_average), rtol=1e-5)
     # (The average is assigned in an `ops.cond` branch: the traced step failed
@@ -224,7 +240,12 @@ def two_tensorflow_workers_job(cluster, batch):
     return {"name": "loss tracker", "model_fn": tracker_worker_model, "x": x, "y": y,
             "plan": plan, "initial": initial, "steps": 4,
             "history": {"penalty": expected["penalty"], "loss": expected["loss"]},
-            "weights": None, "share": [16, 8]}
+            # The weights include the state compute_loss assigns (`loss_average`,
+            # `steps`, and `rows`, declared aggregation="sum": its changes travel
+            # in the all-reduce): each worker must end with one device's value.
+            "weights": [(w.path, value) for w, value in zip(reference.weights,
+                                                            reference.get_weights())],
+            "share": [16, 8]}
 
 
 @keras.saving.register_keras_serializable(package="test_runtime_loss_trackers")

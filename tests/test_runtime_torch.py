@@ -1054,6 +1054,65 @@ def test_a_setting_whose_property_raises_is_not_compared():
     assert _lost_settings(Lazy()) == []
 
 
+def test_a_nan_optimizer_setting_is_not_seen_as_changed_at_every_step():
+    """The settings watch (`torch_state_watch.OptimizerSettingsWatch`: the PyTorch
+    runtime sends what changed, the TensorFlow runtime traces its step again)
+    compared values with `==`, and NaN is unequal to itself: a callback that set
+    a NaN setting again at each step (a new float object each time) made every
+    step a change, and a setting that was NaN from the start was never watched,
+    so a later change of it was missed. Real Keras optimizers, no training."""
+    import math
+
+    from autodist_keras.backends.torch_state_watch import OptimizerSettingsWatch
+
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.5)
+    watch = OptimizerSettingsWatch(optimizer)
+    optimizer.momentum = float("nan")  # a callback, between steps
+    assert watch.moved_keys() == ["momentum"]
+    changed = watch.changed()
+    assert list(changed) == ["momentum"] and math.isnan(changed["momentum"])
+    watch.mark()
+    for _ in range(3):  # the callback sets it again at every step
+        optimizer.momentum = float("nan")
+        assert watch.moved_keys() == [] and watch.changed() == {}
+        watch.mark()
+    optimizer.momentum = 0.25
+    assert watch.moved_keys() == ["momentum"] and watch.changed() == {"momentum": 0.25}
+
+    from_start = keras.optimizers.SGD(0.1, momentum=float("nan"))
+    watch = OptimizerSettingsWatch(from_start)
+    assert "momentum" in watch.keys and watch.changed() == {}
+    from_start.momentum = 0.5
+    assert watch.changed() == {"momentum": 0.5}
+
+
+def test_a_torchrun_rank_that_freezes_other_layers_than_rank_0_is_refused():
+    """Under torchrun each rank builds and freezes its own model; rank 0's
+    `trainable` flags go to spawned workers only. Two ranks freezing different
+    layers of one shape (as many trainable variables) trained silently: each
+    rank's gradients were added to the other's layer (a 2-rank launch: rank 0's
+    frozen `a/kernel` and rank 1's `a/kernel` ended 7.058 and 6.684 apart in
+    sum |w|, and only a warning after fit said the replicas differ). SETUP now
+    compares the flags (`torch_session.check_trainable_flags`, run by `serve`
+    for a rank's own model); checked here on real models, without a launch."""
+    from autodist_keras.backends.torch_session import check_trainable_flags
+    from autodist_keras.backends.torch_session import trainable_flags
+    from autodist_keras.errors import BackendError
+
+    def build(frozen):
+        inputs = keras.Input((4,))
+        a, b = keras.layers.Dense(4, name="a"), keras.layers.Dense(4, name="b")
+        model = keras.Model(inputs, keras.layers.Dense(2, name="out")(b(a(inputs))))
+        model.get_layer(frozen).trainable = False
+        return model
+
+    rank0 = trainable_flags(build("a"))
+    check_trainable_flags(build("a"), rank0, rank=1)  # the same flags pass
+    with pytest.raises(BackendError, match=r"Rank 1's model freezes other weights than rank "
+                       r"0's.*'a/kernel' trainable=True.*'b/kernel' trainable=False"):
+        check_trainable_flags(build("b"), rank0, rank=1)
+
+
 @pytest.mark.parametrize("case", ["keras_huber", "custom_optimizer"])
 def test_settings_a_config_does_not_keep_are_refused_before_training(case):
     """The workers rebuild the optimizer and losses from their configs: Keras's

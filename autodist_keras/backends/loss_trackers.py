@@ -24,7 +24,9 @@ loss tracker (`loss`), the compiled metrics (updated once on the whole
 batch's predictions) and the compiled per-output loss metrics (each replica
 adds its shard's loss weighted by its row count, which sums exactly on
 TensorFlow; rank 0 recomputes them on the whole batch on PyTorch). Integer
-tracker variables are not combined: they take one replica's value.
+tracker variables are not combined: they take one replica's value. Integer
+state of a layer or model declared `aggregation="sum"` (a count of rows) is
+the exception: the replicas' changes are added up (`sums_replica_changes`).
 """
 
 
@@ -111,6 +113,50 @@ def is_float(variable):
     import keras
 
     return keras.backend.standardize_dtype(variable.dtype).startswith(("float", "bfloat"))
+
+
+def metric_variable_ids(model):
+    """`id()`s of the variables of every metric in `model.metrics` (compiled
+    or not): the state `sums_replica_changes` leaves alone."""
+    return _variables_of(list(getattr(model, "metrics", None) or ()))
+
+
+def sums_replica_changes(variable, metric_ids=()):
+    """Whether the runtimes add up the replicas' changes of `variable`
+    instead of keeping the first replica's value.
+
+    True for an integer variable a layer or model declared with Keras's
+    multi-replica annotation `aggregation="sum"` (`add_weight(...,
+    dtype="int32", aggregation="sum")`): a count of rows that each replica
+    advances by its own share (`n.assign_add(ops.shape(x)[0])`) then ends
+    the step advanced by the whole batch, `old + sum_r (new_r - old)`, as on
+    one device. `add_weight` defaults to `aggregation="none"`, so the sum is
+    always the model author's choice. Metric variables (`metric_ids`) are
+    left out: `Metric.add_variable` annotates every variable `"sum"` by
+    default, and an integer metric variable keeps the first replica's value
+    as before.
+
+    Args:
+        variable: A Keras variable.
+        metric_ids: `id()`s of the model's metric variables
+            (`metric_variable_ids`).
+
+    Returns:
+        A bool.
+
+    Example:
+
+    ```python
+    rows = model.add_weight(shape=(), dtype="int32", initializer="zeros",
+                            trainable=False, aggregation="sum")
+    assert sums_replica_changes(rows)
+    ```
+    """
+    import keras
+
+    if id(variable) in metric_ids or getattr(variable, "aggregation", "none") != "sum":
+        return False
+    return keras.backend.standardize_dtype(variable.dtype).startswith(("int", "uint"))
 
 
 class TorchTrackerDeltas:

@@ -1407,7 +1407,8 @@ class _Runtime:
                      if id(v) not in assigned]
         excluded = assigned | loss_trackers.compiled_metric_variable_ids(self.model)
         with tf.device(self.adapter.home):
-            return _TrackerRecord(variables, self.adapter.home, excluded)
+            return _TrackerRecord(variables, self.adapter.home, excluded,
+                                  loss_trackers.metric_variable_ids(self.model))
 
     def _local_loss_and_state(self, weighted_losses, all_updates, total):
         """This process's summed weighted loss and its new non-trainable state.
@@ -1417,7 +1418,9 @@ class _Runtime:
         the replicas' new values, so the moving mean follows the global
         batch mean exactly; `_SecondMoment` entries let
         `_with_variance_corrections` make the moving variance exact too;
-        integer state (seed counters) takes the first replica's value. With
+        integer state (seed counters) takes the first replica's value, but
+        for integer state declared `aggregation="sum"`, which gets the sum of
+        the replicas' changes (`loss_trackers.sums_replica_changes`). With
         several workers the loss and the float values are partial sums still
         to be all-reduced (the train step carries them in a gradient bucket's
         all-reduce, else `_all_reduce_loss_and_state`) before the caller
@@ -1443,6 +1446,7 @@ class _Runtime:
                     values[id(variable)] = []
                 values[id(variable)].append((share, value))
         floats, ints = [], []
+        metric_ids = None
         for variable in order:
             entries = values[id(variable)]
             if loss_trackers.is_float(variable):
@@ -1451,6 +1455,12 @@ class _Runtime:
                     for s, v in entries
                 ]
                 floats.append((variable, tf.add_n(parts) if len(parts) > 1 else parts[0]))
+                continue
+            if metric_ids is None:
+                metric_ids = loss_trackers.metric_variable_ids(self.model)
+            if loss_trackers.sums_replica_changes(variable, metric_ids):
+                old = tf.identity(variable.value)
+                floats.append(_summed_changes(variable, old, [v for _, v in entries]))
             else:
                 ints.append((variable, entries[0][1]))
         floats += self._second_moments(values, total)
@@ -1517,10 +1527,13 @@ class _TrackerRecord:
     old))` entries, summed over the workers with the other float state, and
     `_with_variance_corrections` turns them into `old + sum`: one update of
     the whole batch (`loss_trackers`). Integer variables take the first
-    replica's value, like integer layer state.
+    replica's value, like integer layer state, except those declared
+    `aggregation="sum"` (`loss_trackers.sums_replica_changes`): `floats`
+    gives them as `(_TrackerDelta, sum_r (new_r - old))`, so a count of
+    rows advances by the whole batch (over the workers too).
     """
 
-    def __init__(self, variables, device, excluded=()):
+    def __init__(self, variables, device, excluded=(), metric_ids=()):
         import tensorflow as tf
 
         self.variables = list(variables)
@@ -1531,6 +1544,10 @@ class _TrackerRecord:
         # (per-output) loss trackers, state the forward pass recorded.
         self._excluded = set(excluded) | {id(v) for v in self.variables}
         self._graph = None  # the graph `watching` began in (None: eager)
+        self._metric_ids = metric_ids
+
+    def _summed(self, variable):
+        return loss_trackers.sums_replica_changes(variable, self._metric_ids)
 
     def watching(self):
         """A context in which every variable that gets assigned (by a
@@ -1587,7 +1604,11 @@ class _TrackerRecord:
 
         out = []
         for j, (v, old) in enumerate(zip(self.variables, self.old)):
-            if not loss_trackers.is_float(v) or not self.new:
+            if not self.new:
+                continue
+            if self._summed(v):
+                out.append(_summed_changes(v, old, [values[j] for _, values in self.new]))
+            if not loss_trackers.is_float(v):
                 continue
             parts = [tf.constant(s / total, old.dtype) * (values[j] - old) for s, values in self.new]
             out.append((_TrackerDelta(v, old), tf.add_n(parts) if len(parts) > 1 else parts[0]))
@@ -1595,7 +1616,7 @@ class _TrackerRecord:
 
     def ints(self):
         return [(v, self.new[0][1][j]) for j, v in enumerate(self.variables)
-                if not loss_trackers.is_float(v) and self.new]
+                if not loss_trackers.is_float(v) and not self._summed(v) and self.new]
 
 
 class _TrackerDelta:
@@ -1604,6 +1625,17 @@ class _TrackerDelta:
 
     def __init__(self, variable, old):
         self.variable, self.old = variable, old
+
+
+def _summed_changes(variable, old, new_values):
+    """The float-state entry of an integer variable declared `aggregation="sum"`:
+    `(_TrackerDelta(variable, old), sum_r (new_r - old))`, its replicas'
+    changes added up (summed over the workers with the float state, in
+    float32: exact while a step's change stays below 2**24)."""
+    import tensorflow as tf
+
+    changes = [tf.cast(v, variable.dtype) - old for v in new_values]
+    return _TrackerDelta(variable, old), tf.add_n(changes) if len(changes) > 1 else changes[0]
 
 
 class _SecondMoment:

@@ -38,7 +38,10 @@ bucket (`torch_shm_reduce`).
 statistics) identical on all ranks: each rank contributes its update
 `(new - old) * share / global_batch`, all-reduced, and every rank sets
 `old + sum`. For a moving mean that is exactly the update the global batch's
-mean would give; variables nobody changed stay bit-identical.
+mean would give; variables nobody changed stay bit-identical. Integer
+variables declared `aggregation="sum"` (a count of rows) contribute their
+whole change, so they advance by the whole batch's
+(`loss_trackers.sums_replica_changes`).
 
 Example:
 
@@ -52,6 +55,7 @@ grads = reducer.finish()
 """
 
 from autodist_keras.backends import batchnorm_stats
+from autodist_keras.backends import loss_trackers
 from autodist_keras.backends import torch_shm_reduce
 from autodist_keras.backends.torch_transport import CommFailure
 from autodist_keras.errors import BackendError
@@ -422,6 +426,10 @@ class GradientReducer:
 class StateSync:
     """Keeps non-trainable float variables (e.g. BN moving statistics) equal on all ranks.
 
+    Integer variables declared `aggregation="sum"` join them unweighted: every
+    rank sets `old + sum_r (new_r - old)` (a count of rows advances by the
+    whole batch); other integer variables are left to each rank.
+
     Args:
         comm: The rank's `Comm`.
         variables: The model's non-trainable Keras variables.
@@ -433,7 +441,10 @@ class StateSync:
 
     def __init__(self, comm, variables, moving_pairs=()):
         self.comm = comm
-        self.variables = [v for v in variables if "float" in str(v.dtype)]
+        self.variables = [v for v in variables if "float" in str(v.dtype)
+                          or loss_trackers.sums_replica_changes(v)]
+        # Positions of the summed integer variables: their change is not weighted.
+        self.summed = {i for i, v in enumerate(self.variables) if "float" not in str(v.dtype)}
         index = {id(v): i for i, v in enumerate(self.variables)}
         self.pairs = [(index[id(m)], index[id(v)], momentum) for m, v, momentum in moving_pairs
                       if id(m) in index and id(v) in index]
@@ -457,7 +468,8 @@ class StateSync:
         with torch.no_grad():
             changes = [(v.value.detach() - old).reshape(-1).to(torch.float64)
                        for v, old in zip(self.variables, self._old)]
-            deltas = [change * weight for change in changes]
+            deltas = [change if i in self.summed else change * weight
+                      for i, change in enumerate(changes)]
             deltas += [changes[mean] * changes[mean] * weight for mean, _, _ in self.pairs]
             self._buffer = torch.cat(deltas)
         if self.comm.grad_backend == "nccl":
@@ -484,8 +496,10 @@ class StateSync:
             summed[variance] = summed[variance] + batchnorm_stats.variance_correction(
                 summed[mean], squares, momentum)
         with torch.no_grad():
-            for v, old, delta in zip(self.variables, self._old, summed):
+            for i, (v, old, delta) in enumerate(zip(self.variables, self._old, summed)):
                 delta = delta.reshape(old.shape)
+                if i in self.summed:
+                    delta = torch.round(delta)
                 if torch.any(delta != 0):
                     v.assign((old.to(torch.float64) + delta).to(old.dtype))
                 else:

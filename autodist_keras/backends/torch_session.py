@@ -620,8 +620,10 @@ class Driver:
             payload["modules"] = custom_modules(model)
             # State that is neither config nor variables (adapted lookup tables).
             payload["assets"] = layer_assets(model)
-            # Trainable flags a config may not carry (a subclassed model's sublayers).
-            payload["trainable_flags"] = trainable_flags(model)
+        # Trainable flags a config may not carry (a subclassed model's sublayers),
+        # which spawned workers take; torchrun ranks, which froze their own
+        # models, are checked against them (`check_trainable_flags`).
+        payload["trainable_flags"] = trainable_flags(model)
         try:
             if self.wake is not None:
                 self.wake()
@@ -972,8 +974,9 @@ def _differ_message(model, own, others):
             "mean (exact for moving averages of batch means, and for BatchNormalization's "
             "statistics; not for sums, maxima or a layer's own batch variance), integer ones are "
             "not synchronised and must advance the same on every rank (a step counter does; "
-            "a count of rows does not). Rank 0's values, which you hold, are those of its "
-            "own shards.")
+            "a count of rows does not: declare it with add_weight(..., aggregation=\"sum\") "
+            "and the ranks' changes are added up). Rank 0's values, which you hold, are "
+            "those of its own shards.")
     return message + (
         "Something changed rank 0's replica during fit in a way the runtime does not "
         "send to the workers: rank 0 sends the variables and the optimizer's config "
@@ -1141,6 +1144,48 @@ def use_trainable_flags(model, flags):
             variable.trainable = trainable
 
 
+def check_trainable_flags(model, flags, rank):
+    """Checks that a torchrun rank's own model freezes the weights rank 0's does.
+
+    Under torchrun every rank builds (and freezes) its model itself; rank 0's
+    flags are not applied to it. A rank that froze other layers than rank 0
+    with as many trainable variables (two layers of one shape, each rank
+    freezing another one) summed its gradients into rank 0's other layer,
+    silently: the weights went apart, and only a warning after fit said so.
+
+    Args:
+        model: This rank's own model (built by the user's script).
+        flags: `trainable_flags(rank 0's model)`, or None (nothing to check).
+        rank: This rank, for the message.
+
+    Raises:
+        BackendError: When a weight's `trainable` flag differs from rank 0's.
+
+    Example:
+
+    >>> check_trainable_flags(model, setup["trainable_flags"], rank=1)  # doctest: +SKIP
+    """
+    if not flags:
+        return
+    weights = model.weights
+    theirs = flags.get("weights") or []
+    if len(theirs) != len(weights):
+        return  # `_check_metas` names a different number of weights
+    differ = [(v.path, bool(v.trainable)) for v, trainable in zip(weights, theirs)
+              if bool(v.trainable) != trainable]
+    if not differ:
+        return
+    raise BackendError(
+        f"Rank {rank}'s model freezes other weights than rank 0's: under torchrun each "
+        "rank builds its own model, and every rank must set the same `trainable` flags "
+        "(freeze the same layers, before compile) as rank 0, or the ranks would add up "
+        "the gradients of different variables. Make the freezing code run on every "
+        f"rank alike. Received: on rank {rank}, "
+        + ", ".join(f"{path!r} trainable={mine}" for path, mine in differ[:6])
+        + f"; rank 0 has the opposite ({len(differ)} weight(s) differ)"
+    )
+
+
 def _built_for(optimizer, weights):
     """Indices into `weights` of the variables `optimizer` was built for (None if unknown)."""
     built = getattr(optimizer, "_trainable_variables", None)
@@ -1267,7 +1312,8 @@ def serve(comm, reporter, model=None, on_model=None):
     status = 0
     try:
         token = pin(setup["devices"][rank])
-        if model is None:
+        rebuilt = model is None
+        if rebuilt:
             model = _rebuild_model(setup, rank)
         elif getattr(model, "optimizer", None) is None:
             raise BackendError(
@@ -1288,6 +1334,8 @@ def serve(comm, reporter, model=None, on_model=None):
         elif not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         variables = _check_metas(model, setup, rank)
+        if not rebuilt:
+            check_trainable_flags(model, setup.get("trainable_flags"), rank)
         exclude_from_decay(model.optimizer, [variables[i] for i in setup.get("decay_excluded", [])])
         check_model_device(model, setup["devices"][rank], rank)
         with torch.no_grad():

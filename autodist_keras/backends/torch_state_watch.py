@@ -111,6 +111,12 @@ class OptimizerSettingsWatch:
         """Records the settings as the ones the workers hold."""
         self._values = self._read()
 
+    def _moved(self):
+        """`(name, new value)` of each setting that differs from the last
+        `mark()` (`_same`: a NaN setting set to NaN again has not moved)."""
+        return [(key, new) for key, old, new in zip(self.keys, self._values, self._read())
+                if not _same(old, new)]
+
     def moved_keys(self):
         """The names of the settings that differ from the last `mark()`.
 
@@ -119,25 +125,36 @@ class OptimizerSettingsWatch:
 
         Returns:
             A list of setting names, empty when nothing changed.
+
+        Example:
+
+        ```python
+        watch = OptimizerSettingsWatch(optimizer)
+        optimizer.momentum = 0.5
+        watch.moved_keys()                  # ["momentum"]
+        ```
         """
-        return [key for key, old, new in zip(self.keys, self._values, self._read())
-                if old is not new and not _same(old, new)]
+        return [key for key, _ in self._moved()]
 
     def changed(self):
         """The settings changed since the last `mark()`, as `{name: value}`.
 
+        Returns:
+            A dict, empty when nothing changed.
+
         Raises:
             BackendError: When a setting was given a value that cannot be sent
                 (anything but a Python or NumPy scalar).
+
+        Example:
+
+        ```python
+        watch = OptimizerSettingsWatch(optimizer)
+        optimizer.momentum = 0.5
+        watch.changed()                     # {"momentum": 0.5}
+        ```
         """
-        values = self._read()
-        if values == self._values:
-            return {}
-        changed = {}
-        for key, old, new in zip(self.keys, self._values, values):
-            if not _same(old, new):
-                changed[key] = _scalar(key, new)
-        return changed
+        return {key: _scalar(key, new) for key, new in self._moved()}
 
 
 _INNER = "inner_optimizer."
@@ -238,7 +255,18 @@ def _setting_keys(optimizer):
 
 
 def _same(a, b):
-    return type(a) is type(b) and a == b
+    """Whether two values of a setting are the same: one object, or of one type
+    and equal, NaN counting as equal to NaN (else a NaN setting would count as
+    changed at every step: the TensorFlow runtime would trace its step again,
+    the PyTorch runtime send it again)."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b) or (bool(a != a) and bool(b != b))
+    except (TypeError, ValueError):  # (an array's comparison has no single truth value)
+        return False
 
 
 def _scalar(key, value):
