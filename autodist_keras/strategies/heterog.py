@@ -21,8 +21,8 @@ batch share here, so uneven shares on mixed GPUs fall out of the search.
 - Strategies: local search over groups (costliest gradients first), scored
   by the simulator on a coarse graph whose nodes are the groups (same
   semantics, a fraction of the tasks), seeded with the even and proportional
-  data-parallel baselines and their hierarchical and parameter-server variants
-  and with the LP-balanced data-parallel plan.
+  data-parallel baselines and their hierarchical and parameter-server variants,
+  the whole batch on one device, and with the LP-balanced data-parallel plan.
 - Execution order: HEFT upward rank.
 - The final plan and every seed are scored by `estimator.simulate` on the
   real graph; the result is never predicted slower than its seeds (when a
@@ -123,7 +123,12 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     restricted = None
     if batch_size < len(names):
         restricted = len(names)
-        names = _fastest(cluster, names, batch_size)
+        fastest = _fastest(cluster, names, batch_size)
+        holding = _fastest(cluster, names, batch_size, graph=graph)
+        if holding != fastest:
+            return _best_device_set(graph, cluster, batch_size, cost_model, (fastest, holding),
+                                    time_budget_s, progress, options, restricted, started)
+        names = fastest
     k = options.get("groups")
     if k is None:
         k = int(min(16, max(8, round(math.sqrt(len(graph.nodes))))))
@@ -161,7 +166,8 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     seeds, skipped, per_sim = [], [], 0.0
     if use_seeds:
         seeds, skipped, per_sim = _seeds(
-            graph, cluster, cost, names, batch_size, bucket_bytes, budget
+            graph, cluster, cost, names, batch_size, bucket_bytes, budget,
+            single=_single_device(space, graph, cluster, batch_size),
         )
     if skipped:
         notes.append(
@@ -259,10 +265,102 @@ def _lp_key(state):
     return tuple((c, sync if sync[0] == "ps" else None) for c, sync in state)
 
 
-def _fastest(cluster, names, batch_size):
+def _fastest(cluster, names, batch_size, graph=None):
+    """The devices HeteroG plans over when the batch is smaller than the device count.
+
+    The fastest (peak FP32 FLOP/s); among equally fast devices the best
+    connected (their node's NIC bandwidth, then latency, as Disco and
+    FastT's splits rank them), then the earlier in `names`. With `graph`,
+    the devices that hold a whole replica of it with one sample (predicted,
+    `baselines.memory_capacity_samples`) come first.
+
+    Args:
+        cluster: The `Cluster`.
+        names: The device names asked for.
+        batch_size: The global batch size (fewer than `len(names)`).
+        graph: The `ModelGraph`, to rank the devices that hold it first
+            (default None: by speed alone).
+
+    Returns:
+        `batch_size` device names, in `names` order.
+
+    Example:
+
+    ```python
+    names = _fastest(cluster, cluster.names, 1, graph=graph)  # a device that fits, if any
+    ```
+    """
     speeds = baselines.device_speeds(cluster, names)
-    keep = sorted(names, key=lambda d: (-speeds[d], names.index(d)))[:batch_size]
+    holds = {d: graph is None or baselines.memory_capacity_samples(graph, cluster, d) >= 1
+             for d in names}
+
+    def key(d):
+        node = cluster.nodes[cluster.device(d).node]
+        return (not holds[d], -speeds[d], -node.nic_bandwidth, node.nic_latency, names.index(d))
+
+    keep = sorted(names, key=key)[:batch_size]
     return [d for d in names if d in keep]
+
+
+def _best_device_set(graph, cluster, batch_size, cost_model, sets, time_budget_s, progress,
+                     options, restricted, started):
+    """Plans over each device set and returns the fastest feasible plan (predicted).
+
+    Used when the batch is smaller than the device count and the fastest
+    devices are not the fastest that hold a replica: either set can give the
+    faster plan (a placement over small devices, or a replica on one that
+    holds it), so both are planned, each with half the time budget, and the
+    simulator decides. Until session 30 only the fastest were planned, so
+    where one of two equally fast devices could not hold the model the order
+    of the devices in the cluster decided whether the plan fit.
+
+    Args:
+        graph: The `ModelGraph`.
+        cluster: The `Cluster`.
+        batch_size: The global batch size.
+        cost_model: The cost model (or None).
+        sets: Device name lists, `batch_size` devices each.
+        time_budget_s: The caller's budget (None: the default), shared.
+        progress: Optional tqdm bar.
+        options: The planner options.
+        restricted: How many devices were asked for.
+        started: `time.perf_counter()` when planning began.
+
+    Returns:
+        The chosen `Plan`, with a note naming both sets and their predictions.
+    """
+    seconds = (time_budget_s if time_budget_s is not None else DEFAULT_BUDGET_S) / len(sets)
+    plans, failures = [], []
+    for names in sets:
+        try:
+            plans.append(plan(graph, cluster, batch_size, cost_model=cost_model,
+                              devices=list(names), time_budget_s=seconds, progress=progress,
+                              **options))
+        except PlanError as e:  # no plan on this set: the other may have one
+            plans.append(None)
+            failures.append(e)
+    if len(failures) == len(sets):
+        raise failures[0]
+    ranked = sorted((i for i, p in enumerate(plans) if p is not None), key=lambda i: (
+        not plans[i].prediction.feasible, plans[i].prediction.step_time_s, i))
+    chosen = plans[ranked[0]]
+
+    def figure(p):
+        if p is None:
+            return "no plan"
+        fits = "" if p.prediction.feasible else ", predicted not to fit"
+        return f"{_common.ms(p.prediction.step_time_s)}{fits}"
+
+    fastest, holding = plans
+    chosen.notes.insert(0, (
+        f"The batch ({batch_size}) is smaller than the number of devices ({restricted}); "
+        f"planned over the {batch_size} fastest {list(sets[0])} ({figure(fastest)}) and over "
+        f"the {batch_size} fastest that hold the model with one sample {list(sets[1])} "
+        f"({figure(holding)}); kept the {'first' if chosen is fastest else 'second'}."))
+    chosen.provenance.options = dict(chosen.provenance.options,
+                                     device_sets=[list(s) for s in sets])
+    chosen.provenance.planning_time_s = time.perf_counter() - started
+    return chosen
 
 
 def _as_heterog(plan, record):
@@ -270,12 +368,37 @@ def _as_heterog(plan, record):
     return plan
 
 
-def _seeds(graph, cluster, cost, names, batch_size, bucket_bytes, budget):
+def _single_device(space, graph, cluster, batch_size):
+    """The device that runs the whole batch alone fastest, for the single-device seed.
+
+    Among the devices that hold the model at the whole batch (predicted,
+    `baselines.memory_capacity_samples`; all of them when none does), the
+    one whose forward and backward per sample at the batch are fastest
+    (cost model), then the one with the most room, then the first.
+
+    Args:
+        space: The `_Space` (its per-layer cost tables).
+        graph: The `ModelGraph`.
+        cluster: The `Cluster`.
+        batch_size: The global batch size.
+
+    Returns:
+        A device name.
+    """
+    tables = space.fine_tables
+    room = {d: baselines.memory_capacity_samples(graph, cluster, d) for d in space.names}
+    fits = [d for d in space.names if room[d] >= batch_size] or list(space.names)
+    return min(fits, key=lambda d: (tables.per_sample_time(space.names.index(d), batch_size),
+                                    -room[d], space.names.index(d)))
+
+
+def _seeds(graph, cluster, cost, names, batch_size, bucket_bytes, budget, single=None):
     """The baseline plans HeteroG starts from, simulated on the real graph.
 
     The first seed that can be built is always simulated; the others only
     while the seeds have used less than half of the budget (counting one
-    more simulation for the final plan).
+    more simulation for the final plan). `single` (a device name) adds the
+    whole batch on that device, last.
 
     Returns:
         `(seeds, skipped, seconds per simulation)`, seeds as
@@ -294,6 +417,10 @@ def _seeds(graph, cluster, cost, names, batch_size, bucket_bytes, budget):
         ("data_parallel_even", baselines.data_parallel_even, {}),
         ("proportional_ps", baselines.proportional, {"sync": "ps", "ps_server": fastest}),
     ]
+    if single is not None:
+        # Every group on one device: in the search space, but not reachable by moves
+        # of one group at a time from a start on two or more devices.
+        specs.append(("single_device", baselines.single_device, {"device": single}))
     out, skipped, times = [], [], []
     for name, builder, kwargs in specs:
         if times:
