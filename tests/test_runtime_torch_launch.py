@@ -122,22 +122,26 @@ FAILING = textwrap.dedent("""
 
         cluster = Cluster.cpu_testbed([{"cores": [0], "threads": 1}, {"cores": [1], "threads": 1}])
         strategy = AutoStrategy(strategy="data_parallel", cluster=cluster, timeout_s=15)
-        with strategy.scope():
-            if mode == "unbuilt":  # weights made at the first call
-                model = keras.Sequential([keras.layers.Dense(2)])
-            else:
-                inputs = keras.Input((4,))
-                model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
-            model.compile(optimizer="sgd", loss="mse")
         rng = np.random.default_rng(0)
         x, y = rng.normal(size=(64, 4)), rng.normal(size=(64, 2))
-        try:
-            model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=callbacks(rank, mode))
-            outcome = "completed"
-        except Exception as e:
-            outcome = f"{type(e).__name__}: {e}"
-        with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
-            f.write(outcome)
+        # "unbuilt,callback,die": one fit after the other in the same ranks (a failed
+        # fit leaves the ranks able to fit again); each writes `rank{rank}-{mode}.txt`.
+        for step in mode.split(","):
+            with strategy.scope():
+                if step == "unbuilt":  # weights made at the first call
+                    model = keras.Sequential([keras.layers.Dense(2)])
+                else:
+                    inputs = keras.Input((4,))
+                    model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+                model.compile(optimizer="sgd", loss="mse")
+            try:
+                model.fit(x, y, batch_size=16, epochs=3, verbose=0,
+                          callbacks=callbacks(rank, step))
+                outcome = "completed"
+            except Exception as e:
+                outcome = f"{type(e).__name__}: {e}"
+            with open(os.path.join(out, f"rank{rank}-{step}.txt"), "w") as f:
+                f.write(outcome)
 """)
 
 
@@ -151,38 +155,30 @@ def _run_failing(tmp_path, mode):
     return launch(str(script), nprocs=2, args=[str(tmp_path), mode], env=env, timeout_s=200)
 
 
-def test_when_rank_0s_fit_fails_the_other_ranks_fit_raises_too(tmp_path):
-    _run_failing(tmp_path, "callback")
-    assert (tmp_path / "rank0.txt").read_text().startswith("ValueError: rank 0's callback failed")
-    other = (tmp_path / "rank1.txt").read_text()
-    assert other.startswith("WorkerError") and "stopped with an error" in other, other
-
-
-def test_a_model_not_built_before_fit_says_to_build_it_on_every_rank(tmp_path):
-    """Rank 0 builds a model at its first batch; the other ranks see no data. The
-    error said the ranks had built different models ("0 weights but rank 0's has 2")."""
-    _run_failing(tmp_path, "unbuilt")
-    message = (tmp_path / "rank0.txt").read_text()
-    assert message.startswith("WorkerError") and "has no weights yet" in message, message
-    assert "model(x[:1])" in message
-
-
 def test_a_rank_that_never_calls_fit_is_reported_after_timeout_s(tmp_path):
     import time
 
     started = time.monotonic()
     _run_failing(tmp_path, "skip")
     waited = time.monotonic() - started
-    message = (tmp_path / "rank0.txt").read_text()
+    message = (tmp_path / "rank0-skip.txt").read_text()
     assert message.startswith("BackendError") and "waited 15 s" in message, message
     assert "Every rank must run the script to its fit" in message
     assert waited < 150
 
 
-def test_when_rank_0_dies_the_other_rank_reports_it_without_a_cpp_stack(tmp_path):
-    """Rank 1 raises a WorkerError naming rank 0 and exits quietly: its exit
-    hook no longer writes to the store that died with rank 0 (which printed a
-    C++ "sendBytes failed" stack)."""
+def test_failing_ranks_say_what_is_wrong_and_stop_every_rank(tmp_path):
+    """One launch (`autodist-keras launch`), three fits in turn in the same two ranks
+    (each case on its own would cost the ranks' start-up again):
+
+    - A model not built before fit: rank 0 builds it at its first batch; the other
+      ranks see no data. The error said the ranks had built different models
+      ("0 weights but rank 0's has 2").
+    - A built model whose fit fails on rank 0 (its callback raises): the other
+      rank's fit raises too.
+    - Rank 0 dies mid-fit: rank 1 raises a WorkerError naming rank 0 and exits
+      quietly: its exit hook no longer writes to the store that died with rank 0
+      (which printed a C++ "sendBytes failed" stack)."""
     import subprocess
 
     script = tmp_path / "failing.py"
@@ -190,11 +186,20 @@ def test_when_rank_0_dies_the_other_rank_reports_it_without_a_cpp_stack(tmp_path
     env = dict(os.environ, KERAS_BACKEND="torch")
     done = subprocess.run(
         [sys.executable, "-m", "autodist_keras.cli", "launch", "--nprocs", "2", str(script),
-         str(tmp_path), "die"], env=env, capture_output=True, text=True, timeout=200)
+         str(tmp_path), "unbuilt,callback,die"], env=env, capture_output=True, text=True,
+        timeout=200)
     output = done.stdout + done.stderr
+    message = (tmp_path / "rank0-unbuilt.txt").read_text()
+    assert message.startswith("WorkerError") and "has no weights yet" in message, message
+    assert "model(x[:1])" in message
+    assert (tmp_path / "rank0-callback.txt").read_text().startswith(
+        "ValueError: rank 0's callback failed")
+    other = (tmp_path / "rank1-callback.txt").read_text()
+    assert other.startswith("WorkerError") and "stopped with an error" in other, other
     assert done.returncode != 0
     assert "rank 0 failed first" in output, output
-    message = (tmp_path / "rank1.txt").read_text()
+    assert not (tmp_path / "rank0-die.txt").exists()
+    message = (tmp_path / "rank1-die.txt").read_text()
     assert message.startswith("WorkerError: Worker rank 0 failed"), message
     assert "sendBytes" not in output and "Exception raised from" not in output, output
 
