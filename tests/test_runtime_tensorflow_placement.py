@@ -600,6 +600,20 @@ def test_split_trainable_batchnorm_is_refused_with_a_reason():
     assert not ok and "small_cnn_bn0" in why
 
 
+def test_fastt_does_not_split_a_trainable_batchnorm():
+    """FastT split the small CNN's trainable bn0 alone over two devices at batches of
+    5 to 11 on the CPU testbed (feasible, predicted), a plan this runtime refuses
+    (helper-128's sweep, session 30); it now leaves such layers whole."""
+    from autodist_keras.backends import tf_placement
+    from autodist_keras.devices import Cluster
+    from autodist_keras.graph import ModelGraph
+    from autodist_keras.strategies import fastt
+
+    graph = ModelGraph.from_keras(_cnn(freeze_bn=False))
+    plan = fastt.plan(graph, Cluster.cpu_testbed(), 7)
+    assert len(plan.groups) == 1 or tf_placement.unsupported(plan, graph) is None, plan.summary()
+
+
 def test_placement_across_nodes_is_refused():
     from autodist_keras.devices import Cluster
     from autodist_keras.errors import BackendError

@@ -25,6 +25,44 @@ from autodist_keras.strategies.plan import Replica
 from autodist_keras.strategies.plan import SyncSpec
 
 
+BATCH_STATISTICS_LAYERS = ("BatchNormalization", "SyncBatchNormalization")
+
+
+def unsplittable_layers(graph):
+    """Layer calls whose result depends on the whole batch: not to split by rows.
+
+    A trainable BatchNormalization normalises with the batch's statistics and a
+    stateful layer (`stateful=True`) keeps state per batch row, so running
+    either as batch-split replicas changes what it computes; the TensorFlow
+    placement runtime refuses such a split group (`tf_placement.unsupported`).
+    Only graphs made with `ModelGraph.from_keras` (with Keras calls) are
+    checked: the runtimes run no placement plan for any other graph.
+
+    Args:
+        graph: A `ModelGraph`.
+
+    Returns:
+        A set of graph node names (empty for a graph without Keras calls).
+
+    Example:
+
+    ```python
+    blocked = unsplittable_layers(ModelGraph.from_keras(model))
+    ```
+    """
+    calls = getattr(graph, "calls", None) or {}
+    blocked = set()
+    for name, node in graph.nodes.items():
+        op = calls.get(name, (None, None))[0]
+        if op is None or node.kind == "input":
+            continue
+        if node.layer_type in BATCH_STATISTICS_LAYERS and getattr(op, "trainable", False):
+            blocked.add(name)
+        elif getattr(op, "stateful", False) is True:
+            blocked.add(name)
+    return blocked
+
+
 def check_request(planner, graph, cluster, batch_size, devices, options, allowed):
     """Validates a planner call and returns the device names to plan over.
 

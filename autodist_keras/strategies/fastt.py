@@ -125,6 +125,11 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
                         buffer_bytes=_common.unit_buffer_bytes(graph, coarse))
     tables.bucket_bytes = bucket_bytes or 0
     notes = []
+    # Units holding a layer that cannot run as batch-split replicas (a trainable
+    # BatchNormalization) are never split: no runtime could run that plan.
+    unsplittable = _common.unsplittable_layers(graph)
+    blocked = {i for i, unit in enumerate(tables.layers)
+               if unsplittable & set(coarse.members.get(unit, [unit]))}
     if graph.data_parallel_only:
         notes.append(
             "The model has no functional graph (subclassed); FastT sees it as one "
@@ -141,7 +146,8 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
         best, kept = base, []
         if split and tables.n_dev > 1:
             best, kept = _split_search(
-                tables, batch_size, base, rounds, per_round, work, budget, memory_aware
+                tables, batch_size, base, rounds, per_round, work, budget, memory_aware,
+                blocked,
             )
         searched.append((method, base, best, kept))
         _common.tick(progress, PLANNER, f"{method}: {len(kept)} split(s)")
@@ -341,7 +347,8 @@ def _layer_cost(tables, schedule, layer):
     return max(tables.layer_total(layer, d, s) for d, s in schedule.replicas[layer])
 
 
-def _split_search(tables, batch, schedule, rounds, per_round, work, budget, memory_aware):
+def _split_search(tables, batch, schedule, rounds, per_round, work, budget, memory_aware,
+                  blocked=frozenset()):
     """Greedy op splitting on the critical path; returns (schedule, descriptions).
 
     Each round walks the critical path's layers, costliest first. For a layer
@@ -350,7 +357,8 @@ def _split_search(tables, batch, schedule, rounds, per_round, work, budget, memo
     split over n, ..., 4, 2 of the fastest devices with room (a region's
     sweep stops at the first size worse than its best). The best candidate
     of the first layer that has an improving one is kept, then a new round
-    starts.
+    starts. Units in `blocked` (indices holding a layer that cannot be split,
+    `_common.unsplittable_layers`) are left out of every region.
     """
     fixed = {}
     current = schedule
@@ -366,6 +374,7 @@ def _split_search(tables, batch, schedule, rounds, per_round, work, budget, memo
             rest = [i for i, reps in enumerate(current.replicas) if len(reps) == 1]
             for region in (_colocated(current, layer), _segment(current, layer), [layer],
                            rest if layer in rest else []):
+                region = [i for i in region if i not in blocked]
                 if region and region not in regions:
                     regions.append(region)
             now = len(current.replicas[layer])
