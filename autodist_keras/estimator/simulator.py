@@ -20,8 +20,9 @@ on simulated devices and links:
   receiver's receive port (and both NICs across nodes) for
   `cost_model.transfer_time`; a collective occupies the ports of all its
   members (and the NICs of their nodes when it spans nodes). Transfers that
-  need a busy port wait: requests are served first come, first served, so
-  transfers through one port are serialised.
+  need a busy port wait: requests are served first come, first served
+  (those ready at the same instant in task order: bucket order, then replica
+  order), so transfers through one port are serialised.
 - Gradient synchronisation: `plan.buckets` in launch order. A bucket's
   variables are split by owning group and sync method. An all-reduce bucket
   starts when every member replica has produced the bucket's gradients, one
@@ -32,7 +33,8 @@ on simulated devices and links:
   (serialised on the server's receive port), summed and applied on the
   server's compute stream, and pulled back by every client.
 - Optimizer update: per device, after its compute and its all-reduces,
-  memory-bound (`cost_model.update_time`) for the variables it updates.
+  memory-bound (`cost_model.update_time`) for the variables it updates; a
+  PS client's end of step follows its pulls, the server's its applies.
 - Memory: parameters, gradients and optimizer slots (`graph.optimizer_slots`
   per parameter, read from the compiled optimizer: Adam 2, plain SGD 0; PS
   clients keep none, the server keeps them) plus live activations: each
@@ -199,6 +201,13 @@ def _format_bytes(n):
     return f"{int(n)} bytes"
 
 _COMPUTE, _XFER, _COLLECTIVE, _UPDATE, _BARRIER = 0, 1, 2, 3, 4
+
+
+def _device_signature(device):
+    """What makes two devices identical to the simulator: they run a layer in the
+    same time (kind, model, FP32 and FP16 peaks, memory bandwidth)."""
+    return (device.kind, device.model, device.peak_flops_fp32, device.peak_flops_fp16,
+            device.memory_bandwidth)
 
 
 @dataclasses.dataclass
@@ -730,8 +739,7 @@ class _Simulation:
                 if r.device in ps_servers:
                     continue
                 key = (
-                    d.kind, d.model, d.peak_flops_fp32, d.peak_flops_fp16,
-                    d.memory_bandwidth, r.batch_share,
+                    _device_signature(d), r.batch_share,
                     tuple(map(tuple, plan.order.get(r.device, ()))) if plan.order else (),
                 )
                 if key in seen:
@@ -753,8 +761,9 @@ class _Simulation:
                 di = group_devs[gi][ri]
                 dev = self.devs[di]
                 for phase, table in (("forward", F), ("backward", B)):
-                    key = (layer, dev.model, dev.peak_flops_fp32, dev.memory_bandwidth,
-                           r.batch_share, phase)
+                    # Everything of the device a cost model prices by: devices that
+                    # differ only in their FP16 peak or kind must not share times.
+                    key = (layer, _device_signature(dev), r.batch_share, phase)
                     dur = time_cache.get(key)
                     if dur is None:
                         dur = cost.layer_time(node, dev, r.batch_share, phase)
@@ -983,6 +992,12 @@ class _Simulation:
                     + cost.update_time(nbytes, self.dev_names[server], len(names)),
                     server, None, self.update_prio - 5, (server,), "ps_update",
                 )
+                # The server's own end of step (its host time, any local update)
+                # follows the applies, as a client's follows its pulls: ready
+                # earlier, it would hold the compute stream between two applies and
+                # delay every later pull (session 30: a server 2x faster made a PS
+                # step under PyTorch 47% slower).
+                update_deps[server].append(upd)
                 for ri, di in enumerate(members):
                     if di == server:
                         for b in ready[ri]:
@@ -1076,6 +1091,7 @@ class _Simulation:
         buffers = [0] * n_dev  # live backward gradient buffers (part of `live`)
         peak_buffers = [0] * n_dev
         dirty = set()
+        pending = []  # link tasks made ready at `now`, not yet given their ports
         done = 0
         now = 0.0
 
@@ -1107,6 +1123,11 @@ class _Simulation:
                 heapq.heappush(ready_q[s], (prio[t], t))
                 dirty.add(s)
                 return
+            # Link tasks wait until every event of this instant is processed: those
+            # that became ready together reserve their ports in task order below.
+            pending.append(t)
+
+        def reserve(t, now):
             p = ports[t]
             at = now
             if p:
@@ -1122,6 +1143,17 @@ class _Simulation:
             if ndeps[t] == 0:
                 make_ready(t, 0.0)
         while True:
+            if pending:
+                # Transfers and collectives that became ready at the same instant
+                # take their ports in task order (bucket order, then replica order),
+                # not in the order their dependencies' events were processed: with
+                # de-duplication one representative's event releases the transfers
+                # of all its copies at once, so that order would differ from
+                # simulating every device (session 30: a PS plan, 1.3% apart).
+                pending.sort()
+                for t in pending:
+                    reserve(t, now)
+                pending.clear()
             for s in list(dirty):
                 if not busy[s] and ready_q[s]:
                     _, t = heapq.heappop(ready_q[s])

@@ -1069,7 +1069,8 @@ def _balanced_base(base, graph, cluster, cost, batch_size):
     per_device = []
     for name in devices:
         device = cluster.device(name)
-        key = (device.model, device.kind, device.peak_flops_fp32, device.memory_bandwidth)
+        key = (device.model, device.kind, device.peak_flops_fp32, device.peak_flops_fp16,
+               device.memory_bandwidth)
         if key not in curves:
             times = [
                 sum(cost.layer_time(n, device, g, "forward") + cost.layer_time(n, device, g, "backward")
