@@ -815,13 +815,27 @@ class _Runtime:
 
     def keras_step_suffices(self):
         """Whether the plan is one replica on this process's default device
-        (outside multi-worker mode), so Keras's own train step realises it."""
+        (outside multi-worker mode), so Keras's own train step realises it.
+
+        Not for a model with per-output loss metrics (several compiled
+        losses): Keras's traced step, fed batches of unknown size, counts
+        every batch as 1 in those averages, while the first step (ours, which
+        makes the plan) counts its rows, so the logged `<output>_loss` would
+        match neither plain nor eager Keras. Our step weighs every batch by
+        its rows, as eager Keras does.
+
+        Returns:
+            `True` when the loop may run Keras's own train function.
+        """
         import tensorflow as tf
 
         if (self.plan is None or not self.plan.is_data_parallel or self.adapter.worker is not None
                 or not self.replicas or len(self.replicas) != 1
                 or (self.fusion is not None and self.fusion.active)):
             return False  # (Keras's own step would not compile the op-fusion regions)
+        compile_loss = getattr(self.model, "_compile_loss", None)
+        if compile_loss is not None and list(getattr(compile_loss, "metrics", None) or []):
+            return False
         default = ("GPU", 0) if tf.config.list_logical_devices("GPU") else ("CPU", 0)
         for name in (self.replicas[0].device, self.adapter.home):
             spec = tf.DeviceSpec.from_string(name)
