@@ -241,6 +241,9 @@ def test_yaml_merge_keys_still_load(tmp_path):
 def test_unreadable_files(tmp_path):
     with pytest.raises(ClusterSpecError, match="No such file"):
         Cluster.from_yaml(tmp_path / "nope.yaml")
+    # (A raw "ValueError: embedded null byte" from open(); the fuzz test met "/\x00".)
+    with pytest.raises(ClusterSpecError, match="cannot hold a NUL character.*Received"):
+        Cluster.resolve("/\x00")
     with pytest.raises(ClusterSpecError, match="Cannot read"):
         Cluster.from_yaml(tmp_path)
     binary = tmp_path / "bin.yaml"

@@ -69,6 +69,7 @@ def test_plot_and_trace_refuse_paths_that_name_no_file(twelve_gpu_timeline, tmp_
              (7, "must be a string or path-like"),
              ("notes.txt/deeper/out.svg", "is a file, not a directory"),
              ("pics/", "ends with a path separator"),
+             ("out\x00.svg", "holds a NUL character"),  # (raw ValueError at the write)
              # (was "is a file, not a directory")
              ("gone/out.svg", "is a symbolic link to a missing target")]
     if os.path.isdir("/proc"):  # (failed at the write, after the drawing: "No such file")

@@ -184,13 +184,18 @@ def test_a_batch_smaller_than_the_devices_keeps_a_device_that_holds_the_model():
         return {"name": name, "memory_gb": _nominal_gb(need_gb * fraction),
                 "fp32_tflops": 10.0, "bandwidth_gbps": 500.0}
 
-    for gpus in ([gpu("Small", 0.9), gpu("Big", 1.5)], [gpu("Big", 1.5), gpu("Small", 0.9)]):
+    for gpus in ([gpu("Big", 1.5), gpu("Small", 0.9)], [gpu("Small", 0.9), gpu("Big", 1.5)]):
         cluster = Cluster.from_dict({"nodes": [{"name": "node0", "intra_link": 20.0,
                                                 "gpus": gpus}]})
         plan = heterog.plan(graph, cluster, 1, time_budget_s=BIG)
         assert plan.prediction.feasible, (gpus[0]["name"], plan.prediction.infeasible_reason)
         assert [cluster.device(d).model for d in plan.devices] == ["Big"]
         assert plan.validate(graph, cluster) == []
+    # Small first: both sets are planned, which halved the budget before it was
+    # checked: a TypeError for "4", and -1 was reported as "Received: -0.5".
+    for bad in ("4", -1):
+        with pytest.raises(StrategyError, match=rf"time_budget_s .*Received: {bad!r}$"):
+            heterog.plan(graph, cluster, 1, time_budget_s=bad)
 
 
 def test_a_batch_smaller_than_the_devices_keeps_the_best_connected_of_equal_devices():

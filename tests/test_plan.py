@@ -74,6 +74,30 @@ def test_plan_files_are_standard_json_and_non_finite_numbers_are_refused(graph, 
         plan.to_json()
 
 
+def test_an_output_folder_that_keeps_its_files_is_refused_with_the_probe_named(tmp_path):
+    """`output_target` checks a folder by creating and removing a file; in an
+    append-only folder (chattr +a, root only) the removal raised a raw
+    PermissionError and the probe file stayed there, unnamed."""
+    import os
+    import shutil
+    import subprocess
+
+    from autodist_keras.errors import OutputError
+    from autodist_keras.strategies.plan import output_target
+
+    folder = tmp_path / "append_only"
+    folder.mkdir()
+    if (os.geteuid() != 0 or shutil.which("chattr") is None
+            or subprocess.run(["chattr", "+a", str(folder)], capture_output=True).returncode):
+        pytest.skip("needs root and a file system with chattr +a")
+    try:
+        with pytest.raises(OutputError, match=r"cannot be removed there.*remove the test "
+                                              r"file '.*\.tmp-.*' left there.*Received"):
+            output_target(str(folder / "plan.json"), "plan.json")
+    finally:
+        subprocess.run(["chattr", "-a", str(folder)], check=True)
+
+
 def test_damaged_plan_files_get_plan_errors_that_say_what_to_do(graph, testbed, tmp_path):
     plan = baselines.proportional(graph, testbed, 96)
     text = plan.to_json()

@@ -609,9 +609,20 @@ def test_fastt_does_not_split_a_trainable_batchnorm():
     from autodist_keras.graph import ModelGraph
     from autodist_keras.strategies import fastt
 
-    graph = ModelGraph.from_keras(_cnn(freeze_bn=False))
-    plan = fastt.plan(graph, Cluster.cpu_testbed(), 7)
-    assert len(plan.groups) == 1 or tf_placement.unsupported(plan, graph) is None, plan.summary()
+    class SubclassedBN(keras.layers.BatchNormalization):
+        pass
+
+    def subclassed_bn(layer):
+        kind = SubclassedBN if isinstance(layer, keras.layers.BatchNormalization) else type(layer)
+        return kind.from_config(layer.get_config())
+
+    plain = _cnn(freeze_bn=False)
+    # A subclass has its own class name as layer_type: FastT split it (bn0, batch 7).
+    for model in (plain, keras.models.clone_model(plain, clone_function=subclassed_bn)):
+        graph = ModelGraph.from_keras(model)
+        plan = fastt.plan(graph, Cluster.cpu_testbed(), 7)
+        assert len(plan.groups) == 1 or tf_placement.unsupported(plan, graph) is None, (
+            type(model.layers[2]).__name__, plan.summary())
 
 
 def test_placement_across_nodes_is_refused():

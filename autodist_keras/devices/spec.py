@@ -760,6 +760,12 @@ def cluster_from_yaml(path):
         raise ClusterSpecError(
             f"A cluster spec path must be a string or path-like. Received: {path!r}"
         ) from None
+    if "\0" in path:  # (open() raised a raw "ValueError: embedded null byte")
+        raise ClusterSpecError(
+            "A cluster spec path cannot hold a NUL character ('\\x00'): no file has such a "
+            "name. Give the path of an existing YAML resource spec. "
+            f"Received: {path!r}"
+        )
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()

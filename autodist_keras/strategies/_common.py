@@ -31,10 +31,11 @@ BATCH_STATISTICS_LAYERS = ("BatchNormalization", "SyncBatchNormalization")
 def unsplittable_layers(graph):
     """Layer calls whose result depends on the whole batch: not to split by rows.
 
-    A trainable BatchNormalization normalises with the batch's statistics and a
-    stateful layer (`stateful=True`) keeps state per batch row, so running
-    either as batch-split replicas changes what it computes; the TensorFlow
-    placement runtime refuses such a split group (`tf_placement.unsupported`).
+    A trainable BatchNormalization (or a subclass of it) normalises with the
+    batch's statistics and a stateful layer (`stateful=True`) keeps state per
+    batch row, so running either as batch-split replicas changes what it
+    computes; the TensorFlow placement runtime refuses such a split group
+    (`tf_placement.unsupported`).
     Only graphs made with `ModelGraph.from_keras` (with Keras calls) are
     checked: the runtimes run no placement plan for any other graph.
 
@@ -52,11 +53,19 @@ def unsplittable_layers(graph):
     """
     calls = getattr(graph, "calls", None) or {}
     blocked = set()
+    if not calls:
+        return blocked
+    import keras
+
     for name, node in graph.nodes.items():
         op = calls.get(name, (None, None))[0]
         if op is None or node.kind == "input":
             continue
-        if node.layer_type in BATCH_STATISTICS_LAYERS and getattr(op, "trainable", False):
+        # isinstance, as the runtime checks: a subclass of BatchNormalization has
+        # another layer_type (its class name) and was split.
+        statistics = (isinstance(op, keras.layers.BatchNormalization)
+                      or node.layer_type in BATCH_STATISTICS_LAYERS)
+        if statistics and getattr(op, "trainable", False):
             blocked.add(name)
         elif getattr(op, "stateful", False) is True:
             blocked.add(name)

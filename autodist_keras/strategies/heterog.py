@@ -120,6 +120,9 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     names = _common.check_request(
         PLANNER, graph, cluster, batch_size, devices, options, OPTION_NAMES
     )
+    # (Checked first: a budget of "4" or -1 split over two device sets below was a
+    # TypeError, or named half the value given.)
+    budget = _common.Budget(time_budget_s, DEFAULT_BUDGET_S, started)
     restricted = None
     if batch_size < len(names):
         restricted = len(names)
@@ -127,7 +130,7 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
         holding = _fastest(cluster, names, batch_size, graph=graph)
         if holding != fastest:
             return _best_device_set(graph, cluster, batch_size, cost_model, (fastest, holding),
-                                    time_budget_s, progress, options, restricted, started)
+                                    budget.seconds, progress, options, restricted, started)
         names = fastest
     k = options.get("groups")
     if k is None:
@@ -143,7 +146,6 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     use_seeds = bool(options.get("seeds", True))
     isolate = bool(options.get("isolate", True))
     bucket_bytes = options.get("bucket_bytes", baselines.DDP_BUCKET_BYTES)
-    budget = _common.Budget(time_budget_s, DEFAULT_BUDGET_S, started)
     cost = resolve_cost_model(cluster, cost_model)
     record = {"groups": k, "max_work": max_work, "passes": passes, "seeds": use_seeds,
               "bucket_bytes": bucket_bytes, "isolate": isolate}
@@ -320,7 +322,8 @@ def _best_device_set(graph, cluster, batch_size, cost_model, sets, time_budget_s
         batch_size: The global batch size.
         cost_model: The cost model (or None).
         sets: Device name lists, `batch_size` devices each.
-        time_budget_s: The caller's budget (None: the default), shared.
+        time_budget_s: The caller's budget in seconds (checked, the default
+            filled in), shared by the sets.
         progress: Optional tqdm bar.
         options: The planner options.
         restricted: How many devices were asked for.
@@ -329,7 +332,7 @@ def _best_device_set(graph, cluster, batch_size, cost_model, sets, time_budget_s
     Returns:
         The chosen `Plan`, with a note naming both sets and their predictions.
     """
-    seconds = (time_budget_s if time_budget_s is not None else DEFAULT_BUDGET_S) / len(sets)
+    seconds = time_budget_s / len(sets)
     plans, failures = [], []
     for names in sets:
         try:

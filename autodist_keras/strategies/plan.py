@@ -904,6 +904,10 @@ def refuse_directory(path, example_name):
     if not text.strip():
         raise OutputError(f"The output path is empty: give the file to write, such as "
                           f"{example_name!r}. Received: {text!r}")
+    if "\0" in text:  # (passed every check, then the write raised "embedded null byte")
+        raise OutputError(f"The output path holds a NUL character ('\\x00'), which no file "
+                          f"name can hold: give the file to write, such as {example_name!r}. "
+                          f"Received: {text!r}")
     if os.path.isdir(path):
         raise OutputError(f"Cannot write {path!r}: it is a directory. Give a file name, such "
                           f"as {os.path.join(path, example_name)!r}. Received: {path!r}")
@@ -992,8 +996,21 @@ def output_target(path, example_name):
         raise OutputError(f"Cannot write {path!r}: no file can be created in {parent!r} "
                           f"({e.strerror or e}), and the output is written there first. Give "
                           f"a path in a writable directory. Received: {path!r}") from None
-    os.close(fd)
-    os.unlink(probe)
+    try:
+        os.close(fd)
+    finally:  # (removed whatever happens; an append-only folder keeps it: said below)
+        try:
+            os.unlink(probe)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            # (It escaped as a PermissionError, and the probe file stayed unnamed.)
+            raise OutputError(
+                f"Cannot write {path!r}: a file created in {parent!r} cannot be removed "
+                f"there ({e.strerror or e}; an append-only folder?), and the output is "
+                f"written there first, then renamed over the target. Give a path in another "
+                f"directory, and remove the test file {probe!r} left there. "
+                f"Received: {path!r}") from None
     return target
 
 
