@@ -114,24 +114,51 @@ def unsupported(plan, graph):
     return None
 
 
-def _split_problem(graph, name):
-    """Why the layer call `name` cannot run as batch-split replicas, or None."""
+def whole_batch_problem(layer):
+    """Why `layer` computes on the whole batch, so that batch-split replicas of it
+    would compute something else, or None.
+
+    A trainable BatchNormalization (or a subclass) normalises with the whole
+    batch's statistics; a stateful layer keeps state per batch row. The
+    runtime refuses to split such a layer, and FastT does not plan it
+    (`strategies._common.unsplittable_layers`).
+
+    Args:
+        layer: A Keras layer.
+
+    Returns:
+        A reason (a string), or None.
+
+    Example:
+
+    ```python
+    whole_batch_problem(keras.layers.BatchNormalization())  # "BatchNormalization in ..."
+    ```
+    """
     import keras
 
+    if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
+        return (
+            "BatchNormalization in training mode normalises with the statistics of the "
+            "whole batch, which splitting would change (freeze it with trainable=False, or "
+            "plan without splitting it)"
+        )
+    if getattr(layer, "stateful", False):
+        return "it is stateful (its state is per batch row), so it cannot be split"
+    return None
+
+
+def _split_problem(graph, name):
+    """Why the layer call `name` cannot run as batch-split replicas, or None."""
     node = graph.nodes[name]
     if node.kind == "input":
         return None
     op, knode = graph.calls.get(name, (None, None))
     if op is None or knode is None:
         return "its Keras call is unknown"
-    if isinstance(op, keras.layers.BatchNormalization) and op.trainable:
-        return (
-            "BatchNormalization in training mode normalises with the statistics of the "
-            "whole batch, which splitting would change (freeze it with trainable=False, or "
-            "plan without splitting it)"
-        )
-    if getattr(op, "stateful", False):
-        return "it is stateful (its state is per batch row), so it cannot be split"
+    reason = whole_batch_problem(op)
+    if reason:
+        return reason
     batch_dim = _batch_dim(graph)
     outputs = list(knode.outputs)
     if not outputs:

@@ -203,9 +203,23 @@ def _format_bytes(n):
 _COMPUTE, _XFER, _COLLECTIVE, _UPDATE, _BARRIER = 0, 1, 2, 3, 4
 
 
-def _device_signature(device):
+def device_timing_key(device):
     """What makes two devices identical to the simulator: they run a layer in the
-    same time (kind, model, FP32 and FP16 peaks, memory bandwidth)."""
+    same time (kind, model, FP32 and FP16 peaks, memory bandwidth).
+
+    Args:
+        device: A `Device`.
+
+    Returns:
+        A hashable tuple; equal for devices a cost model prices alike.
+
+    Example:
+
+    ```python
+    curves = {}
+    curves.setdefault(device_timing_key(cluster.device("node0/gpu0")), [])
+    ```
+    """
     return (device.kind, device.model, device.peak_flops_fp32, device.peak_flops_fp16,
             device.memory_bandwidth)
 
@@ -739,7 +753,7 @@ class _Simulation:
                 if r.device in ps_servers:
                     continue
                 key = (
-                    _device_signature(d), r.batch_share,
+                    device_timing_key(d), r.batch_share,
                     tuple(map(tuple, plan.order.get(r.device, ()))) if plan.order else (),
                 )
                 if key in seen:
@@ -763,7 +777,7 @@ class _Simulation:
                 for phase, table in (("forward", F), ("backward", B)):
                     # Everything of the device a cost model prices by: devices that
                     # differ only in their FP16 peak or kind must not share times.
-                    key = (layer, _device_signature(dev), r.batch_share, phase)
+                    key = (layer, device_timing_key(dev), r.batch_share, phase)
                     dur = time_cache.get(key)
                     if dur is None:
                         dur = cost.layer_time(node, dev, r.batch_share, phase)

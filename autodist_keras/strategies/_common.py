@@ -31,11 +31,11 @@ BATCH_STATISTICS_LAYERS = ("BatchNormalization", "SyncBatchNormalization")
 def unsplittable_layers(graph):
     """Layer calls whose result depends on the whole batch: not to split by rows.
 
-    A trainable BatchNormalization (or a subclass of it) normalises with the
-    batch's statistics and a stateful layer (`stateful=True`) keeps state per
-    batch row, so running either as batch-split replicas changes what it
-    computes; the TensorFlow placement runtime refuses such a split group
-    (`tf_placement.unsupported`).
+    The layers the TensorFlow placement runtime refuses to split
+    (`tf_placement.whole_batch_problem`: a trainable BatchNormalization or a
+    subclass of it, which normalises with the batch's statistics, and a
+    stateful layer, which keeps state per batch row), and trainable layers of
+    a batch-statistics type by name (`BATCH_STATISTICS_LAYERS`).
     Only graphs made with `ModelGraph.from_keras` (with Keras calls) are
     checked: the runtimes run no placement plan for any other graph.
 
@@ -52,24 +52,50 @@ def unsplittable_layers(graph):
     ```
     """
     calls = getattr(graph, "calls", None) or {}
-    blocked = set()
     if not calls:
-        return blocked
-    import keras
+        return set()
+    from autodist_keras.backends.tf_placement import whole_batch_problem
 
+    blocked = set()
     for name, node in graph.nodes.items():
         op = calls.get(name, (None, None))[0]
         if op is None or node.kind == "input":
             continue
-        # isinstance, as the runtime checks: a subclass of BatchNormalization has
-        # another layer_type (its class name) and was split.
-        statistics = (isinstance(op, keras.layers.BatchNormalization)
-                      or node.layer_type in BATCH_STATISTICS_LAYERS)
-        if statistics and getattr(op, "trainable", False):
-            blocked.add(name)
-        elif getattr(op, "stateful", False) is True:
+        named = node.layer_type in BATCH_STATISTICS_LAYERS and getattr(op, "trainable", False)
+        if named or whole_batch_problem(op):
             blocked.add(name)
     return blocked
+
+
+def ranked_devices(devices, cluster, speeds=None):
+    """`devices` fastest first, then the best connected, then in the order given.
+
+    Speed is `speeds[name]` where given, else the device's peak FP32 FLOP/s;
+    among equally fast devices the one whose node has the faster NIC, then
+    the lower NIC latency, comes first.
+
+    Args:
+        devices: Device names.
+        cluster: The `Cluster`.
+        speeds: Optional dict from device name to a speed figure.
+
+    Returns:
+        A list of the names, ranked.
+
+    Example:
+
+    ```python
+    top = ranked_devices(cluster.names, cluster)[:batch_size]
+    ```
+    """
+    def key(item):
+        i, name = item
+        node = cluster.nodes[cluster.device(name).node]
+        speed = float(speeds[name]) if speeds is not None and name in speeds else float(
+            cluster.device(name).peak_flops_fp32)
+        return (-speed, -node.nic_bandwidth, node.nic_latency, i)
+
+    return [name for _, name in sorted(enumerate(devices), key=key)]
 
 
 def check_request(planner, graph, cluster, batch_size, devices, options, allowed):

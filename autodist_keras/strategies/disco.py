@@ -60,6 +60,7 @@ import numpy as np
 from autodist_keras.errors import AutodistError
 from autodist_keras.errors import StrategyError
 from autodist_keras.estimator.cost_model import AnalyticCostModel
+from autodist_keras.estimator.simulator import device_timing_key
 from autodist_keras.fusion import op_fusion as op_fusion_lib
 from autodist_keras.fusion import tensor_fusion
 from autodist_keras.strategies import _common
@@ -826,18 +827,6 @@ def _smaller_sets(base, cluster):
                                           if cluster.device(n).node not in level]
 
 
-def _ranked(devices, cluster, speeds):
-    """`devices` fastest first (peak FLOP/s or `speeds`), then best-connected, then in order."""
-    def key(item):
-        i, name = item
-        node = cluster.nodes[cluster.device(name).node]
-        speed = float(speeds[name]) if speeds is not None and name in speeds else float(
-            cluster.device(name).peak_flops_fp32)
-        return (-speed, -node.nic_bandwidth, node.nic_latency, i)
-
-    return [name for _, name in sorted(enumerate(devices), key=key)]
-
-
 def _choose_devices(graph, cluster, batch_size, devices, speeds, cost, algorithms, use_tensor,
                     use_op, backend, candidate_joins):
     """The device subset whose data-parallel start is predicted fastest.
@@ -906,7 +895,7 @@ def _choose_devices(graph, cluster, batch_size, devices, speeds, cost, algorithm
 
     left_out = {}
     if few:
-        top = set(_ranked(allowed, cluster, speeds)[:batch_size])
+        top = set(_common.ranked_devices(allowed, cluster, speeds)[:batch_size])
         first = [n for n in allowed if n in top]
         for n in allowed:
             if n not in top:
@@ -962,7 +951,7 @@ def _choose_devices(graph, cluster, batch_size, devices, speeds, cost, algorithm
         for node in strongest[:MAX_NODE_STARTS]:
             members = nodes[node]
             if few and len(members) > batch_size:
-                keep = set(_ranked(members, cluster, speeds)[:batch_size])
+                keep = set(_common.ranked_devices(members, cluster, speeds)[:batch_size])
                 members = [n for n in members if n in keep]
             why = {n: ("node", node) for n in allowed if n not in nodes[node]}
             why.update({n: ("batch", None) for n in nodes[node] if n not in members})
@@ -970,7 +959,7 @@ def _choose_devices(graph, cluster, batch_size, devices, speeds, cost, algorithm
     # One device of each type (the best-connected): peak FLOP/s need not say which
     # runs the step fastest (memory-bound layers follow memory bandwidth).
     types = {}
-    for name in _ranked(allowed, cluster, speeds):
+    for name in _common.ranked_devices(allowed, cluster, speeds):
         types.setdefault(cluster.device(name).model, name)
     for name in types.values():
         alone.append(([name], {n: ("device", name) for n in allowed if n != name}))
@@ -1069,8 +1058,7 @@ def _balanced_base(base, graph, cluster, cost, batch_size):
     per_device = []
     for name in devices:
         device = cluster.device(name)
-        key = (device.model, device.kind, device.peak_flops_fp32, device.peak_flops_fp16,
-               device.memory_bandwidth)
+        key = device_timing_key(device)
         if key not in curves:
             times = [
                 sum(cost.layer_time(n, device, g, "forward") + cost.layer_time(n, device, g, "backward")

@@ -271,8 +271,9 @@ def _fastest(cluster, names, batch_size, graph=None):
     """The devices HeteroG plans over when the batch is smaller than the device count.
 
     The fastest (peak FP32 FLOP/s); among equally fast devices the best
-    connected (their node's NIC bandwidth, then latency, as Disco and
-    FastT's splits rank them), then the earlier in `names`. With `graph`,
+    connected (their node's NIC bandwidth, then latency:
+    `_common.ranked_devices`, as Disco ranks them), then the earlier in
+    `names`. With `graph`,
     the devices that hold a whole replica of it with one sample (predicted,
     `baselines.memory_capacity_samples`) come first.
 
@@ -293,14 +294,10 @@ def _fastest(cluster, names, batch_size, graph=None):
     ```
     """
     speeds = baselines.device_speeds(cluster, names)
-    holds = {d: graph is None or baselines.memory_capacity_samples(graph, cluster, d) >= 1
-             for d in names}
-
-    def key(d):
-        node = cluster.nodes[cluster.device(d).node]
-        return (not holds[d], -speeds[d], -node.nic_bandwidth, node.nic_latency, names.index(d))
-
-    keep = sorted(names, key=key)[:batch_size]
+    ranked = _common.ranked_devices(names, cluster, speeds)
+    if graph is not None:  # (a stable sort: the ranking holds within each part)
+        ranked.sort(key=lambda d: baselines.memory_capacity_samples(graph, cluster, d) < 1)
+    keep = ranked[:batch_size]
     return [d for d in names if d in keep]
 
 
