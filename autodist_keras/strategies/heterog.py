@@ -126,8 +126,9 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     restricted = None
     if batch_size < len(names):
         restricted = len(names)
-        fastest = _fastest(cluster, names, batch_size)
-        holding = _fastest(cluster, names, batch_size, graph=graph)
+        times = _one_sample_times(graph, cluster, resolve_cost_model(cluster, cost_model), names)
+        fastest = _fastest(cluster, names, batch_size, times)
+        holding = _fastest(cluster, names, batch_size, times, graph=graph)
         if holding != fastest:
             return _best_device_set(graph, cluster, batch_size, cost_model, (fastest, holding),
                                     budget.seconds, progress, options, restricted, started)
@@ -156,7 +157,8 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     if restricted is not None:
         notes.append(
             f"The batch ({batch_size}) is smaller than the number of devices ({restricted}); "
-            f"planned over the {len(names)} fastest, one sample each at least."
+            f"planned over the {len(names)} fastest at one sample (the predicted step of a "
+            "replica with one sample), one sample each at least."
         )
     if graph.data_parallel_only:
         notes.append(
@@ -267,20 +269,55 @@ def _lp_key(state):
     return tuple((c, sync if sync[0] == "ps" else None) for c, sync in state)
 
 
-def _fastest(cluster, names, batch_size, graph=None):
+def _one_sample_times(graph, cluster, cost, names):
+    """Seconds of one training step of a whole replica with one sample, per device.
+
+    The cost model's forward and backward of every layer at a batch of one,
+    the optimizer update of all the parameters and the step's fixed host
+    time: what a device costs in a plan that gives it one sample, as when
+    the batch is smaller than the device count. Until session 31 HeteroG
+    ranked the devices there by peak FP32 FLOP/s, which a memory-bound
+    model does not follow (at batch 1 a 4096-wide MLP on an L4, an A100 and
+    a P100 got the L4, 30.3 peak TFLOP/s and 300 GB/s: 6.10 ms against
+    1.27 ms on the A100, 19.5 TFLOP/s and 1.5 TB/s; predicted).
+
+    Args:
+        graph: The `ModelGraph`.
+        cluster: The `Cluster`.
+        cost: A cost model bound to `cluster`.
+        names: Device names.
+
+    Returns:
+        A dict from device name to seconds (predicted).
+
+    Example:
+
+    ```python
+    times = _one_sample_times(graph, cluster, AnalyticCostModel(cluster), cluster.names)
+    ```
+    """
+    tables = CostTables(graph, cluster, cost, names)
+    nbytes, ntensors = sum(tables.param_bytes), sum(tables.n_tensors)
+    return {d: tables.per_sample_time(i, 1) + tables.update(i, nbytes, ntensors)
+            + tables.step_overhead(i) for i, d in enumerate(names)}
+
+
+def _fastest(cluster, names, batch_size, times, graph=None):
     """The devices HeteroG plans over when the batch is smaller than the device count.
 
-    The fastest (peak FP32 FLOP/s); among equally fast devices the best
-    connected (their node's NIC bandwidth, then latency:
+    The fastest with one sample each (`times`, from `_one_sample_times`:
+    the cost model's step of a replica with one sample); among equally fast
+    devices the best connected (their node's NIC bandwidth, then latency:
     `_common.ranked_devices`, as Disco ranks them), then the earlier in
-    `names`. With `graph`,
-    the devices that hold a whole replica of it with one sample (predicted,
-    `baselines.memory_capacity_samples`) come first.
+    `names`. With `graph`, the devices that hold a whole replica of it with
+    one sample (predicted, `baselines.memory_capacity_samples`) come first.
 
     Args:
         cluster: The `Cluster`.
         names: The device names asked for.
         batch_size: The global batch size (fewer than `len(names)`).
+        times: Dict from device name to the seconds of a replica's step
+            with one sample (`_one_sample_times`).
         graph: The `ModelGraph`, to rank the devices that hold it first
             (default None: by speed alone).
 
@@ -290,11 +327,11 @@ def _fastest(cluster, names, batch_size, graph=None):
     Example:
 
     ```python
-    names = _fastest(cluster, cluster.names, 1, graph=graph)  # a device that fits, if any
+    times = _one_sample_times(graph, cluster, cost, cluster.names)
+    names = _fastest(cluster, cluster.names, 1, times, graph=graph)  # one that fits, if any
     ```
     """
-    speeds = baselines.device_speeds(cluster, names)
-    ranked = _common.ranked_devices(names, cluster, speeds)
+    ranked = _common.ranked_devices(names, cluster, {d: 1.0 / times[d] for d in names})
     if graph is not None:  # (a stable sort: the ranking holds within each part)
         ranked.sort(key=lambda d: baselines.memory_capacity_samples(graph, cluster, d) < 1)
     keep = ranked[:batch_size]
@@ -490,6 +527,11 @@ class _Space:
                     + self.ccost.unit_time(unit, t.dev[d], s, "backward")
                     for s in self.grid
                 ])
+        blocked = _common.unsplittable_layers(graph)
+        # Groups holding a layer that must not be split by rows (trainable
+        # BatchNormalization, stateful layers): `runnable` keeps them whole.
+        self.blocked = [i for i, u in enumerate(self.units)
+                        if blocked & set(self.coarse.members[u])]
         self._sets()
         self._cache = {}
         self._pruned = {}
@@ -870,6 +912,9 @@ class _Space:
         found = self._cache.get(state)
         if found is not None:
             return found
+        if not self.runnable(state):
+            self._cache[state] = (True, math.inf)
+            return self._cache[state]
         lower = self._pruned.get(state)
         if lower is not None and bound is not None and lower >= bound:
             return (False, lower)
@@ -900,6 +945,32 @@ class _Space:
         score = (not result.feasible, result.step_time_s)
         self._cache[state] = score
         return score
+
+    def runnable(self, state):
+        """Whether `state` keeps every layer that must not be split by rows whole.
+
+        A layer that computes on the whole batch (a trainable
+        BatchNormalization or a subclass, a stateful layer:
+        `_common.unsplittable_layers`) may be replicated with batch shares
+        only in a data-parallel plan, where every group has the same replica
+        set (one layer group; each replica normalises its own share, as data
+        parallelism does). In a hybrid or placement plan a group holding one
+        must run on one device: the TensorFlow placement runtime refuses to
+        split it (`tf_placement.unsupported`), as FastT never splits it.
+        Until session 31 HeteroG's search could return such a plan (a
+        4x2048 MLP with BatchNormalization after each Dense, batch 64, two
+        2 GiB and two 0.2 GiB GPUs, `seeds=False`: 8 groups, the
+        BatchNormalization groups split over the two large GPUs).
+
+        Args:
+            state: One `(replica set, sync)` per group.
+
+        Returns:
+            True when the plan of `state` splits no such layer.
+        """
+        if not self.blocked or len({set_id for set_id, _ in state}) == 1:
+            return True
+        return all(len(self.sets[state[i][0]]) == 1 for i in self.blocked)
 
     # ----------------------------------------------------------- search
     def initial_states(self):
@@ -1066,10 +1137,11 @@ class _Space:
         of its own as well and the groups are placed in order, each on the
         current device while it has room, then on the next (a pipeline-like
         placement, as FastT makes when no replica fits); the local search
-        then keeps those sets too.
+        then keeps those sets too. So does a greedy state that would split a
+        layer that must stay whole (`runnable`).
         """
         state = self._greedy_memory_state()
-        if state is None:
+        if state is None or not self.runnable(state):
             self.sets.extend((d,) for d in range(self.n) if (d,) not in self.sets)
             state = self._placement_memory_state()
         return state
