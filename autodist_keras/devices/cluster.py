@@ -629,6 +629,7 @@ class Cluster:
     def _rich_summary(self, header, footer):
         from rich.console import Console
         from rich.table import Table
+        from rich.text import Text
 
         buffer = io.StringIO()
         console = Console(file=buffer, force_terminal=True, width=120)
@@ -641,7 +642,9 @@ class Cluster:
             for i, column in enumerate(columns):
                 table.add_column(column, justify="right" if i >= 3 else "left")
             for row in rows:
-                table.add_row(*row)
+                # Text, not markup: a GPU named "RTX [lab]" (or "X[/]") in a spec
+                # was styled away, or stopped the summary with rich's MarkupError.
+                table.add_row(*(Text(str(cell)) for cell in row))
             console.print(table)
         for line in footer:
             console.print(line, markup=False, highlight=False)

@@ -650,16 +650,18 @@ class LayerProfile:
         """Returns a readable table of the measured times (rich)."""
         from rich.console import Console
         from rich.table import Table
+        from rich.text import Text
 
         table = Table(title=f"Layer profile ({self.backend}), measured, median of runs")
         for column in ("node", "type", "device", "batch", "fwd ms", "bwd ms", "sharing", "from"):
             table.add_column(column)
         for t in self.timings[:limit]:
-            table.add_row(
+            # Text, not markup: a layer named "dense[0]" kept its brackets.
+            table.add_row(*(Text(cell) for cell in (
                 t.node, t.layer_type, t.device, str(t.batch_size),
                 f"{t.forward_s * 1e3:.3f}", f"{t.backward_s * 1e3:.3f}", f"{t.sharing:g}",
                 "cache" if t.cached else "measured",
-            )
+            )))
         console = Console(record=True, width=120, file=open(os.devnull, "w"))
         console.print(table)
         text = console.export_text()

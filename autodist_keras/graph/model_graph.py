@@ -524,8 +524,12 @@ class ModelGraph:
         """
         from rich.console import Console
         from rich.table import Table
+        from rich.text import Text
 
-        table = Table(title=f"{self.name}: {len(self.nodes)} nodes, {len(self.edges)} edges",
+        # Text, not markup: a layer named "[bold]dense" or "head[x]" lost its brackets
+        # (and a "[/]" in a graph read from JSON stopped it with rich's MarkupError).
+        table = Table(title=Text(f"{self.name}: {len(self.nodes)} nodes, "
+                                 f"{len(self.edges)} edges"),
                       title_justify="left")
         for column, justify in (("#", "right"), ("node", "left"), ("type", "left"),
                                 ("output shape", "left"), ("params", "right"),
@@ -536,11 +540,11 @@ class ModelGraph:
         shown = rows if max_rows is None else rows[:max_rows]
         for i, node in enumerate(shown):
             shapes = ", ".join(_shape_text(s) for s in node.output_shapes)
-            table.add_row(
+            table.add_row(*(Text(cell) for cell in (
                 str(i), node.name, node.layer_type + ("*" if node.estimated else ""), shapes,
                 f"{node.trainable_params + node.non_trainable_params:,}",
                 _si(node.forward_flops), _si(node.backward_flops), _si(node.output_bytes),
-            )
+            )))
         if len(shown) < len(rows):
             table.add_row("...", f"({len(rows) - len(shown)} more)", "", "", "", "", "", "")
         buffer = io.StringIO()

@@ -511,7 +511,10 @@ def _render_plain(data):
 def _render_rich(data):
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
+    # Cells and titles are Text, not markup: a GPU named "RTX [lab]" in a YAML spec
+    # (or "X[/]") was styled away, or stopped explain() with rich's MarkupError.
     buffer = io.StringIO()
     console = Console(file=buffer, force_terminal=True, width=120)
     for line in _header_lines(data):
@@ -520,7 +523,7 @@ def _render_rich(data):
     for _, title in DEVICE_COLUMNS:
         table.add_column(title)
     for row in data["devices"]:
-        table.add_row(*[_cell(k, row[k]) for k, _ in DEVICE_COLUMNS])
+        table.add_row(*[Text(_cell(k, row[k])) for k, _ in DEVICE_COLUMNS])
     console.print(table)
     for line in _group_lines(data):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
@@ -528,11 +531,11 @@ def _render_rich(data):
         title = "Candidates (predicted)"
         if data.get("candidates_note"):
             title += f": {data['candidates_note']}"
-        table = Table(title=title)
+        table = Table(title=Text(title))
         for _, title in CANDIDATE_COLUMNS:
             table.add_column(title)
         for c in data["candidates"]:
-            table.add_row(*[_cell(k, c.get(k)) for k, _ in CANDIDATE_COLUMNS])
+            table.add_row(*[Text(_cell(k, c.get(k))) for k, _ in CANDIDATE_COLUMNS])
         console.print(table)
         left_out = _unused_candidate_lines(data)
         if left_out:

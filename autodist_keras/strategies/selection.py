@@ -468,6 +468,31 @@ def available_families():
     return found
 
 
+def _backend_cost_model(cluster, backend):
+    """The analytic cost model for plans that `backend` will run, or None (the
+    simulator's default) when that is the active Keras backend.
+
+    The cost model's host times depend on the backend (PyTorch pays eager
+    dispatch per layer on GPUs): a search for another backend than this
+    process's must price its plans for that one. Until session 31
+    `choose_plan(..., backend="torch")` in a TensorFlow process labelled (and
+    cached) plans for PyTorch but priced them for TensorFlow: the zoo MLP on
+    2xV100 at batch 64, 0.080 ms against 4.752 ms (predicted).
+
+    Args:
+        cluster: The `Cluster`.
+        backend: `"tensorflow"`, `"torch"` or None.
+
+    Returns:
+        An `AnalyticCostModel`, or None.
+    """
+    if not backend or backend == active_keras_backend():
+        return None
+    from autodist_keras.estimator.cost_model import AnalyticCostModel
+
+    return AnalyticCostModel(cluster, framework=backend)
+
+
 def _score(graph, cluster, candidate, cost_model, scorer=None):
     from autodist_keras.estimator import simulate
 
@@ -481,7 +506,7 @@ def _score(graph, cluster, candidate, cost_model, scorer=None):
         prediction.baselines = dict(candidate.plan.prediction.baselines)
     candidate.simulated_step_time_s = prediction.step_time_s
     candidate.scorer = prediction.source
-    if scorer is not None and cost_model is None:
+    if scorer is not None:
         seconds, source, why = scorer.score(graph, cluster, candidate.plan, result)
         candidate.scorer_why = why or None
         prediction.simulated_step_time_s = prediction.step_time_s
@@ -516,8 +541,11 @@ def build_candidates(
         batch_size: Global batch size.
         devices: Device names to plan for (default: all).
         families: Planner families to try (default: every available one).
-        cost_model: Cost model for the simulator (default: analytic).
-        options: Options passed to the baselines (`algorithm`, `bucket_bytes`).
+        cost_model: Cost model for the simulator (default: analytic, for
+            `options["backend"]` when given, else for the active backend).
+            A cost model given here scores every candidate (`scorer` unused).
+        options: Options passed to the baselines (`algorithm`, `bucket_bytes`)
+            and `backend`, the Keras backend the plans are for.
         progress: Optional tqdm bar, advanced once per candidate.
         executable: Optional predicate `plan -> (bool, reason)` telling whether
             the active backend can run a plan.
@@ -528,9 +556,13 @@ def build_candidates(
         A list of `Candidate`, baselines first.
     """
     devices = list(devices or cluster.names)
+    options = dict(options or {})
+    if cost_model is not None:
+        scorer = None  # the given cost model scores every candidate
+    else:
+        cost_model = _backend_cost_model(cluster, options.get("backend"))
     if scorer is not None:
         scorer.prepare(cluster, devices)
-    options = dict(options or {})
     families = available_families() if families is None else list(families)
     candidates = []
     for name, build in baseline_candidates(graph, cluster, batch_size, devices, options):
@@ -583,7 +615,7 @@ def build_candidates(
         candidates.append(candidate)
         if progress is not None:
             progress.update(1)
-    if scorer is not None and cost_model is None:
+    if scorer is not None:
         scorer.finish(candidates)
     if executable is not None:
         for candidate in candidates:  # (baselines are data parallel: runnable anywhere)
@@ -768,7 +800,8 @@ def score_plan(graph, cluster, plan, scorer, candidates, name):
     ```
     """
     candidate = Candidate(name=name, family="baseline", plan=plan)
-    _score(graph, cluster, candidate, None, scorer)
+    backend = scorer.backend if scorer is not None else None
+    _score(graph, cluster, candidate, _backend_cost_model(cluster, backend), scorer)
     if scorer is not None:
         scorer.finish(list(candidates) + [candidate], targets=[candidate])
     return candidate
@@ -859,7 +892,8 @@ def choose_plan(
             simulator always decides memory feasibility. Ignored (plain
             simulator) when `cost_model` is given.
         backend: Keras backend the plan is for (default: `options["backend"]`,
-            else the active one or `$KERAS_BACKEND`).
+            else the active one or `$KERAS_BACKEND`); the candidates are priced
+            for it (its host times), whichever backend this process runs.
 
     Returns:
         `(plan, candidates)`: the chosen `Plan` (its `prediction.baselines`
