@@ -1,16 +1,20 @@
 """Shared pytest set-up (keep minimal: every engineer's tests load it).
 
-Under KERAS_BACKEND=tensorflow, TensorFlow gets 4 logical CPU devices before
+Under the TensorFlow backend, TensorFlow gets 4 logical CPU devices before
 any test imports it: logical devices can only be configured before
 TensorFlow runs its first op, and the TensorFlow runtime tests place
-replicas on them.
+replicas on them. The backend is the one Keras will use: KERAS_BACKEND, else
+keras.json's (a run without KERAS_BACKEND, on Keras's default TensorFlow, got
+no devices, and every test of a 3-device testbed strategy failed).
 """
 
 import os
 
 import pytest
 
-if os.environ.get("KERAS_BACKEND") == "tensorflow":
+from autodist_keras.devices.detect import active_keras_backend
+
+if active_keras_backend() == "tensorflow":
     try:
         import tensorflow as tf
     except ImportError:  # the PyTorch-only install

@@ -103,6 +103,9 @@ def test_gpu_entry_forms_and_overrides():
 
 def test_from_string_forms():
     one = Cluster.from_string("2xV100,4x1080Ti")
+    # Leading zeros are read as in "0002xV100", however many (13 or more digits were refused).
+    assert Cluster.from_string("0000000000002xV100").names == ["node0/gpu0", "node0/gpu1"]
+    assert len(Cluster.from_string("node0:0000000000000000003xT4").devices) == 3
     assert len(one) == 6 and set(one.nodes) == {"node0"}
     assert one.nodes["node0"].intra_link == "pcie"  # the 1080 Ti has no NVLink
     assert one.nodes["node0"].nic_bandwidth == cluster_module.DEFAULT_NIC_GBPS * 1e9 / 8
@@ -271,6 +274,13 @@ def test_unreadable_files(tmp_path):
     ("+2xV100", "whole number from 1 to 1024; it is '\\+2'"),
     ("2.5xV100", "whole number from 1 to 1024; it is '2.5'"),
     ("1e1xV100", "whole number from 1 to 1024; it is '1e1'"),
+    # No count before the 'x' (was "Unknown GPU type 'xV100'"; "*T4" was one T4).
+    (" xV100", "`nodes\\[0\\].gpus\\[0\\]`: The count before 'x' must be a whole number "
+               "from 1 to 1024; it is empty. Write e.g. '2xV100'"),
+    ("2xV100,X T4", "`nodes\\[0\\].gpus\\[1\\]`: The count before 'x'.*it is empty"),
+    ("*T4", "The count before 'x'.*it is empty"),
+    ("00000xT4", "whole number from 1 to 1024; it is '00000'"),
+    ("01025xT4", "whole number from 1 to 1024; it is '01025'"),
     # Empty entries and nodes name the entry (was `nodes[0]`: "A node lists one or more GPUs").
     ("2xV100,,4x1080Ti", "`nodes\\[0\\].gpus\\[1\\]`: This GPU entry is empty: two ',' in a "
                          "row.*Remove the extra ','"),

@@ -40,28 +40,38 @@ def test_console_script_help():
         assert command in out.stdout
 
 
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow",
+                    reason="backend-independent (each case sets its process's backend); "
+                           "run under tensorflow only")
 def test_backend_defaults_follow_keras_json(tmp_path):
-    """Without KERAS_BACKEND, the helpers answer what Keras would use: keras.json."""
+    """Without KERAS_BACKEND, the helpers answer what Keras would use: keras.json. So
+    does the tests' conftest, which gives TensorFlow its 4 logical CPU devices: it read
+    KERAS_BACKEND only, so a run without it (TensorFlow from keras.json or by default)
+    got one device, and each test of a 3-device testbed strategy failed."""
     import json
 
-    (tmp_path / "keras.json").write_text(json.dumps({"backend": "torch"}))
     env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
     env["KERAS_HOME"] = str(tmp_path)
+    env["TESTS"] = os.path.join(ROOT, "tests")
     code = (
+        "import os, sys\n"
         "from autodist_keras.devices.detect import active_keras_backend\n"
         "from autodist_keras.estimator.measurements import _resolve_backend\n"
         "from autodist_keras.estimator.cost_model import AnalyticCostModel\n"
         "print(active_keras_backend(), _resolve_backend(None), AnalyticCostModel().framework)\n"
+        "sys.path.insert(0, os.environ['TESTS'])\n"
+        "import conftest\n"
+        "tf = sys.modules.get('tensorflow')\n"
+        "print(len(tf.config.get_logical_device_configuration(\n"
+        "    tf.config.list_physical_devices('CPU')[0]) or []) if tf else 'no TensorFlow')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["torch", "torch", "torch"]
-    env["KERAS_BACKEND"] = "tensorflow"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["tensorflow", "tensorflow", "tensorflow"]
+    for backend, devices in (("torch", "TensorFlow"), ("tensorflow", "4")):
+        (tmp_path / "keras.json").write_text(json.dumps({"backend": backend}))
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split()[:3] == [backend] * 3
+        assert out.stdout.split()[-1] == devices, out.stdout
 
 
 def test_host_cpu_name_is_shared_by_provenance_and_profile_cache():

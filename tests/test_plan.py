@@ -2,6 +2,8 @@
 
 import json
 import math
+import os
+import sys
 
 import keras
 import pytest
@@ -74,11 +76,55 @@ def test_plan_files_are_standard_json_and_non_finite_numbers_are_refused(graph, 
         plan.to_json()
 
 
-def test_an_output_folder_that_keeps_its_files_is_refused_with_the_probe_named(tmp_path):
+_CREATED = None  # while a list: the files this process creates with os.open(O_CREAT | O_EXCL)
+_HOOKED = []  # [True] once the audit hook is installed
+
+
+def _record_created(event, args):
+    """An audit hook (sys.addaudithook; it cannot be removed, so it records only while
+    a test sets `_CREATED`): the files that tempfile.mkstemp and the like create."""
+    if (_CREATED is not None and event == "open" and isinstance(args[2], int)
+            and args[2] & os.O_CREAT and args[2] & os.O_EXCL):
+        _CREATED.append(os.fspath(args[0]))
+
+
+def _files_created(call):
+    """The files created (and maybe removed again) while `call()` runs."""
+    global _CREATED
+    if not _HOOKED:
+        sys.addaudithook(_record_created)
+        _HOOKED.append(True)
+    _CREATED = []
+    try:
+        call()
+        return _CREATED
+    finally:
+        _CREATED = None
+
+
+def test_a_write_creates_one_temporary_file_and_checks_nothing_twice(graph, testbed, tmp_path):
+    """write_atomic checked the folder by creating and removing a probe file right before
+    creating its own temporary file there; export_trace (like plot and the CLI's --out,
+    which check before their work) made a third."""
+    from autodist_keras.estimator import simulate
+
+    plan = baselines.proportional(graph, testbed, 96)
+    path = tmp_path / "new" / "plan.json"
+    created = _files_created(lambda: plan.to_json(path))
+    assert [os.path.dirname(f) for f in created] == [str(path.parent)]
+    assert os.path.basename(created[0]).startswith(".tmp-") and not os.path.exists(created[0])
+    assert Plan.from_json(path).to_dict() == plan.to_dict()
+    result = simulate(graph, testbed, plan)
+    assert len(_files_created(lambda: result.export_trace(tmp_path / "trace.json"))) == 2
+    assert sorted(os.listdir(tmp_path)) == ["new", "trace.json"]
+
+
+def test_an_output_folder_that_keeps_its_files_is_refused_with_the_probe_named(graph, testbed,
+                                                                                tmp_path):
     """`output_target` checks a folder by creating and removing a file; in an
     append-only folder (chattr +a, root only) the removal raised a raw
-    PermissionError and the probe file stayed there, unnamed."""
-    import os
+    PermissionError and the probe file stayed there, unnamed. A write, which
+    uses its temporary file as the probe, names the file it leaves there."""
     import shutil
     import subprocess
 
@@ -94,6 +140,9 @@ def test_an_output_folder_that_keeps_its_files_is_refused_with_the_probe_named(t
         with pytest.raises(OutputError, match=r"cannot be removed there.*remove the test "
                                               r"file '.*\.tmp-.*' left there.*Received"):
             output_target(str(folder / "plan.json"), "plan.json")
+        with pytest.raises(OutputError, match=r"cannot be removed there.*remove the temporary "
+                                              r"file '.*\.tmp-.*\.json' left there.*Received"):
+            baselines.proportional(graph, testbed, 96).to_json(folder / "plan.json")
     finally:
         subprocess.run(["chattr", "-a", str(folder)], check=True)
 

@@ -187,6 +187,24 @@ _COUNT_PREFIX = re.compile(r"^\s*(\d+)\s*[xX*]\s*(.*)$")
 # (read as GPU types called "-2xV100", with a "Did you mean 'V100-SXM2-16GB'?").
 _BAD_COUNT_PREFIX = re.compile(
     r"^\s*([-+]\s*[\d.]*|[\d.]*\.[\d.]*|\d+[eE][-+]?\d+)\s*[xX*]\s*(.*)$")
+# No count at all before the 'x': "xV100", " x V100", "*T4" (was "Unknown GPU type 'xV100'",
+# or silently one T4 for "*T4").
+_EMPTY_COUNT_PREFIX = re.compile(r"^\s*()[xX*]\s*(.*)$")
+
+
+def _count_value(digits):
+    """The value of a count's digits, leading zeros ignored ("0002" is 2); a count of
+    more than four significant digits is MAX_COUNT + 1 (no huge int is built)."""
+    significant = digits.lstrip("0") or "0"
+    return int(significant) if len(significant) <= 4 else MAX_COUNT + 1
+
+
+def _is_catalog_gpu(name):
+    try:
+        catalog.lookup_gpu(name)
+    except ClusterSpecError:
+        return False
+    return True
 
 
 def _gpu_entries(item, source, field):
@@ -195,15 +213,19 @@ def _gpu_entries(item, source, field):
         match = _COUNT_PREFIX.match(item)
         count, name = 1, item
         bad_count = _BAD_COUNT_PREFIX.match(item)
-        if bad_count or (match and not 1 <= int(match.group(1)[:12]) <= MAX_COUNT):
+        empty = None if match or bad_count else _EMPTY_COUNT_PREFIX.match(item)
+        if empty and (item.lstrip().startswith("*") or not _is_catalog_gpu(item)):
+            bad_count = empty  # (a catalog type starting with 'x' would still be one GPU)
+        if bad_count or (match and not 1 <= _count_value(match.group(1)) <= MAX_COUNT):
+            given = (bad_count or match).group(1).strip()
             raise _fail(
                 f"The count before 'x' must be a whole number from 1 to {MAX_COUNT}; it "
-                f"is {(bad_count or match).group(1).strip()!r}. Write e.g. '2xV100' (a type "
+                f"is {repr(given) if given else 'empty'}. Write e.g. '2xV100' (a type "
                 "without a count is one GPU), and leave out a type the node has none of.",
                 source, field, item,
             )
         if match:
-            count, name = int(match.group(1)), match.group(2)
+            count, name = _count_value(match.group(1)), match.group(2)
         if not name.strip():
             raise _fail(
                 f"The GPU type after the count is missing: write the count, 'x' and a "

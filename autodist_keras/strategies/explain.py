@@ -7,7 +7,6 @@ them as "measured".
 """
 
 import io
-import re
 import sys
 
 
@@ -305,11 +304,6 @@ def _fmt(value, suffix=""):
     return "-" if value is None else f"{value}{suffix}"
 
 
-# The line `selection` adds to a search's notes ("auto: predicted speedup over
-# data_parallel_even: 1.14x"), which `explanation()` keeps in `why`.
-_SPEEDUP_NOTE = re.compile(r"predicted speedup over \S+: [0-9.]+x")
-
-
 def _header_lines(data):
     shaped = data.get("chosen_options")
     chosen = data["chosen"] + (f" with {options_label(shaped)}" if shaped else "")
@@ -317,12 +311,7 @@ def _header_lines(data):
         lines = [f"AutoStrategy(plan=...): runs the given {chosen} plan"]
     else:
         lines = [f"AutoStrategy({data['strategy']!r}): chose {chosen}"]
-    why = data["why"]
-    if data.get("speedup_vs_even_predicted") is not None:
-        # The search's note gives the figure that the "predicted speedup over even data
-        # parallelism" line below gives too (with its scorers): shown once, there.
-        why = [w for w in why if not _SPEEDUP_NOTE.fullmatch(w)]
-    lines += [f"  why: {w}" for w in why]
+    lines += [f"  why: {w}" for w in data["why"]]
     unattached = data.get("unattached_model")
     if unattached:
         lines.append(

@@ -947,6 +947,21 @@ def output_target(path, example_name):
     plan.to_json("runs/plan.json")
     ```
     """
+    target, parent = _checked_target(path, example_name)
+    # The output is a new file in that folder, renamed over the target: a folder that
+    # takes no new file (/proc, a read-only mount; root passes the access check above
+    # whatever the mode) failed only at the write, after the work.
+    fd, probe = _create_temp(path, parent)
+    try:
+        os.close(fd)
+    finally:  # (removed whatever happens; an append-only folder keeps it: said there)
+        _remove_temp(path, parent, probe, "test file")
+    return target
+
+
+def _checked_target(path, example_name):
+    """`output_target`'s checks but the probe: returns `(target, parent)`, the file
+    to replace and the nearest folder of it that exists (where the probe goes)."""
     refuse_directory(path, example_name)
     path = os.fspath(path)  # (isdir, like exists below, follows links)
     target = path
@@ -987,31 +1002,39 @@ def output_target(path, example_name):
         raise OutputError(f"Cannot write {path!r}: the directory {parent!r} is not writable "
                           "by this user. Give a path in a writable directory, or change its "
                           f"permissions. Received: {path!r}")
-    # The output is a new file in that folder, renamed over the target: a folder that
-    # takes no new file (/proc, a read-only mount; root passes the access check above
-    # whatever the mode) failed only at the write, after the work.
+    return target, parent
+
+
+def _create_temp(path, folder, suffix=""):
+    """`tempfile.mkstemp` in `folder` for writing `path`: `(fd, name)`, or an
+    `OutputError` saying that no file can be created there."""
     try:
-        fd, probe = tempfile.mkstemp(dir=parent, prefix=".tmp-")
+        return tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=suffix)
     except OSError as e:
-        raise OutputError(f"Cannot write {path!r}: no file can be created in {parent!r} "
-                          f"({e.strerror or e}), and the output is written there first. Give "
-                          f"a path in a writable directory. Received: {path!r}") from None
+        raise _cannot_create(path, folder, e) from None
+
+
+def _cannot_create(path, folder, error):
+    return OutputError(f"Cannot write {path!r}: no file can be created in {folder!r} "
+                       f"({error.strerror or error}), and the output is written there first. "
+                       f"Give a path in a writable directory. Received: {path!r}")
+
+
+def _remove_temp(path, folder, name, what):
+    """Removes the temporary file `name` made in `folder` for writing `path`; an
+    `OutputError` naming it (`what`: "test file", "temporary file") if it stays."""
     try:
-        os.close(fd)
-    finally:  # (removed whatever happens; an append-only folder keeps it: said below)
-        try:
-            os.unlink(probe)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            # (It escaped as a PermissionError, and the probe file stayed unnamed.)
-            raise OutputError(
-                f"Cannot write {path!r}: a file created in {parent!r} cannot be removed "
-                f"there ({e.strerror or e}; an append-only folder?), and the output is "
-                f"written there first, then renamed over the target. Give a path in another "
-                f"directory, and remove the test file {probe!r} left there. "
-                f"Received: {path!r}") from None
-    return target
+        os.unlink(name)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        # (It escaped as a PermissionError, and the file stayed unnamed.)
+        raise OutputError(
+            f"Cannot write {path!r}: a file created in {folder!r} cannot be removed "
+            f"there ({e.strerror or e}; an append-only folder?), and the output is "
+            f"written there first, then renamed over the target. Give a path in another "
+            f"directory, and remove the {what} {name!r} left there. "
+            f"Received: {path!r}") from None
 
 
 def _link_loops(path):
@@ -1032,31 +1055,45 @@ def write_atomic(path, write, suffix=""):
         suffix: Ending of the temporary file's name (some writers, such as
             matplotlib, pick the format from it).
 
-    A symbolic link is written through to its target.
+    A symbolic link is written through to its target. The path gets the
+    checks of `output_target` but its probe: the temporary file is the
+    probe, so a folder is tried once (call `output_target` first only to
+    fail before long work).
 
     Raises:
         OutputError: If `path` is a directory, a device, pipe or socket, or
             the file or its directory cannot be written (nothing is left
-            behind).
+            behind, except in a folder where the temporary file cannot be
+            removed, such as an append-only one: the message names it).
+
+    Example:
+
+    ```python
+    write_atomic("runs/timeline.svg", lambda f: fig.savefig(f, format="svg"), suffix=".svg")
+    ```
     """
-    target = output_target(path, "out" + suffix)
+    # The checks of `output_target` but its probe: the temporary file is the probe.
+    target, parent = _checked_target(path, "out" + suffix)
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(target))
-    tmp = None
     try:
         os.makedirs(directory, exist_ok=True)
-        mode = _file_mode(target)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=suffix)
+    except OSError as e:  # (said as the probe of `output_target` says it)
+        raise _cannot_create(path, parent, e) from None
+    mode = _file_mode(target)
+    fd, tmp = _create_temp(path, directory, suffix)
+    try:
         with os.fdopen(fd, "wb") as f:
             write(f)
         os.chmod(tmp, mode)
         os.replace(tmp, target)
+        tmp = None
     except OSError as e:
         raise OutputError(f"Cannot write {path!r}: {e.strerror or e}. Check the path and its "
                           f"directory's permissions. Received: {path!r}") from e
     finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
+        if tmp is not None:  # (an append-only folder keeps it: an OutputError naming it)
+            _remove_temp(path, directory, tmp, "temporary file")
 
 
 # ------------------------------------------------------------ JSON shape

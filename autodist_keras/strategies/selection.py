@@ -72,10 +72,11 @@ FAMILY_BUDGET_S = {"fastt": 3.0, "heterog": 4.0, "disco": 2.0}
 # backend in the key and in plans; 6: session 21's Disco device subsets, FastT's ties
 # and op-fusion regions without random layers; 7: regions without keras.ops nodes;
 # 8: under PyTorch, only regions its runtime compiles as chains; 9: half-precision
-# matmuls priced at the FP16 peak; 10: recurrent layers' saved activations);
+# matmuls priced at the FP16 peak; 10: recurrent layers' saved activations; 11: the
+# search's notes without the speedup over even data parallelism, which explain() gives);
 # the package version is in the key too, so an upgrade never reuses an older
 # release's plans.
-CACHE_VERSION = 10
+CACHE_VERSION = 11
 ESTIMATOR_CHOICES = ("learned", "simulator")
 TIE_RTOL = 1e-6
 SCORER_SIMULATOR = "simulator (predicted)"
@@ -814,11 +815,9 @@ def _explain_choice(best, candidates, scorer=None):
              f"its time from the {best.scorer or SCORER_SIMULATOR})"]
     if scorer is not None:
         lines.append(scorer.summary(candidates))
-    if even is not None and even.step_time_s and best.step_time_s and even.feasible:
-        lines.append(
-            f"predicted speedup over {even.name}: {even.step_time_s / best.step_time_s:.2f}x"
-        )
-    elif even is not None and not even.feasible:
+    # (The speedup itself is no note: `explain()` gives it from the candidates, as
+    # `speedup_vs_even_predicted`; a note said it again, rounded otherwise.)
+    if even is not None and not even.feasible:
         why = ("it does not fit in memory (predicted)" if even.plan is not None
                else str(even.reason or "it could not be built").rstrip("."))
         lines.append(f"no speedup over {even.name} is given: {why}")
