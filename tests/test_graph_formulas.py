@@ -181,6 +181,64 @@ def test_backward_rule():
     assert nodes["frozen_dense"].variables == []
     assert nodes["frozen_dense"].non_trainable_bytes == (4 * 4 + 4) * 4
     assert graph.backward_flops == sum(n.backward_flops for n in nodes.values())
+    # A frozen table gets no gradient (and integer ids none either): no scatter-add
+    # (it was counted one add per output element, as a trainable table).
+    frozen_emb = L.Embedding(50, 8, name="frozen_emb")
+    frozen_emb.trainable = False
+    graph = ModelGraph.from_keras(keras.Model(x, L.Dense(2)(frozen_emb(x))))
+    assert graph.nodes["frozen_emb"].backward_flops == 0
+
+
+def test_time_distributed_repeats_the_inner_layers_memory_and_backward():
+    """TimeDistributed kept only the inner layer's forward figures: a wrapped LSTM kept
+    nothing for backpropagation through time (saved_bytes 0 instead of steps x the
+    LSTM's), and a wrapped Embedding had no backward scatter-add."""
+    words = keras.Input((5, 7, 3))  # 5 sentences of 7 words
+    wrapped = _node(ModelGraph.from_keras(keras.Model(words, L.TimeDistributed(L.LSTM(4))(words))))
+    single = _node(_graph(L.LSTM(4), (7, 3)))
+    assert single.saved_bytes == 4 * 7 * 4 * 6
+    assert wrapped.saved_bytes == 5 * single.saved_bytes
+    assert wrapped.forward_flops == 5 * single.forward_flops
+    ids = keras.Input((5, 7), dtype="int32")
+    emb = _node(ModelGraph.from_keras(keras.Model(ids, L.TimeDistributed(L.Embedding(20, 4))(ids))))
+    assert emb.forward_flops == 0 and emb.backward_flops == 5 * 7 * 4
+
+
+def test_grouped_query_attention_counts_its_query_heads_and_key_value_heads():
+    """Keras 3.15 names GroupedQueryAttention's settings without an underscore; the
+    formula read them as one head of size 1 with no dropout or bias (scores and context
+    35 + 35 multiply-adds instead of 560 + 560)."""
+    t, s, heads, kv_heads, head_dim = 5, 7, 4, 2, 4
+    query, value = keras.Input((t, 8)), keras.Input((s, 8))
+    layer = L.GroupQueryAttention(head_dim, heads, kv_heads, dropout=0.1)
+    node = _node(ModelGraph.from_keras(keras.Model([query, value], layer(query, value))))
+    projections = t * 8 * heads * head_dim + 2 * s * 8 * kv_heads * head_dim \
+        + t * heads * head_dim * 8
+    products = 2 * heads * t * s * head_dim
+    assert node.multiply_adds == projections + products
+    softmax_scale_dropout = (6 + 2) * heads * t * s
+    biases = t * heads * head_dim + 2 * s * kv_heads * head_dim + t * 8
+    assert node.forward_flops == 2 * (projections + products) + softmax_scale_dropout + biases
+    saved = 2 * t * heads * head_dim + 2 * s * kv_heads * head_dim + 2 * heads * t * s
+    assert node.saved_bytes == 4 * saved
+
+
+def test_multi_head_attention_over_some_axes_pairs_positions_along_them_only():
+    """With `attention_axes` each query attends only along those axes; the scores were
+    counted for every pair of positions (4x too many on a 4 x 5 grid attending along 5)."""
+    heads, key_dim = 2, 3
+    x = keras.Input((4, 5, 6))
+    along = _node(ModelGraph.from_keras(keras.Model(
+        x, L.MultiHeadAttention(heads, key_dim, attention_axes=(2,))(x, x))))
+    projections = 4 * 20 * 6 * heads * key_dim  # query, key, value and output kernels
+    pairs = 4 * 5 * 5
+    assert along.multiply_adds == projections + 2 * heads * pairs * key_dim
+    assert along.forward_flops == (2 * along.multiply_adds + 6 * heads * pairs
+                                   + 3 * 20 * heads * key_dim + 20 * 6)
+    everything = _node(ModelGraph.from_keras(keras.Model(
+        x, L.MultiHeadAttention(heads, key_dim)(x, x))))
+    assert everything.multiply_adds == projections + 2 * heads * 20 * 20 * key_dim
+    assert everything.saved_bytes - along.saved_bytes == 4 * heads * (400 - 100)
 
 
 def test_keras_ops_are_nodes_with_estimates():

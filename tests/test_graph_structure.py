@@ -319,3 +319,34 @@ def test_input_shapes_reach_each_call_of_a_shared_nested_model():
     assert [n.input_shapes for n in lstm] == [[(20, 4)], [(500, 4)]]
     assert lstm[1].forward_flops == pytest.approx(25 * lstm[0].forward_flops)
     assert graph.unknown_dims == []
+
+
+def _open_length_encoder(length):
+    """An encoder model on an open length (keras.Input((None, 8))) called on known ones."""
+    inner_in = keras.Input((None, 8))
+    h = L.LSTM(16, return_sequences=True)(L.Conv1D(8, 3, padding="same")(inner_in))
+    encoder = keras.Model(inner_in, h, name="encoder")
+    query, doc = keras.Input((length, 8)), keras.Input((2 * length, 8))
+    return keras.Model([query, doc], L.Dot(axes=(2, 2))([encoder(query), encoder(doc)]))
+
+
+def test_nested_model_on_an_open_length_takes_its_callers_shapes():
+    """An encoder built on keras.Input((None, 8)) and called on 40 and 80 steps counted
+    its layers at length 1 (60x too few of their FLOPs; the model's 5.2x too few), with a
+    warning to fix shapes the outer model already fixes; each call now has the shapes it
+    is called on."""
+    graph = ModelGraph.from_keras(_open_length_encoder(40))
+    lstm = [n for n in graph.nodes.values() if n.layer_type == "LSTM"]
+    assert [n.input_shapes for n in lstm] == [[(40, 8)], [(80, 8)]]
+    assert lstm[1].forward_flops == 2 * lstm[0].forward_flops
+    assert graph.unknown_dims == [] and not any("unknown" in w for w in graph.warnings)
+    edges = {(s, d): b for s, d, b in graph.edges}
+    conv_in = [n.name for n in graph.nodes.values() if n.layer_type == "Conv1D"]
+    assert edges[(graph.inputs[1], conv_in[1])] == 80 * 8 * 4
+    # The same counts as the unnested layers at those lengths.
+    query, doc = keras.Input((40, 8)), keras.Input((80, 8))
+    conv, rnn = L.Conv1D(8, 3, padding="same"), L.LSTM(16, return_sequences=True)
+    flat = keras.Model([query, doc], L.Dot(axes=(2, 2))([rnn(conv(query)), rnn(conv(doc))]))
+    flat = ModelGraph.from_keras(flat)
+    assert graph.forward_flops == flat.forward_flops
+    assert graph.activation_bytes == flat.activation_bytes

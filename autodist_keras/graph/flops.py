@@ -76,6 +76,10 @@ class Cost:
         saved_elements: Elements per sample the layer keeps for its backward
             pass besides its outputs (attention's projections and
             probabilities); they count in activation memory.
+        frozen_backward_flops: Backward FLOPs of a call of the layer without
+            trainable weights (frozen) when that departs from the rule; None
+            to use the rule. An `Embedding`'s backward is only the
+            scatter-add into its table, so a frozen one costs 0.
     """
 
     multiply_adds: float = 0.0
@@ -84,6 +88,7 @@ class Cost:
     backward_flops: float = None
     note: str = None
     saved_elements: float = 0.0
+    frozen_backward_flops: float = None
 
 
 @dataclasses.dataclass
@@ -188,7 +193,9 @@ def backward_flops(cost, has_trainable_weights):
     respect to its input and with respect to its weights, each costing about
     as much as the forward pass, so backward = 2 x forward. A layer without
     trainable weights computes only the input gradient: backward = 1 x
-    forward. A formula can override the rule (Embedding does).
+    forward. A formula can override the rule (Embedding does): with
+    `cost.backward_flops` for a call of a layer with trainable weights, with
+    `cost.frozen_backward_flops` for one without.
 
     Args:
         cost: The forward `Cost`.
@@ -196,7 +203,18 @@ def backward_flops(cost, has_trainable_weights):
 
     Returns:
         Backward FLOPs per sample.
+
+    Example:
+
+    ```python
+    backward_flops(Cost(flops=10.0), True)                   # 20.0
+    backward_flops(Cost(flops=10.0), False)                  # 10.0
+    lookup = Cost(flops=0.0, backward_flops=40.0, frozen_backward_flops=0.0)
+    backward_flops(lookup, True), backward_flops(lookup, False)   # (40.0, 0.0)
+    ```
     """
+    if not has_trainable_weights and cost.frozen_backward_flops is not None:
+        return float(cost.frozen_backward_flops)
     if cost.backward_flops is not None:
         return float(cost.backward_flops)
     return float(cost.flops) * (2.0 if has_trainable_weights else 1.0)
@@ -314,9 +332,10 @@ def _einsum_dense(layer, call):
 
 @register_formula("Embedding")
 def _embedding(layer, call):
-    # A lookup does no arithmetic; backward scatter-adds one value per output element.
+    # A lookup does no arithmetic; backward scatter-adds one value per output element
+    # into the table. A frozen table gets no gradient and integer ids none either.
     n = elements(_out(call))
-    return Cost(flops=0.0, backward_flops=float(n))
+    return Cost(flops=0.0, backward_flops=float(n), frozen_backward_flops=0.0)
 
 
 @register_formula("Identity", "Flatten", "Reshape", "Permute", "RepeatVector",
@@ -525,6 +544,15 @@ def _alpha_dropout(layer, call):
 
 
 # -------------------------------------------------------------------- attention
+def _first_attribute(layer, *names):
+    """The first of the attributes `names` that `layer` has and is not None, else None."""
+    for name in names:
+        value = getattr(layer, name, None)
+        if value is not None:
+            return value
+    return None
+
+
 def _dense_sublayer_macs(sublayer, positions):
     kernel = getattr(sublayer, "kernel", None)
     if sublayer is None or kernel is None:
@@ -540,13 +568,22 @@ def _multi_head_attention(layer, call):
     key = key or value
     t = elements(query[:-1]) if query else 1
     s = elements(value[:-1]) if value else 1
-    if hasattr(layer, "_num_query_heads"):
-        heads = int(layer._num_query_heads)
-        key_dim = value_dim = int(layer._head_dim)
+    query_heads = _first_attribute(layer, "num_query_heads", "_num_query_heads")
+    if query_heads is not None:
+        # GroupedQueryAttention (Keras 3.15 names its settings without an underscore;
+        # they were read as one head of size 1): the query heads attend, the key and
+        # value projections have the key-value heads.
+        heads = int(query_heads)
+        key_dim = value_dim = int(_first_attribute(layer, "head_dim", "_head_dim"))
+        kv_heads = int(_first_attribute(layer, "num_key_value_heads", "_num_key_value_heads")
+                       or heads)
     else:
         heads = int(getattr(layer, "_num_heads", 1))
         key_dim = int(getattr(layer, "_key_dim", 1))
         value_dim = int(getattr(layer, "_value_dim", None) or key_dim)
+        kv_heads = heads
+    dropout = _first_attribute(layer, "_dropout", "dropout") or 0.0
+    use_bias = bool(_first_attribute(layer, "_use_bias", "use_bias"))
     projections = (
         _dense_sublayer_macs(getattr(layer, "_query_dense", None), t)
         + _dense_sublayer_macs(getattr(layer, "_key_dense", None), elements(key[:-1]) if key else s)
@@ -554,21 +591,35 @@ def _multi_head_attention(layer, call):
         + _dense_sublayer_macs(getattr(layer, "_gate_dense", None), t)
         + _dense_sublayer_macs(getattr(layer, "_output_dense", None), t)
     )
-    scores = float(heads * t * s * key_dim)
-    context = float(heads * t * s * value_dim)
+    # Query-key pairs: every query position with every key position, or, with
+    # `attention_axes` (axial attention over some of the axes), only the positions
+    # that share the other axes' indices.
+    pairs = t * s
+    axes = getattr(layer, "_attention_axes", None)
+    positions = tuple(query[:-1]) if query else ()
+    kv_positions = tuple(value[:-1]) if value else ()
+    if axes and positions and len(kv_positions) == len(positions):
+        rank = len(positions) + 2  # batch, positions, features
+        attended = {(a if a >= 0 else rank + a) - 1 for a in axes}
+        if attended and all(0 <= a < len(positions) for a in attended):
+            others = math.prod(d for i, d in enumerate(positions) if i not in attended)
+            pairs = (others * math.prod(positions[i] for i in attended)
+                     * math.prod(kv_positions[i] for i in attended))
+    scores = float(heads * pairs * key_dim)
+    context = float(heads * pairs * value_dim)
     macs = projections + scores + context
-    flops = 2 * macs + SOFTMAX_FLOPS * heads * t * s + heads * t * s  # softmax + scaling
-    if getattr(layer, "_dropout", 0.0):
-        flops += DROPOUT_FLOPS * heads * t * s
-    if getattr(layer, "_use_bias", False):
+    flops = 2 * macs + SOFTMAX_FLOPS * heads * pairs + heads * pairs  # softmax + scaling
+    if dropout:
+        flops += DROPOUT_FLOPS * heads * pairs
+    if use_bias:
         # Bias adds of the query, key, value and output projections.
-        flops += t * heads * key_dim + s * heads * (key_dim + value_dim) + elements(_out(call))
+        flops += t * heads * key_dim + s * kv_heads * (key_dim + value_dim) + elements(_out(call))
     # Kept for backward: the scaled query, key and value projections, the
     # attention probabilities (and their dropout output) and the context
     # before the output projection; at long sequences the H x T x S
     # probabilities dwarf the layer's output.
-    probabilities = heads * t * s * (2 if getattr(layer, "_dropout", 0.0) else 1)
-    saved = t * heads * key_dim + s * heads * (key_dim + value_dim) + probabilities \
+    probabilities = heads * pairs * (2 if dropout else 1)
+    saved = t * heads * key_dim + s * kv_heads * (key_dim + value_dim) + probabilities \
         + t * heads * value_dim
     return Cost(multiply_adds=macs, flops=flops, saved_elements=float(saved))
 
@@ -650,8 +701,17 @@ def _time_distributed(layer, call):
         outputs=[tuple(s[1:]) for s in call.outputs],
     )
     cost = cost_of(layer.layer, inner)
+
+    def times_steps(value):
+        return None if value is None else value * steps
+
+    # Everything the inner layer costs per step, its backward overrides and what it
+    # keeps for backward (a wrapped LSTM's every step) included, happens `steps` times.
     return Cost(multiply_adds=cost.multiply_adds * steps, flops=cost.flops * steps,
-                estimated=cost.estimated, note=cost.note)
+                estimated=cost.estimated, note=cost.note,
+                backward_flops=times_steps(cost.backward_flops),
+                frozen_backward_flops=times_steps(cost.frozen_backward_flops),
+                saved_elements=cost.saved_elements * steps)
 
 
 # ------------------------------------------------------- keras.ops operations

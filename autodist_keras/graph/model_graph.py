@@ -404,6 +404,17 @@ class ModelGraph:
                 builder.concrete, problem = _concrete_tensors(functional, input_shapes)
                 if problem:
                     builder.warnings.append(problem)
+            elif _nested_shapes_open(functional):
+                # A nested model built on `Input((None, d))` and called on a tensor of
+                # known length: its own tensors leave the length open, so its layers
+                # are derived again from the model's own input shapes.
+                own = [_per_sample(t.shape) for t in functional.inputs]
+                builder.concrete, problem = _concrete_tensors(functional, own)
+                if problem:
+                    builder.warnings.append(
+                        "The shapes of a nested model's layers could not be derived from "
+                        "the shapes it is called on; its own (unknown) dimensions are "
+                        f"counted. {problem}")
             builder.walk(functional, container=model.name, seed=None, top=True)
             graph = builder.finish(cls)
         optimizer = getattr(model, "optimizer", None)
@@ -724,6 +735,45 @@ def _derive(functional, given, found):
         for x, y in zip(node.outputs, outputs):
             found[id(x)] = y
     return [found.get(id(x)) for x in functional.outputs]
+
+
+def _nested_shapes_open(functional, seen=None):
+    """Whether a nested model in `functional` leaves open a dimension its call fixes.
+
+    A model built on `keras.Input((None, 8))` and called as a layer on a
+    `(40, 8)` tensor has layers whose own tensors say length None; the call
+    says 40.
+
+    Args:
+        functional: A Functional graph (a model's, or a nested model's).
+        seen: Ids of the nested models already looked at.
+
+    Returns:
+        True when some nested model's input has an unknown (None) per-sample
+        dimension that the tensor it is called on knows, at any depth.
+    """
+    from keras import tree
+
+    seen = set() if seen is None else seen
+    for node in _Builder._ordered_nodes(functional):
+        op = node.operation
+        inner = _functional_of(op) if op is not None and not node.is_input else None
+        if inner is None:
+            continue
+        args = node.arguments.args
+        passed = args[0] if args else next(iter(node.arguments.kwargs.values()), None)
+        outer = tree.flatten(passed) if passed is not None else []
+        for given, own in zip(outer, inner.inputs):
+            given_shape = tuple(getattr(given, "shape", ()) or ())[1:]
+            own_shape = tuple(own.shape)[1:]
+            if len(given_shape) == len(own_shape) and any(
+                    o is None and g is not None for o, g in zip(own_shape, given_shape)):
+                return True
+        if id(inner) not in seen:
+            seen.add(id(inner))
+            if _nested_shapes_open(inner, seen):
+                return True
+    return False
 
 
 def _nested_key(node):
