@@ -510,6 +510,38 @@ def test_a_fixed_plan_must_suit_the_cluster_devices_and_model(tmp_path):
         AutoStrategy(cluster=testbed, plan=plan).plan_for(wider, 48)
 
 
+def test_a_plan_file_of_another_sequential_with_named_layers_runs(tmp_path):
+    """README: naming the layers is safer; a plan made for another model still runs,
+    with a warning. A Sequential's own name is in its variable paths
+    (`sequential/hidden/kernel`) and Keras numbers it per process, so a plan file of
+    a Sequential with named layers, taken by a wider one built after another model,
+    failed with "unknown variable 'sequential/hidden/kernel'" and advised naming the
+    layers, which were named (session 31)."""
+    from autodist_keras.errors import PlanError
+
+    testbed = Cluster.cpu_testbed()
+
+    def sequential(width, hidden="hidden"):
+        return keras.Sequential([keras.Input((8,), name="features"),
+                                 keras.layers.Dense(width, activation="relu", name=hidden),
+                                 keras.layers.Dense(3, name="head")])
+
+    first = sequential(16)
+    path = tmp_path / "plan.json"
+    AutoStrategy("proportional", cluster=testbed).plan_for(first, 48).to_json(str(path))
+    sequential(16)  # another model first: the next Sequential's name is numbered further
+    wider = sequential(32)
+    assert wider.name != first.name
+    with pytest.warns(UserWarning, match="different model graph"):
+        given = AutoStrategy(cluster=testbed, plan=str(path)).plan_for(wider, 48)
+    assert sorted(given.sync) == sorted(v.path for v in wider.trainable_weights)
+    assert sorted(given.groups[0].layers) == ["features", "head", "hidden"]
+    assert any("per-process numbering" in n for n in given.notes)
+    # A layer named otherwise is still refused, with the reason.
+    with pytest.raises(PlanError, match="made for another model .*unknown layer 'hidden'"):
+        AutoStrategy(cluster=testbed, plan=str(path)).plan_for(sequential(32, "inner"), 48)
+
+
 def test_a_forced_plan_predicted_not_to_fit_in_memory_is_refused():
     tiny = Cluster.from_dict({"nodes": [{"name": "node0", "cpus": [
         {"cores": [0], "threads": 1, "memory_gb": 0.001, "count": 2}]}]})

@@ -305,6 +305,9 @@ class AutoStrategy:
     Example:
 
     ```python
+    import keras
+    from autodist_keras import AutoStrategy, Cluster
+
     strategy = AutoStrategy(strategy="proportional", cluster=Cluster.cpu_testbed())
     with strategy.scope():
         model = keras.Sequential([...])
@@ -825,7 +828,8 @@ class AutoStrategy:
         renamed, renames = self.plan.renamed_for(self.graph)
         if renamed is not None:
             # The same model, built after another in this process: Keras numbered
-            # its unnamed layers differently.
+            # its unnamed layers differently (or, for another model, the model
+            # names in its variable paths).
             renamed.notes = list(renamed.notes) + [
                 "plan=: layer (and model) names matched by Keras's per-process numbering: "
                 + ", ".join(f"{old} -> {new}" for old, new in list(renames.items())[:6])

@@ -678,7 +678,10 @@ class Plan:
         renamed. Variable paths also hold the names of the models they sit
         in (a Sequential's own name, a nested model's), numbered too: each
         variable is paired with the one here whose path has the same layers
-        and leaf, one to one.
+        and leaf, one to one. For a plan made for another model (another
+        structure), layers keep their names and only those model names are
+        paired, so a Sequential whose layers are named takes a plan file
+        written by a process that numbered the Sequential differently.
 
         Args:
             graph: The `ModelGraph` of the model here.
@@ -686,18 +689,29 @@ class Plan:
         Returns:
             `(plan, renames)`: a renamed copy and the `{old: new}` layer (and
             model) names that changed, or `(None, {})` when the names match
-            already or cannot be matched (another structure, a plan without
-            `layer_order`, as written before session 19, or variables that do
-            not pair one to one).
+            already or cannot be matched (variables that do not pair one to
+            one; for another structure, or a plan without `layer_order` as
+            written before session 19, variables whose layers are not named
+            alike here).
         """
         import copy
 
         order = self.provenance.layer_order
         here = list(graph.nodes)
-        if (not order or len(order) != len(here) or not self.provenance.graph_fingerprint
-                or self.provenance.graph_fingerprint != graph.fingerprint()):
-            return None, {}
-        renames = {old: new for old, new in zip(order, here) if old != new}
+        same_structure = bool(
+            order and len(order) == len(here) and self.provenance.graph_fingerprint
+            and self.provenance.graph_fingerprint == graph.fingerprint())
+        if same_structure:
+            renames = {old: new for old, new in zip(order, here) if old != new}
+        else:
+            # Another model (or a plan without `layer_order`): layers cannot be paired
+            # by index, so they keep their names (named layers match, others do not);
+            # only the numbered model names in the variable paths are paired below,
+            # so that a Sequential with named layers, built after another model in
+            # this process (`sequential_1/hidden/kernel`), takes its plan file
+            # (`sequential/hidden/kernel`) as the same model would.
+            order = list(dict.fromkeys(n for group in self.groups for n in group.layers))
+            renames = {}
         # Variable paths hold layer names, and also other segments that Keras
         # may number: the models they sit in (`sequential/dense/kernel`,
         # `outer/inner/dense/kernel`) and a layer's own sublayers
@@ -743,14 +757,17 @@ class Plan:
         renames = dict(renames, **models)
         matched = self.prediction_matches()
         plan = copy.deepcopy(self)
+        layer_renames = {k: v for k, v in renames.items() if k in old_layers}
         for group in plan.groups:
-            group.layers = [renames.get(n, n) for n in group.layers]
-        plan.order = {d: [(renames.get(layer, layer), phase) for layer, phase in entries]
+            group.layers = [layer_renames.get(n, n) for n in group.layers]
+        plan.order = {d: [(layer_renames.get(layer, layer), phase) for layer, phase in entries]
                       for d, entries in plan.order.items()}
         plan.sync = {variables[k]: v for k, v in plan.sync.items()}
         plan.buckets = [[variables[v] for v in bucket] for bucket in plan.buckets]
-        plan.op_fusion = [[renames.get(n, n) for n in region] for region in plan.op_fusion]
-        plan.provenance.layer_order = here
+        plan.op_fusion = [[layer_renames.get(n, n) for n in region]
+                          for region in plan.op_fusion]
+        if same_structure:
+            plan.provenance.layer_order = here
         if matched and plan.prediction is not None:
             # Renaming changes no figure: the prediction still describes this plan.
             plan.prediction.plan_digest = plan.structure_digest()
