@@ -205,9 +205,11 @@ def _cmd_simulate(args):
               f"Pass --backend {plan.provenance.backend} to compare like with like",
               file=sys.stderr)
     renamed, renames = plan.renamed_for(graph)
-    if renamed is not None:  # the same model, numbered differently by Keras here
+    if renamed is not None:
+        # Numbered differently by Keras here (the same model's layers and model names;
+        # for another model, the model names in its variable paths only).
         plan = renamed
-        print(f"note: matched {len(renames)} layer name(s) of {args.plan} by Keras's "
+        print(f"note: matched {len(renames)} layer or model name(s) of {args.plan} by Keras's "
               "per-process numbering (e.g. " + ", ".join(
                   f"{a} -> {b}" for a, b in list(renames.items())[:3]) + ")", file=sys.stderr)
     result = simulate(graph, cluster, plan)

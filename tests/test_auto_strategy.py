@@ -741,6 +741,45 @@ def test_a_plan_file_matches_keras_per_process_layer_numbering(tmp_path):
         AutoStrategy(cluster=testbed, plan=str(path)).plan_for(wider, 48)
 
 
+def _masked_embedding_model():
+    inputs = keras.Input((5,), dtype="int32", name="me_in")
+    x = keras.layers.Embedding(10, 4, mask_zero=True, name="me_emb")(inputs)
+    x = keras.layers.GRU(4, name="me_gru")(x)  # reads the mask: a not_equal_N op node
+    return keras.Model(inputs, keras.layers.Dense(3, name="me_out")(x))
+
+
+def test_a_plan_written_in_code_for_another_build_says_how_to_match_its_names():
+    """Every layer named, yet a plan written in code from one build of a masked model
+    did not fit the next: Embedding(mask_zero=True) adds a keras.ops node Keras numbers
+    per build ('not_equal_5', then 'not_equal_6'), which cannot be named. The refusal said
+    only 'unknown layer'; it now says how to match the names, and doing so runs."""
+    from autodist_keras.errors import PlanError
+    from autodist_keras.graph import ModelGraph
+    from autodist_keras.strategies import baselines
+    from autodist_keras.strategies.plan import LayerGroup
+    from autodist_keras.strategies.plan import Plan
+    from autodist_keras.strategies.plan import Replica
+    from autodist_keras.strategies.plan import SyncSpec
+
+    testbed = Cluster.cpu_testbed()
+    graph = ModelGraph.from_keras(_masked_embedding_model())
+    names = list(graph.nodes)
+    assert any(n.startswith("not_equal") for n in names), names
+    plan = Plan(global_batch_size=24,
+                groups=[LayerGroup("a", names[:3], [Replica("node0/cpu0", 24)]),
+                        LayerGroup("b", names[3:], [Replica("node0/cpu1", 24)])],
+                sync={v.name: SyncSpec("allreduce", "ring") for v in graph.variables},
+                buckets=baselines.gradient_buckets(graph, 1 << 30))
+    model = _masked_embedding_model()
+    with pytest.raises(PlanError, match=r"unknown layer 'not_equal.*layer_order = list"):
+        AutoStrategy(cluster=testbed, plan=plan).plan_for(model, 24)
+    plan.provenance.graph_fingerprint = graph.fingerprint()
+    plan.provenance.layer_order = names
+    given = AutoStrategy(cluster=testbed, plan=plan).plan_for(model, 24)
+    assert [g.layers for g in given.groups] == [list(ModelGraph.from_keras(model).nodes)[:3],
+                                                list(ModelGraph.from_keras(model).nodes)[3:]]
+
+
 def test_a_plan_file_of_a_sequential_or_nested_model_matches_its_numbering(tmp_path):
     """Variable paths start with the names of the models they sit in, which Keras
     numbers too (`sequential/dense/kernel`, then `sequential_1/dense_2/kernel`): plan

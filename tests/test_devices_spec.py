@@ -279,6 +279,9 @@ def test_unreadable_files(tmp_path):
                "from 1 to 1024; it is empty. Write e.g. '2xV100'"),
     ("2xV100,X T4", "`nodes\\[0\\].gpus\\[1\\]`: The count before 'x'.*it is empty"),
     ("*T4", "The count before 'x'.*it is empty"),
+    # An unknown type that starts with an x is named as unknown (it was "the count before
+    # 'x' ... is empty" for "Xavier", though no count was meant).
+    ("2xV100,Xavier", "`nodes\\[0\\].gpus\\[1\\]`: Unknown GPU type 'Xavier'. Known types"),
     ("00000xT4", "whole number from 1 to 1024; it is '00000'"),
     ("01025xT4", "whole number from 1 to 1024; it is '01025'"),
     # Empty entries and nodes name the entry (was `nodes[0]`: "A node lists one or more GPUs").

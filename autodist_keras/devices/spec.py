@@ -214,8 +214,12 @@ def _gpu_entries(item, source, field):
         count, name = 1, item
         bad_count = _BAD_COUNT_PREFIX.match(item)
         empty = None if match or bad_count else _EMPTY_COUNT_PREFIX.match(item)
-        if empty and (item.lstrip().startswith("*") or not _is_catalog_gpu(item)):
-            bad_count = empty  # (a catalog type starting with 'x' would still be one GPU)
+        # An empty count only where a catalog type follows the 'x' ("xV100", "X T4") or
+        # the '*' ("*T4"): an unknown type that starts with an x ("Xavier", "Xp") is named
+        # as unknown, with the known types (a catalog type starting with 'x' is one GPU).
+        if empty and (item.lstrip().startswith("*") or (
+                not _is_catalog_gpu(item) and _is_catalog_gpu(empty.group(2)))):
+            bad_count = empty
         if bad_count or (match and not 1 <= _count_value(match.group(1)) <= MAX_COUNT):
             given = (bad_count or match).group(1).strip()
             raise _fail(

@@ -850,7 +850,22 @@ class AutoStrategy:
             notes = self.plan.validate(self.graph, self.cluster)
         except PlanError as e:
             if not other_model:
-                raise PlanError(f"{given}: {e}") from None
+                hint = ""
+                if not made_for and not self.plan.provenance.layer_order and "unknown" in str(e):
+                    # A plan written in code for another build of the model: Keras
+                    # numbered its unnamed nodes (some cannot be named) differently.
+                    hint = (
+                        " The plan records no graph (provenance.graph_fingerprint and "
+                        "layer_order), so its names could not be matched to this model's: "
+                        "Keras numbers unnamed layers and keras.ops nodes per process and per "
+                        "model built (an Embedding(mask_zero=True) adds a 'not_equal_N' node "
+                        "that cannot be named). Write the plan from the graph of the model it "
+                        "runs, or record the graph it was written from: "
+                        "plan.provenance.graph_fingerprint = graph.fingerprint() and "
+                        "plan.provenance.layer_order = list(graph.nodes), and names are then "
+                        "matched by their place in the graph."
+                    )
+                raise PlanError(f"{given}: {e}{hint}") from None
             raise PlanError(
                 f"{given} was made for another model (graph {made_for[:12]}, "
                 f"model {model.name!r} is {self.graph.fingerprint()[:12]}), and it does not fit "
