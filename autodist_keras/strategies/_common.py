@@ -67,6 +67,36 @@ def unsplittable_layers(graph):
     return blocked
 
 
+def unsplittable_units(graph, coarse, units):
+    """Indices of the `units` that hold a layer not to split by rows.
+
+    The planners work on a coarse graph whose units group layers; a unit
+    holding any of `unsplittable_layers(graph)` must not be split either
+    (FastT leaves it out of its splits, HeteroG keeps it on one device in a
+    hybrid plan).
+
+    Args:
+        graph: The `ModelGraph`.
+        coarse: The coarse graph, whose `members` maps a unit to its layers
+            (a unit missing there is the layer of that name).
+        units: The unit names, in the planner's index order.
+
+    Returns:
+        A set of indices into `units`.
+
+    Example:
+
+    ```python
+    blocked = unsplittable_units(graph, coarse, tables.layers)
+    ```
+    """
+    layers = unsplittable_layers(graph)
+    if not layers:
+        return set()
+    return {i for i, unit in enumerate(units)
+            if layers & set(coarse.members.get(unit, [unit]))}
+
+
 def ranked_devices(devices, cluster, speeds=None):
     """`devices` fastest first, then the best connected, then in the order given.
 

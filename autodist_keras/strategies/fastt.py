@@ -127,9 +127,7 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     notes = []
     # Units holding a layer that cannot run as batch-split replicas (a trainable
     # BatchNormalization) are never split: no runtime could run that plan.
-    unsplittable = _common.unsplittable_layers(graph)
-    blocked = {i for i, unit in enumerate(tables.layers)
-               if unsplittable & set(coarse.members.get(unit, [unit]))}
+    blocked = _common.unsplittable_units(graph, coarse, tables.layers)
     if graph.data_parallel_only:
         notes.append(
             "The model has no functional graph (subclassed); FastT sees it as one "

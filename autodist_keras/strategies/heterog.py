@@ -123,14 +123,15 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     # (Checked first: a budget of "4" or -1 split over two device sets below was a
     # TypeError, or named half the value given.)
     budget = _common.Budget(time_budget_s, DEFAULT_BUDGET_S, started)
+    cost = resolve_cost_model(cluster, cost_model)
     restricted = None
     if batch_size < len(names):
         restricted = len(names)
-        times = _one_sample_times(graph, cluster, resolve_cost_model(cluster, cost_model), names)
+        times = _one_sample_times(graph, cluster, cost, names)
         fastest = _fastest(cluster, names, batch_size, times)
         holding = _fastest(cluster, names, batch_size, times, graph=graph)
         if holding != fastest:
-            return _best_device_set(graph, cluster, batch_size, cost_model, (fastest, holding),
+            return _best_device_set(graph, cluster, batch_size, cost, (fastest, holding),
                                     budget.seconds, progress, options, restricted, started)
         names = fastest
     k = options.get("groups")
@@ -147,7 +148,6 @@ def plan(graph, cluster, batch_size, cost_model=None, devices=None, time_budget_
     use_seeds = bool(options.get("seeds", True))
     isolate = bool(options.get("isolate", True))
     bucket_bytes = options.get("bucket_bytes", baselines.DDP_BUCKET_BYTES)
-    cost = resolve_cost_model(cluster, cost_model)
     record = {"groups": k, "max_work": max_work, "passes": passes, "seeds": use_seeds,
               "bucket_bytes": bucket_bytes, "isolate": isolate}
 
@@ -354,7 +354,7 @@ def _best_device_set(graph, cluster, batch_size, cost_model, sets, time_budget_s
         graph: The `ModelGraph`.
         cluster: The `Cluster`.
         batch_size: The global batch size.
-        cost_model: The cost model (or None).
+        cost_model: The cost model, bound to `cluster`.
         sets: Device name lists, `batch_size` devices each.
         time_budget_s: The caller's budget in seconds (checked, the default
             filled in), shared by the sets.
@@ -527,11 +527,9 @@ class _Space:
                     + self.ccost.unit_time(unit, t.dev[d], s, "backward")
                     for s in self.grid
                 ])
-        blocked = _common.unsplittable_layers(graph)
         # Groups holding a layer that must not be split by rows (trainable
         # BatchNormalization, stateful layers): `runnable` keeps them whole.
-        self.blocked = [i for i, u in enumerate(self.units)
-                        if blocked & set(self.coarse.members[u])]
+        self.blocked = _common.unsplittable_units(graph, self.coarse, self.units)
         self._sets()
         self._cache = {}
         self._pruned = {}
