@@ -752,18 +752,14 @@ def _nested_shapes_open(functional, seen=None):
         True when some nested model's input has an unknown (None) per-sample
         dimension that the tensor it is called on knows, at any depth.
     """
-    from keras import tree
-
     seen = set() if seen is None else seen
     for node in _Builder._ordered_nodes(functional):
         op = node.operation
         inner = _functional_of(op) if op is not None and not node.is_input else None
         if inner is None:
             continue
-        args = node.arguments.args
-        passed = args[0] if args else next(iter(node.arguments.kwargs.values()), None)
-        outer = tree.flatten(passed) if passed is not None else []
-        for given, own in zip(outer, inner.inputs):
+        _, outer, own_inputs = _nested_call_inputs(node, inner)
+        for given, own in zip(outer, own_inputs):
             given_shape = tuple(getattr(given, "shape", ()) or ())[1:]
             own_shape = tuple(own.shape)[1:]
             if len(given_shape) == len(own_shape) and any(
@@ -774,6 +770,31 @@ def _nested_shapes_open(functional, seen=None):
             if _nested_shapes_open(inner, seen):
                 return True
     return False
+
+
+def _nested_call_inputs(node, inner):
+    """The tensors a nested model's call passes, paired with the model's inputs.
+
+    Args:
+        node: The Keras node of the call.
+        inner: The nested model's Functional graph.
+
+    Returns:
+        `(given, outer, own)`: the call's first argument as passed, its
+        tensors flattened, and the nested model's input tensors in the same
+        order (a dict argument is matched to a dict-input model by key).
+    """
+    from keras import tree
+
+    args = node.arguments.args
+    given = args[0] if args else next(iter(node.arguments.kwargs.values()), None)
+    outer = list(tree.flatten(given)) if given is not None else []
+    own = list(inner.inputs)
+    struct = getattr(inner, "_inputs_struct", None)
+    if isinstance(struct, dict) and isinstance(given, dict):
+        outer = [given[k] for k in struct]
+        own = [struct[k] for k in struct]
+    return given, outer, own
 
 
 def _nested_key(node):
@@ -996,7 +1017,6 @@ class _Builder:
     # -- walking ---------------------------------------------------------
     def walk(self, functional, container, seed, top=False):
         """Adds the nodes of `functional`; returns its tensor->producer map."""
-        from keras import tree
         from keras.src.layers.core.input_layer import InputLayer
 
         produced = dict(seed or {})
@@ -1010,7 +1030,7 @@ class _Builder:
                 continue
             inner = _functional_of(op)
             if inner is not None:
-                self._walk_nested(op, inner, node, produced, container, tree)
+                self._walk_nested(op, inner, node, produced, container)
                 continue
             name = self._add_call(op, node, produced, container, nested=not top)
             for t in node.outputs:
@@ -1026,15 +1046,8 @@ class _Builder:
                     self.outputs.append(producer)
         return produced
 
-    def _walk_nested(self, model, inner, node, produced, container, tree):
-        args = node.arguments.args
-        given = args[0] if args else next(iter(node.arguments.kwargs.values()), None)
-        outer_flat = [t for t in tree.flatten(given)] if given is not None else []
-        inner_inputs = list(inner.inputs)
-        struct = getattr(inner, "_inputs_struct", None)
-        if isinstance(struct, dict) and isinstance(given, dict):
-            outer_flat = [given[k] for k in struct]
-            inner_inputs = [struct[k] for k in struct]
+    def _walk_nested(self, model, inner, node, produced, container):
+        given, outer_flat, inner_inputs = _nested_call_inputs(node, inner)
         if len(outer_flat) != len(inner_inputs):
             raise GraphError(
                 f"Cannot map the inputs of nested model {model.name!r} inside "
